@@ -1,0 +1,86 @@
+"""Hidden states on disk: one Zarr v3 group per extract artifact (`<artifact>/hidden.zarr`).
+
+    layers/<l>       (n_seq, seq_len, D) float16|float32, chunked by blocks of sequences
+    input_ids        (n_seq, seq_len) int32
+    attention_mask   (n_seq, seq_len) int8
+    split            (n_seq,) int8        0 = train, 1 = validation
+    committed        (n_chunks,) bool     one file per chunk: set after the chunk's data is written
+
+Group attributes carry the layer convention (METHOD.md section 0) and the chunk size.
+A chunk whose `committed` flag is set is complete; resume skips it.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import zarr
+
+LAYER_CONVENTION = (
+    "layers/<l> is the residual stream after l blocks, before the final norm: "
+    "l=0 is the input to block 1 (scaled token embeddings), l=L the pre-norm output of the last block"
+)
+SPLITS = {"train": 0, "validation": 1}
+
+
+def create(path: Path, layers: list[int], n_seq: int, seq_len: int, width: int, store_dtype: str,
+           chunk_seqs: int, attrs: dict) -> zarr.Group:
+    """Create the group (or reopen it unchanged when it already exists, for resume)."""
+    if (path / "zarr.json").exists():
+        return zarr.open_group(str(path), mode="r+")
+    group = zarr.open_group(str(path), mode="w")
+    for layer in layers:
+        group.create_array(f"layers/{layer}", shape=(n_seq, seq_len, width), chunks=(chunk_seqs, seq_len, width),
+                           dtype=store_dtype, fill_value=0)
+    group.create_array("input_ids", shape=(n_seq, seq_len), chunks=(chunk_seqs, seq_len), dtype="int32", fill_value=0)
+    group.create_array("attention_mask", shape=(n_seq, seq_len), chunks=(chunk_seqs, seq_len), dtype="int8", fill_value=0)
+    group.create_array("split", shape=(n_seq,), chunks=(max(n_seq, 1),), dtype="int8", fill_value=0)
+    n_chunks = -(-n_seq // chunk_seqs)
+    group.create_array("committed", shape=(n_chunks,), chunks=(1,), dtype="bool", fill_value=False)
+    group.attrs.update({"layer_convention": LAYER_CONVENTION, "layers": layers, "chunk_seqs": chunk_seqs, **attrs})
+    return group
+
+
+def open_group(path: Path) -> zarr.Group:
+    return zarr.open_group(str(path), mode="r")
+
+
+def open_for_writing(path: Path) -> zarr.Group:
+    return zarr.open_group(str(path), mode="r+")
+
+
+def chunk_ranges(n_seq: int, chunk_seqs: int) -> list[tuple[int, int]]:
+    return [(s, min(s + chunk_seqs, n_seq)) for s in range(0, n_seq, chunk_seqs)]
+
+
+def write_chunk(group: zarr.Group, chunk_index: int, start: int, states: dict[int, np.ndarray],
+                input_ids: np.ndarray, attention_mask: np.ndarray) -> None:
+    stop = start + input_ids.shape[0]
+    for layer, values in states.items():
+        group[f"layers/{layer}"][start:stop] = values
+    group["input_ids"][start:stop] = input_ids
+    group["attention_mask"][start:stop] = attention_mask
+    group["committed"][chunk_index] = True  # last: marks the chunk complete
+
+
+def committed_chunks(group: zarr.Group) -> np.ndarray:
+    return np.asarray(group["committed"][:], dtype=bool)
+
+
+def stored_layers(group: zarr.Group) -> list[int]:
+    return sorted(int(k) for k in group["layers"].array_keys())
+
+
+def split_indices(group: zarr.Group, split: str) -> np.ndarray:
+    return np.flatnonzero(np.asarray(group["split"][:]) == SPLITS[split])
+
+
+def read_positions(group: zarr.Group, layer: int, seq_idx: np.ndarray, pos_idx: np.ndarray) -> np.ndarray:
+    """Hidden states at (seq, pos) pairs, reading only the sequences that hold them."""
+    unique_seqs, inverse = np.unique(seq_idx, return_inverse=True)
+    block = group[f"layers/{layer}"].oindex[unique_seqs]
+    return np.asarray(block[inverse, pos_idx])
+
+
+def read_sequences(group: zarr.Group, layer: int, seq_idx: np.ndarray) -> np.ndarray:
+    return np.asarray(group[f"layers/{layer}"].oindex[np.asarray(seq_idx)])

@@ -1,0 +1,264 @@
+"""The versioned artifact store: where every stage output lives.
+
+Layout (root = --root, $DIHAL_ROOT or ./runs):
+
+    <root>/<stage>/<id>/manifest.json   single source of truth (config, parents, status, metrics, files)
+    <root>/<stage>/<id>/...             the stage's files (Zarr groups, tables, weights, plots)
+    <root>/<stage>/<id>.lock            held (flock) while a process writes the artifact
+
+id = first 12 hex digits of sha256 over the canonical JSON of
+{stage, schema version, resolved config, parent ids}; same inputs -> same id -> cache hit.
+A manifest is always replaced through an atomic rename, and the status "complete" is the
+last thing written; a complete artifact is never modified again.
+"""
+from __future__ import annotations
+
+import contextlib
+import datetime as _dt
+import fcntl
+import hashlib
+import json
+import os
+import platform
+import subprocess
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+from artifacts.errors import DihalError
+
+SCHEMA_VERSION = 1
+DEFAULT_ROOT = "runs"
+
+
+def canonical_json(obj: Any) -> str:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), default=str)
+
+
+def artifact_id(stage: str, config: dict, parents: dict[str, str]) -> str:
+    payload = {"stage": stage, "schema": SCHEMA_VERSION, "config": config, "parents": parents}
+    return hashlib.sha256(canonical_json(payload).encode()).hexdigest()[:12]
+
+
+def resolve_root(root: str | os.PathLike | None = None) -> Path:
+    return Path(root or os.environ.get("DIHAL_ROOT") or DEFAULT_ROOT)
+
+
+def _now() -> str:
+    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+
+
+def _git_state() -> dict:
+    here = Path(__file__).resolve().parent
+    try:
+        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=5)
+        dirty = subprocess.run(["git", "status", "--porcelain"], cwd=here, capture_output=True, text=True, timeout=5)
+        if sha.returncode != 0:
+            return {}
+        return {"git_sha": sha.stdout.strip(), "git_dirty": bool(dirty.stdout.strip())}
+    except (OSError, subprocess.SubprocessError):
+        return {}
+
+
+def environment(device: str | None = None) -> dict:
+    env = {"python": platform.python_version(), "platform": platform.platform()}
+    for mod in ("torch", "transformers", "zarr", "numpy", "datasets"):
+        try:
+            env[mod] = __import__(mod).__version__
+        except Exception:  # noqa: BLE001 - a missing optional library is recorded as absent
+            env[mod] = None
+    if device is not None:
+        env["device"] = device
+    return env
+
+
+def write_json_atomic(path: Path, obj: Any) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as fh:
+        json.dump(obj, fh, indent=2, sort_keys=True, default=str)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
+def read_json(path: Path) -> dict:
+    with open(path) as fh:
+        return json.load(fh)
+
+
+def dir_size(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+@dataclass
+class Artifact:
+    """A handle on one artifact directory and its manifest."""
+
+    root: Path
+    stage: str
+    id: str
+    manifest: dict = field(default_factory=dict)
+
+    @property
+    def path(self) -> Path:
+        return self.root / self.stage / self.id
+
+    @property
+    def manifest_path(self) -> Path:
+        return self.path / "manifest.json"
+
+    @property
+    def config(self) -> dict:
+        return self.manifest.get("config", {})
+
+    @property
+    def status(self) -> str:
+        return self.manifest.get("status", "missing")
+
+    @property
+    def complete(self) -> bool:
+        return self.status == "complete"
+
+    def file(self, name: str) -> Path:
+        return self.path / name
+
+    def save_manifest(self) -> None:
+        write_json_atomic(self.manifest_path, self.manifest)
+
+    def set_metrics(self, **metrics: Any) -> None:
+        if self.complete:
+            raise DihalError(f"artifact {self.stage}/{self.id} is complete and cannot be modified")
+        self.manifest.setdefault("metrics", {}).update(metrics)
+        self.save_manifest()
+
+    def finish(self) -> None:
+        """Record files and sizes, then mark complete: the last write of an artifact."""
+        files = {
+            str(p.relative_to(self.path)): p.stat().st_size
+            for p in sorted(self.path.rglob("*"))
+            if p.is_file() and p.name not in ("manifest.json",) and not p.name.endswith(".tmp")
+        }
+        self.manifest["files"] = files
+        self.manifest["size_bytes"] = sum(files.values())
+        self.manifest["finished"] = _now()
+        self.manifest["status"] = "complete"
+        self.save_manifest()
+
+    def fail(self, message: str) -> None:
+        self.manifest["status"] = "failed"
+        self.manifest["error"] = message
+        self.manifest["finished"] = _now()
+        self.save_manifest()
+
+
+class ArtifactStore:
+    def __init__(self, root: str | os.PathLike | None = None):
+        self.root = resolve_root(root)
+
+    # -- lookup ---------------------------------------------------------------------------
+    def load(self, stage: str, art_id: str) -> Artifact:
+        art = Artifact(self.root, stage, art_id)
+        if art.manifest_path.exists():
+            art.manifest = read_json(art.manifest_path)
+        return art
+
+    def all(self, stage: str | None = None) -> list[Artifact]:
+        stages = [stage] if stage else sorted(p.name for p in self.root.glob("*") if p.is_dir())
+        arts = []
+        for st in stages:
+            for d in sorted((self.root / st).glob("*")):
+                if d.is_dir() and (d / "manifest.json").exists():
+                    arts.append(self.load(st, d.name))
+        return sorted(arts, key=lambda a: a.manifest.get("created", ""))
+
+    def resolve(self, ref: str, stage: str | None = None) -> Artifact:
+        """An artifact by full id, unique id prefix, or 'latest' (newest complete one)."""
+        candidates = [a for a in self.all(stage)]
+        if ref == "latest":
+            done = [a for a in candidates if a.complete]
+            if not done:
+                where = f"{stage} " if stage else ""
+                raise DihalError(f"no complete {where}artifact under {self.root}; run `dihal {stage or 'extract'}` first")
+            return done[-1]
+        matches = [a for a in candidates if a.id.startswith(ref)]
+        if not matches:
+            kind = f"{stage} artifact" if stage else "artifact"
+            raise DihalError(f"no {kind} '{ref}' under {self.root}; `dihal runs list` shows what exists")
+        if len(matches) > 1:
+            raise DihalError(f"'{ref}' matches {len(matches)} artifacts ({', '.join(a.id for a in matches)}); give more of the id")
+        return matches[0]
+
+    def lineage(self, art: Artifact) -> list[Artifact]:
+        chain, todo = [], list(art.manifest.get("parents", {}).items())
+        while todo:
+            stage, pid = todo.pop(0)
+            stage = stage.split(":")[0]
+            parent = self.load(stage, pid)
+            chain.append(parent)
+            todo.extend(parent.manifest.get("parents", {}).items())
+        return chain
+
+    # -- creation -------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def lock(self, stage: str, art_id: str) -> Iterator[None]:
+        (self.root / stage).mkdir(parents=True, exist_ok=True)
+        lock_path = self.root / stage / f"{art_id}.lock"
+        with open(lock_path, "w") as fh:
+            try:
+                fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                raise DihalError(
+                    f"another process is writing {stage}/{art_id} (lock {lock_path}); wait for it to finish"
+                ) from None
+            try:
+                yield
+            finally:
+                fcntl.flock(fh, fcntl.LOCK_UN)
+
+    def begin(self, stage: str, config: dict, parents: dict[str, str], *, seed: int | None = None,
+              device: str | None = None, extra: dict | None = None, force: bool = False) -> Artifact:
+        """Open (or reopen, to resume) the artifact for this config; status 'running'.
+
+        Callers check `cached` first; a complete artifact is only replaced with force=True.
+        """
+        art_id = artifact_id(stage, config, parents)
+        art = self.load(stage, art_id)
+        if art.complete and force:
+            import shutil
+
+            shutil.rmtree(art.path)
+            art.manifest = {}
+        art.path.mkdir(parents=True, exist_ok=True)
+        previous = art.manifest
+        art.manifest = {
+            "stage": stage,
+            "id": art_id,
+            "schema_version": SCHEMA_VERSION,
+            "dihal_version": _dihal_version(),
+            **_git_state(),
+            "config": config,
+            "parents": parents,
+            "environment": environment(device),
+            "seed": seed,
+            "status": "running",
+            "created": previous.get("created", _now()),
+            "started": _now(),
+            "resumed": bool(previous),
+            "metrics": {},
+            **(extra or {}),
+        }
+        art.save_manifest()
+        return art
+
+    def cached(self, stage: str, config: dict, parents: dict[str, str]) -> Artifact | None:
+        art = self.load(stage, artifact_id(stage, config, parents))
+        return art if art.complete else None
+
+
+def _dihal_version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("dihal")
+    except Exception:  # noqa: BLE001 - running from a source tree without install
+        return "0+unknown"

