@@ -209,6 +209,15 @@ def _id(config: dict) -> str:
     return artifact_id(STAGE, config, {})
 
 
+def _fault_injection(index: int, mine: list[int]) -> None:
+    """Tests kill the process for real after N committed chunks (DIHAL_FAULT_AFTER_CHUNKS)."""
+    after = os.environ.get("DIHAL_FAULT_AFTER_CHUNKS")
+    if after is not None and mine.index(index) + 1 == int(after):
+        import signal
+
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
 def _extract_chunks(loaded: LoadedModel, group, input_ids: np.ndarray, layers: list[int], cfg: ExtractConfig,
                     rank: int, world: int, progress: Progress) -> None:
     chunks = hs.chunk_ranges(input_ids.shape[0], cfg.batch_size)
@@ -233,4 +242,5 @@ def _extract_chunks(loaded: LoadedModel, group, input_ids: np.ndarray, layers: l
                 arrays[layer] = values.cpu().numpy().astype(cfg.store_dtype)
             hs.write_chunk(group, index, start, arrays, input_ids[start:stop], mask.cpu().numpy().astype(np.int8))
             progress.advance((stop - start) * cfg.seq_len)
+            _fault_injection(index, mine)
     progress.stop()

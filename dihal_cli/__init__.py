@@ -1,0 +1,1 @@
+"""The `dihal` command line (Typer). Thin: parses flags, calls stages/, prints results."""

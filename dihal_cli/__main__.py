@@ -1,0 +1,3 @@
+from dihal_cli.main import app
+
+app(prog_name="dihal")

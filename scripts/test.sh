@@ -1,0 +1,6 @@
+#!/usr/bin/env bash
+# The test command of README.md: set-up, then the whole suite.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+python3 -m pytest -q "$@"

@@ -1,0 +1,105 @@
+"""Shared fixtures: tiny random backbones built from configs in-process, saved as local model
+directories so the CLI can load them like any user model, plus a tiny trained BPE tokenizer."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+os.environ.setdefault("COLUMNS", "240")  # rich wraps long lines at the terminal width
+
+
+def tiny_tokenizer():
+    from pydoc_data.topics import topics
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=["<unk>", "<bos>", "<eos>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator([topics[k] for k in sorted(topics)[:40]], trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>", unk_token="<unk>")
+
+
+def tiny_config(kind: str, vocab: int, layers: int = 4):
+    common = dict(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, bos_token_id=1,
+                  eos_token_id=2, pad_token_id=0)
+    if kind == "llama":
+        from transformers import LlamaConfig
+
+        return LlamaConfig(**common)
+    if kind == "gemma3":
+        from transformers import Gemma3TextConfig
+
+        return Gemma3TextConfig(**common, head_dim=8, sliding_window=8,
+                                layer_types=["sliding_attention", "full_attention"] * (layers // 2))
+    if kind == "qwen3":
+        from transformers import Qwen3Config
+
+        return Qwen3Config(**common, head_dim=8)
+    raise ValueError(kind)
+
+
+def build_tiny(kind: str, layers: int = 4, seed: int = 0):
+    from transformers import AutoModelForCausalLM
+
+    tok = tiny_tokenizer()
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(tiny_config(kind, len(tok), layers)).eval()
+    if kind == "gemma3":  # random init gives tiny embeddings; make the sqrt(d) scaling visible
+        with torch.no_grad():
+            model.model.embed_tokens.weight.normal_(0, 1)
+    return model, tok
+
+
+@pytest.fixture(scope="session")
+def tiny_dirs(tmp_path_factory) -> dict[str, Path]:
+    """{kind: local model directory} for llama, gemma3 and qwen3."""
+    out = {}
+    for kind in ("llama", "gemma3", "qwen3"):
+        model, tok = build_tiny(kind)
+        path = tmp_path_factory.mktemp(f"tiny-{kind}")
+        model.save_pretrained(path)
+        tok.save_pretrained(path)
+        out[kind] = path
+    return out
+
+
+@pytest.fixture()
+def root(tmp_path, monkeypatch) -> Path:
+    path = tmp_path / "runs"
+    monkeypatch.setenv("DIHAL_ROOT", str(path))
+    return path
+
+
+def run_cli(*args: str, env: dict | None = None, check: bool = False) -> subprocess.CompletedProcess:
+    """`dihal ARGS` in a fresh process, as a user runs it."""
+    full_env = {**os.environ, **(env or {})}
+    proc = subprocess.run([sys.executable, "-m", "dihal_cli", *args], capture_output=True, text=True, env=full_env,
+                          cwd=ROOT)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"dihal {' '.join(args)} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
+    return proc
+
+
+class Result:
+    def __init__(self, exit_code: int, output: str):
+        self.exit_code, self.output = exit_code, output
+
+
+def invoke(*args: str) -> Result:
+    """`dihal ARGS` in this process (fast); stdout and stderr together in .output."""
+    from typer.testing import CliRunner
+
+    from dihal_cli.main import app
+
+    result = CliRunner().invoke(app, list(args), catch_exceptions=False)
+    return Result(result.exit_code, result.output)

@@ -1,0 +1,173 @@
+"""dihal extract: stored layers equal the reference forward; resume; errors; the builtin default."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+
+import numpy as np
+import pytest
+import torch
+
+from artifacts import hidden_states as hs
+from artifacts.store import ArtifactStore
+from tests.conftest import invoke, run_cli
+
+
+def _only_artifact(root, stage="extract"):
+    arts = ArtifactStore(root).all(stage)
+    assert len(arts) == 1, arts
+    return arts[0]
+
+
+@pytest.mark.parametrize("kind", ["llama", "gemma3", "qwen3"])
+def test_stored_layers_equal_reference_forward(kind, tiny_dirs, root):
+    from transformers import AutoModelForCausalLM
+
+    res = invoke("extract", "--model", str(tiny_dirs[kind]), "--max-sequences", "12", "--seq-len", "32",
+                 "--batch-size", "5", "--device", "cpu", "--dtype", "float32")
+    assert res.exit_code == 0, res.output
+    art = _only_artifact(root)
+    group = hs.open_group(art.path / "hidden.zarr")
+    model = AutoModelForCausalLM.from_pretrained(tiny_dirs[kind]).eval()
+    L = len(model.model.layers)
+    assert hs.stored_layers(group) == list(range(L + 1))
+    ids = torch.from_numpy(np.asarray(group["input_ids"][:]).astype(np.int64))
+    assert ids.shape == (12, 32)
+    with torch.no_grad():
+        ref = model(ids, output_hidden_states=True).hidden_states
+    for layer in range(L):
+        stored = torch.from_numpy(np.asarray(group[f"layers/{layer}"][:]).astype(np.float32))
+        torch.testing.assert_close(stored, ref[layer], atol=2e-3, rtol=2e-3)
+    # layer L is the pre-norm output of the last block: the final norm of it is HF's last state
+    last = torch.from_numpy(np.asarray(group[f"layers/{L}"][:]).astype(np.float32))
+    assert not torch.allclose(last, ref[L], atol=1e-2)
+    with torch.no_grad():
+        torch.testing.assert_close(model.model.norm(last), ref[L], atol=5e-3, rtol=5e-3)
+    if kind == "gemma3":  # layer 0 = token embeddings times sqrt(d)
+        emb0 = model.model.embed_tokens.weight[ids] * (model.config.hidden_size ** 0.5)
+        stored0 = torch.from_numpy(np.asarray(group["layers/0"][:]).astype(np.float32))
+        torch.testing.assert_close(stored0, emb0, atol=5e-3, rtol=2e-3)
+    manifest = art.manifest
+    assert manifest["status"] == "complete" and manifest["model"]["num_blocks"] == L
+    assert manifest["metrics"]["n_train"] + manifest["metrics"]["n_validation"] == 12
+    assert np.asarray(group["attention_mask"][:]).all()
+    assert (ids[:, 0] == 1).all(), "every sequence starts with BOS"
+
+
+def test_layer_subset_stops_early_and_names_convention(tiny_dirs, root):
+    res = invoke("extract", "--model", str(tiny_dirs["llama"]), "--max-sequences", "4", "--seq-len", "16",
+                 "--layers", "0,2", "--device", "cpu")
+    assert res.exit_code == 0, res.output
+    group = hs.open_group(_only_artifact(root).path / "hidden.zarr")
+    assert hs.stored_layers(group) == [0, 2]
+    assert "before the final norm" in group.attrs["layer_convention"]
+
+
+def test_rerun_is_cache_hit_and_force_recomputes(tiny_dirs, root):
+    args = ("extract", "--model", str(tiny_dirs["llama"]), "--max-sequences", "4", "--seq-len", "16", "--device", "cpu")
+    first = invoke(*args)
+    assert first.exit_code == 0 and "done" in first.output
+    second = invoke(*args)
+    assert second.exit_code == 0 and "cache hit" in second.output
+    forced = invoke(*args, "--force")
+    assert forced.exit_code == 0 and "cache hit" not in forced.output
+
+
+def _store_arrays(path):
+    group = hs.open_group(path / "hidden.zarr")
+    names = [f"layers/{l}" for l in hs.stored_layers(group)] + ["input_ids", "attention_mask", "split", "committed"]
+    return {name: np.asarray(group[name][:]) for name in names}
+
+
+def test_killed_extraction_resumes_to_identical_store(tiny_dirs, tmp_path):
+    args = ("extract", "--model", str(tiny_dirs["gemma3"]), "--max-sequences", "24", "--seq-len", "32",
+            "--batch-size", "4", "--device", "cpu")
+    killed = run_cli(*args, "--root", str(tmp_path / "a"), env={"DIHAL_FAULT_AFTER_CHUNKS": "2"})
+    assert killed.returncode == -signal.SIGKILL
+    art = _only_artifact(tmp_path / "a")
+    assert art.status == "running"
+    assert hs.committed_chunks(hs.open_group(art.path / "hidden.zarr")).sum() == 2
+    resumed = run_cli(*args, "--root", str(tmp_path / "a"))
+    assert resumed.returncode == 0, resumed.stderr
+    assert "resuming: 2 of 6 chunks" in resumed.stderr
+    clean = run_cli(*args, "--root", str(tmp_path / "b"), check=True)
+    a, b = _store_arrays(_only_artifact(tmp_path / "a").path), _store_arrays(_only_artifact(tmp_path / "b").path)
+    assert a.keys() == b.keys()
+    for name in a:
+        np.testing.assert_array_equal(a[name], b[name], err_msg=name)
+    assert _only_artifact(tmp_path / "a").complete
+
+
+def test_two_processes_shard_to_the_same_store(tiny_dirs, tmp_path):
+    import subprocess
+    import sys
+
+    args = ["extract", "--model", str(tiny_dirs["llama"]), "--max-sequences", "20", "--seq-len", "16",
+            "--batch-size", "3", "--device", "cpu"]
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                           "29533", "-m", "dihal_cli", *args, "--root", str(tmp_path / "dist")],
+                          capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_cli(*args, "--root", str(tmp_path / "single"), check=True)
+    dist_art = _only_artifact(tmp_path / "dist")
+    assert dist_art.manifest["world_size"] == 2 and dist_art.complete
+    a, b = _store_arrays(dist_art.path), _store_arrays(_only_artifact(tmp_path / "single").path)
+    for name in a:
+        np.testing.assert_allclose(a[name], b[name], atol=1e-3, err_msg=name)
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--model", "no-such-model"], "unknown model 'no-such-model'"),
+    (["--layers", "0-99"], "out of range"),
+    (["--seq-len", "100000"], "exceeds the model's context"),
+    (["--dataset", "missing/file.jsonl"], "does not exist"),
+])
+def test_bad_input_is_one_line_exit_2(args, needle, tiny_dirs, root):
+    base = ["extract", "--max-sequences", "4", "--seq-len", "16", "--device", "cpu"]
+    if "--model" not in args:
+        base += ["--model", str(tiny_dirs["llama"])]
+    res = invoke(*base, *args)
+    assert res.exit_code == 2, res.output
+    assert needle in res.output
+    assert len(res.output.strip().splitlines()) == 1 and "Traceback" not in res.output
+
+
+def test_missing_text_field_is_one_line(tiny_dirs, root, tmp_path):
+    data = tmp_path / "docs.jsonl"
+    data.write_text("\n".join(json.dumps({"body": "some words here " * 20}) for _ in range(5)))
+    res = invoke("extract", "--model", str(tiny_dirs["llama"]), "--dataset", str(data), "--max-sequences", "2",
+                 "--seq-len", "16", "--device", "cpu")
+    assert res.exit_code == 2 and "no text field 'text'" in res.output and "--text-field" in res.output
+    ok = invoke("extract", "--model", str(tiny_dirs["llama"]), "--dataset", str(data), "--text-field", "body",
+                "--max-sequences", "2", "--val-fraction", "0", "--seq-len", "16", "--device", "cpu")
+    assert ok.exit_code == 0, ok.output
+
+
+def test_hub_id_offline_fails_fast_with_builtins_named(root, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    res = invoke("extract", "--model", "meta-llama/Llama-3.1-8B-Instruct", "--max-sequences", "2", "--device", "cpu")
+    assert res.exit_code == 2
+    assert "smollm2-135m" in res.output and "HF_HUB_OFFLINE" in res.output
+
+
+def test_dry_run_validates_without_writing(tiny_dirs, root):
+    res = invoke("extract", "--model", str(tiny_dirs["llama"]), "--max-sequences", "8", "--seq-len", "16",
+                 "--layers", "0-2", "--dry-run")
+    assert res.exit_code == 0 and "estimated size" in res.output
+    assert not root.exists() or not any(root.rglob("manifest.json"))
+
+
+@pytest.mark.slow
+def test_builtin_smollm2_all_layers_and_cache_hit(root):
+    args = ("extract", "--model", "smollm2-135m", "--dataset", "pydoc", "--layers", "all", "--max-sequences", "32",
+            "--seq-len", "64", "--device", "cpu")
+    first = invoke(*args)
+    assert first.exit_code == 0, first.output
+    group = hs.open_group(_only_artifact(root).path / "hidden.zarr")
+    assert hs.stored_layers(group) == list(range(31))
+    for layer in range(31):
+        assert group[f"layers/{layer}"].shape == (32, 64, 576)
+    assert set(np.asarray(group["split"][:]).tolist()) == {0, 1}
+    second = invoke(*args)
+    assert second.exit_code == 0 and "cache hit" in second.output
