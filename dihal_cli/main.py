@@ -8,7 +8,7 @@ from typing import Optional
 import typer
 
 from artifacts.store import ArtifactStore
-from dihal_cli.ui import RichProgress, console, human_size, table, user_errors
+from dihal_cli.ui import RichProgress, console, human_size, print_json, table, user_errors
 
 app = typer.Typer(help="dihal: locate where diffusion should enter a language model, then put it there.",
                   no_args_is_help=True, pretty_exceptions_enable=False, add_completion=False)
@@ -107,3 +107,39 @@ def runs_show(ref: str, root: Optional[str] = Root) -> None:
     console.print_json(json.dumps(art.manifest, default=str))
     for parent in store.lineage(art):
         console.print(f"  <- {parent.stage} {parent.id} ({parent.status})")
+
+
+@app.command()
+@user_errors
+def score(
+    extract: str = typer.Option("latest", "--extract", help="Extract artifact: id, unique prefix or 'latest'."),
+    tokens: int = typer.Option(4096, "--tokens", help="n sampled token positions (same for every layer)."),
+    k: int = typer.Option(64, "--k", help="Neighbours per point for m_curv (self included)."),
+    eps_rel: float = typer.Option(1e-3, "--eps-rel"),
+    pairs: int = typer.Option(8192, "--pairs", help="Random pairs for m_mono."),
+    normalize: str = typer.Option("none", "--normalize", help="none, rms or standardize."),
+    exclude_positions: str = typer.Option("0", "--exclude-positions", help="Comma list; '' keeps all."),
+    candidates: Optional[str] = typer.Option(None, "--candidates", help="Layers to rank (default 1..L-1)."),
+    split: str = typer.Option("train", "--split"),
+    seed: int = Seed, device: str = typer.Option("cpu", "--device"), force: bool = Force,
+    as_json: bool = typer.Option(False, "--json", help="Print the result as JSON instead of a table."),
+    root: Optional[str] = Root,
+) -> None:
+    """Geometry proxies per layer -> ranked table, scores.json and a plot (METHOD.md section 1)."""
+    from stages import score as stage
+    from stages.models import resolve_device
+
+    store = ArtifactStore(root)
+    parent = store.resolve(extract, "extract")
+    cfg = stage.ScoreConfig(tokens, k, eps_rel, pairs, normalize, exclude_positions, candidates, split, seed,
+                            resolve_device(device))
+    art = stage.run(cfg, parent, store, force=force, progress=None if as_json else RichProgress())
+    result = stage.load_table(art).sort_values("rank")
+    if as_json:
+        print_json({"id": art.id, "path": str(art.path), **art.manifest["metrics"], "table": result.to_dict("records")})
+        return
+    cols = ["rank", "layer", "S", "m_curv", "m_mono", "k_hat", "participation_ratio", "entropy_rank", "mean_token_norm"]
+    l_star = art.manifest["metrics"]["l_star"]
+    rows = [[r[c] for c in cols] for r in result.to_dict("records")]
+    console.print(table(f"layer ranking (l* = {l_star})", cols, rows, highlight_row=0))
+    _report(art, False)

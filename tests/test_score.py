@@ -1,0 +1,163 @@
+"""dihal score: METHOD.md section 1 against closed forms and an independent plain implementation."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+
+from stages import score as sc
+from tests.conftest import invoke
+
+
+def _cfg(**kw):
+    return sc.ScoreConfig(**{"tokens": 10, "k": 8, **kw})
+
+
+def test_subspace_effective_rank_and_participation_ratio():
+    rng = np.random.default_rng(0)
+    r, D, n = 6, 40, 4000
+    basis = np.linalg.qr(rng.normal(size=(D, r)))[0]
+    x = torch.from_numpy(rng.normal(size=(n, r)) @ basis.T)
+    eig = torch.linalg.eigvalsh(sc.covariance(x))
+    stats = sc.spectrum_stats(eig)
+    assert abs(stats["k_hat"] - r) / r < 0.10
+    assert abs(stats["participation_ratio"] - r) / r < 0.10
+
+
+def test_scaling_by_a_scales_curvature_and_monotonicity_by_inverse_square():
+    rng = np.random.default_rng(1)
+    x = torch.from_numpy(rng.normal(size=(600, 12)) * np.linspace(0.5, 3, 12))
+    pairs = sc.sample_pairs(600, 2000, 0)
+    cfg = _cfg(k=16)
+    base = sc.layer_proxies(x, cfg, pairs)
+    scaled = sc.layer_proxies(3.0 * x, cfg, pairs)
+    assert scaled["m_curv"] == pytest.approx(base["m_curv"] / 9, rel=1e-9)
+    assert scaled["m_mono"] == pytest.approx(base["m_mono"] / 9, rel=1e-9)
+    assert scaled["k_hat"] == pytest.approx(base["k_hat"], rel=1e-9)
+
+
+def test_isotropic_gaussian_monotonicity_is_inverse_variance():
+    rng = np.random.default_rng(2)
+    s = 2.5
+    x = torch.from_numpy(rng.normal(scale=s, size=(4096, 32)))
+    eig, vecs = torch.linalg.eigh(sc.covariance(x))
+    m_mono = sc.global_monotonicity(x, eig, vecs, 1e-3, sc.sample_pairs(4096, 8192, 0))
+    assert m_mono == pytest.approx(1 / s**2, rel=0.05)
+
+
+def _reference_proxies(x: np.ndarray, k: int, eps_rel: float, pairs) -> dict:
+    """Plain implementation: scikit-learn neighbours, per-point D x D covariance eigenvalues."""
+    from sklearn.neighbors import NearestNeighbors
+
+    n, d = x.shape
+    _, idx = NearestNeighbors(n_neighbors=k).fit(x).kneighbors(x)
+    inv_lam = []
+    for i in range(n):
+        lam = np.linalg.eigvalsh(np.cov(x[idx[i]], rowvar=False, ddof=1))[-1]
+        if lam > 0:
+            inv_lam.append(1 / lam)
+    sigma = np.cov(x, rowvar=False, ddof=1)
+    eps = eps_rel * np.trace(sigma) / d
+    p = np.linalg.inv(sigma + eps * np.eye(d))
+    a, b = pairs
+    v = x[a] - x[b]
+    keep = (v * v).sum(1) > 0
+    v = v[keep]
+    ratio = np.einsum("ij,jk,ik->i", v, p, v) / (v * v).sum(1)
+    eig = np.linalg.eigvalsh(sigma)
+    return {"m_curv": np.median(inv_lam), "m_mono": np.median(ratio), "k_hat": eig.sum() / eig[-1]}
+
+
+@pytest.mark.parametrize("normalize", ["none", "rms", "standardize"])
+def test_matches_plain_reference_implementation(normalize):
+    rng = np.random.default_rng(3)
+    x = rng.normal(size=(300, 10)) @ rng.normal(size=(10, 10)) + 4.0
+    xt = sc.normalize(torch.from_numpy(x), normalize)
+    pairs = sc.sample_pairs(300, 1000, 5)
+    ours = sc.layer_proxies(xt, _cfg(k=12, chunk=64), pairs)
+    ref = _reference_proxies(xt.numpy(), 12, 1e-3, pairs)
+    for key in ref:
+        assert ours[key] == pytest.approx(ref[key], rel=1e-6), key
+
+
+def test_normalize_modes_against_numpy():
+    rng = np.random.default_rng(4)
+    x = rng.normal(size=(50, 6)) * 3 + 1
+    np.testing.assert_allclose(sc.normalize(torch.from_numpy(x), "rms").numpy(), x / np.sqrt((x**2).mean()))
+    np.testing.assert_allclose(sc.normalize(torch.from_numpy(x), "standardize").numpy(), (x - x.mean(0)) / x.std(0))
+
+
+def test_pairs_are_distinct_indices():
+    a, b = sc.sample_pairs(5, 10000, 0)
+    assert (a != b).all() and a.max() == 4 and b.max() == 4 and b.min() == 0
+
+
+def test_combination_and_ranking_on_hand_made_table():
+    table = pd.DataFrame({"layer": [1, 2, 3, 4], "m_curv": [1.0, 2.0, 3.0, 4.0], "m_mono": [5.0, 5.0, 5.0, 5.0],
+                          "k_hat": [4.0, 1.0, 1.0, 2.0]})
+    out = sc.combine(table)
+    z_curv = (table.m_curv - 2.5) / np.std(table.m_curv)
+    z_k = (table.k_hat - 2.0) / np.std(table.k_hat)
+    np.testing.assert_allclose(out["z_m_mono"], 0.0)  # constant proxy contributes 0
+    np.testing.assert_allclose(out["S"], z_curv - z_k)
+    expected_order = list(np.argsort(-(z_curv - z_k).to_numpy()) + 1)
+    assert out.sort_values("rank")["layer"].tolist() == expected_order
+    assert out.loc[out["rank"] == 1, "layer"].item() == 4  # S = [-2.98, 0.37, 1.27, 1.34]
+
+
+@pytest.fixture()
+def tiny_extract(tiny_dirs, root):
+    res = invoke("extract", "--model", str(tiny_dirs["llama"]), "--max-sequences", "20", "--seq-len", "32",
+                 "--device", "cpu")
+    assert res.exit_code == 0, res.output
+    return root
+
+
+def test_score_cli_writes_table_positions_plot(tiny_extract):
+    res = invoke("score", "--tokens", "300", "--k", "10", "--pairs", "500", "--json")
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.output)
+    from artifacts.store import ArtifactStore
+
+    art = ArtifactStore(tiny_extract).resolve(out["id"], "score")
+    table = pd.read_parquet(art.file("table.parquet"))
+    assert table["layer"].tolist() == [1, 2, 3]
+    for col in ("m_curv", "m_mono", "k_hat", "participation_ratio", "entropy_rank", "mean_token_norm", "z_m_curv", "S", "rank"):
+        assert col in table.columns
+    assert pd.read_csv(art.file("table.csv")).shape == table.shape
+    scores = json.loads(art.file("scores.json").read_text())
+    assert scores["l_star"] == int(table.loc[table.S.idxmax(), "layer"]) == out["l_star"]
+    positions = np.load(art.file("positions.npz"))
+    assert positions["sequence"].shape == (300,) and (positions["position"] != 0).all()
+    assert art.file("scores.png").stat().st_size > 1000
+    assert art.manifest["config"]["k"] == 10 and art.manifest["parents"]["extract"]
+    # the stored positions let anyone recompute a layer's numbers
+    from artifacts import hidden_states as hs
+
+    group = hs.open_group(ArtifactStore(tiny_extract).resolve("latest", "extract").path / "hidden.zarr")
+    x = torch.from_numpy(hs.read_positions(group, 2, positions["sequence"], positions["position"])).double()
+    again = sc.layer_proxies(x, sc.ScoreConfig(tokens=300, k=10, pairs=500), sc.sample_pairs(300, 500, 0))
+    assert again["m_curv"] == pytest.approx(table.loc[table.layer == 2, "m_curv"].item(), rel=1e-9)
+    table_view = invoke("score", "--tokens", "300", "--k", "10", "--pairs", "500")
+    assert table_view.exit_code == 0 and "l* =" in table_view.output
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--tokens", "100000"], "valid positions"),
+    (["--tokens", "50", "--k", "50"], "must be smaller than --tokens"),
+    (["--candidates", "1-9"], "out of range"),
+    (["--normalize", "bogus"], "unknown --normalize"),
+])
+def test_score_bad_input(tiny_extract, args, needle):
+    res = invoke("score", *args)
+    assert res.exit_code == 2 and needle in res.output, res.output
+    assert len(res.output.strip().splitlines()) == 1
+
+
+def test_candidate_missing_from_extract(tiny_dirs, root):
+    invoke("extract", "--model", str(tiny_dirs["llama"]), "--max-sequences", "20", "--seq-len", "32", "--layers", "0-2")
+    res = invoke("score", "--candidates", "1-3", "--tokens", "100", "--k", "8")
+    assert res.exit_code == 2 and "not in the extract" in res.output
