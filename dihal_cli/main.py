@@ -143,3 +143,94 @@ def score(
     rows = [[r[c] for c in cols] for r in result.to_dict("records")]
     console.print(table(f"layer ranking (l* = {l_star})", cols, rows, highlight_row=0))
     _report(art, False)
+
+
+def _extract_parent(store, extract_ref, layers, model, dataset, max_sequences, seq_len, device, dtype, seed):
+    """The named extract, or run the extract stage now so the lineage stays explicit."""
+    from stages import extract as ex
+    from stages.models import dtype_name, resolve_device
+
+    if extract_ref:
+        return store.resolve(extract_ref, "extract")
+    device = resolve_device(device)
+    cfg = ex.ExtractConfig(model=model, dataset=dataset, seq_len=seq_len, max_sequences=max_sequences, layers=layers,
+                           device=device, dtype=dtype_name(dtype, device), seed=seed)
+    return ex.run(cfg, store, progress=RichProgress())
+
+
+@app.command("train-bridge")
+@user_errors
+def train_bridge(
+    layer: int = typer.Option(..., "--layer", help="Replace embeddings + blocks 1..layer."),
+    protocol: str = typer.Option("cpu-small", "--protocol", help="cpu-small, sweep-tiny or paper."),
+    extract: Optional[str] = typer.Option(None, "--extract", help="Extract id/prefix/latest holding layers 0 and L; "
+                                                                    "omitted: run the extract stage now."),
+    model: str = Model, dataset: str = typer.Option("pydoc", "--dataset"),
+    max_sequences: Optional[int] = typer.Option(None, "--max-sequences"), seq_len: int = typer.Option(64, "--seq-len"),
+    steps: Optional[int] = typer.Option(None, "--steps"), epochs: Optional[int] = typer.Option(None, "--epochs"),
+    batch_size: Optional[int] = typer.Option(None, "--batch-size"), lr: Optional[float] = typer.Option(None, "--lr"),
+    warmup: Optional[int] = typer.Option(None, "--warmup"), ema: Optional[float] = typer.Option(None, "--ema"),
+    width: Optional[int] = typer.Option(None, "--width"), depth: Optional[int] = typer.Option(None, "--depth"),
+    heads: Optional[int] = typer.Option(None, "--heads"), eval_every: Optional[int] = typer.Option(None, "--eval-every"),
+    prediction: Optional[str] = typer.Option(None, "--prediction", help="x0 (default) or velocity."),
+    skip_init: Optional[str] = typer.Option(None, "--skip-init", help="ridge (default) or zero."),
+    device: str = Device, dtype: str = Dtype, seed: int = Seed, force: bool = Force, root: Optional[str] = Root,
+) -> None:
+    """Train the conditional flow-matching bridge h_0 -> h_layer (METHOD.md section 2)."""
+    from stages import bridge as stage
+    from stages.models import resolve_device
+
+    store = ArtifactStore(root)
+    device = resolve_device(device)
+    overrides = dict(steps=steps, epochs=epochs, batch_size=batch_size, lr=lr, warmup=warmup, ema=ema, width=width,
+                     depth=depth, heads=heads, eval_every=eval_every, prediction=prediction, skip_init=skip_init,
+                     seed=seed, device=device)
+    if epochs is not None and steps is None:
+        overrides["steps"] = None
+    cfg = stage.resolve_config(layer, protocol, overrides)
+    parent = _extract_parent(store, extract, f"0,{layer}", model, dataset, max_sequences, seq_len, device, dtype, seed)
+    cached = store.cached(stage.STAGE, stage.config_dict(cfg), {"extract": parent.id})
+    art = stage.run(cfg, parent, store, force=force, progress=RichProgress())
+    metrics = art.manifest["metrics"]
+    console.print(f"layer {layer}: validation bridge loss {metrics['val_loss']:.4f} after {metrics['steps']} steps "
+                  f"({metrics['train_tokens_per_s']:,.0f} tokens/s)")
+    _report(art, cached is not None and not force)
+
+
+@app.command()
+@user_errors
+def evaluate(
+    bridge: Optional[str] = typer.Option(None, "--bridge", help="Bridge artifact: fidelity, teacher forced."),
+    samples: Optional[str] = typer.Option(None, "--samples", help="Generate artifact: Gen.PPL and diversity."),
+    steps: str = typer.Option("1,4,8,16", "--steps", help="Sampling steps to compare (fidelity)."),
+    limit: int = typer.Option(64, "--limit", help="Held-out sequences (fidelity) or samples to score."),
+    evaluator: Optional[str] = typer.Option(None, "--evaluator", help="Model spec for Gen.PPL (default: the backbone)."),
+    batch_size: int = typer.Option(16, "--batch-size"),
+    device: str = Device, dtype: str = Dtype, seed: int = Seed, force: bool = Force,
+    as_json: bool = typer.Option(False, "--json"), root: Optional[str] = Root,
+) -> None:
+    """Bridge fidelity (--bridge) or generation quality (--samples); results JSON + table."""
+    from artifacts.errors import DihalError
+    from stages import evaluate as stage
+    from stages.models import dtype_name, resolve_device
+
+    if (bridge is None) == (samples is None):
+        raise DihalError("give exactly one of --bridge ID (fidelity) or --samples ID (generation quality)")
+    store = ArtifactStore(root)
+    device = resolve_device(device)
+    if bridge is not None:
+        cfg = stage.FidelityConfig(stage.parse_steps(steps), limit, batch_size, seed, device, dtype_name(dtype, device))
+        art = stage.run_fidelity(cfg, store.resolve(bridge, "bridge"), store, force=force)
+        rows = art.manifest["metrics"]["fidelity"]
+        title = f"bridge fidelity, layer {art.manifest['metrics']['layer']}"
+    else:
+        cfg = stage.SamplesConfig(evaluator, limit, batch_size, device, dtype_name(dtype, device))
+        art = stage.run_samples(cfg, store.resolve(samples, "generate"), store, force=force)
+        rows = art.manifest["metrics"]["rows"]
+        title = "generation quality"
+    if as_json:
+        print_json({"id": art.id, "path": str(art.path), "results": rows})
+        return
+    cols = list(rows[0])
+    console.print(table(title, cols, [[r[c] for c in cols] for r in rows]))
+    _report(art, False)

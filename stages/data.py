@@ -61,9 +61,21 @@ def pydoc_documents() -> Iterator[str]:
             obj = getattr(module, attr)
             if attr.startswith("_") or getattr(obj, "__module__", None) != module.__name__:
                 continue
-            doc = inspect.getdoc(obj) if (inspect.isclass(obj) or inspect.isfunction(obj)) else None
-            if doc and len(doc) > 200:
-                yield doc
+            if inspect.isclass(obj) or inspect.isfunction(obj):
+                yield from _long_docs([obj] + _methods(obj))
+
+
+def _methods(cls) -> list:
+    if not inspect.isclass(cls):
+        return []
+    return [member for name, member in sorted(vars(cls).items()) if not name.startswith("_") and inspect.isfunction(member)]
+
+
+def _long_docs(objects: list) -> Iterator[str]:
+    for obj in objects:
+        doc = inspect.getdoc(obj)
+        if doc and len(doc) > 200:
+            yield doc
 
 
 def _local_files(spec: str) -> list[Path]:

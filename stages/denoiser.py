@@ -1,0 +1,117 @@
+"""The bridge's denoiser, in one readable file (METHOD.md section 2).
+
+A small pre-norm transformer over positions with causal attention:
+    input  = W_x x_t + W_c c + position embedding
+    blocks = attention and MLP, each modulated by the timestep through zero-initialised
+             adaptive layer norm (shift, scale, gate)
+    output = f(x_t, t, c) + A c          (a learned linear skip from the condition)
+With causal attention and noise fixed per position, position p never depends on later
+positions, so generation keeps one key/value cache per sampling step.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(frozen=True)
+class DenoiserConfig:
+    dim: int  # backbone width D
+    width: int = 256
+    depth: int = 4
+    heads: int = 4
+    max_len: int = 64
+
+
+def modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return x * (1 + scale[:, None]) + shift[:, None]
+
+
+class TimestepEmbedding(nn.Module):
+    def __init__(self, width: int, frequencies: int = 128):
+        super().__init__()
+        self.frequencies = frequencies
+        self.mlp = nn.Sequential(nn.Linear(frequencies, width), nn.SiLU(), nn.Linear(width, width))
+
+    def forward(self, t: torch.Tensor) -> torch.Tensor:
+        half = self.frequencies // 2
+        freqs = torch.exp(-math.log(10000.0) * torch.arange(half, device=t.device, dtype=torch.float32) / half)
+        angles = 1000.0 * t.float()[:, None] * freqs[None]
+        return self.mlp(torch.cat([angles.cos(), angles.sin()], dim=1).to(self.mlp[0].weight.dtype))
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, width: int, heads: int):
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(width, 3 * width)
+        self.proj = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor, cache: dict | None = None) -> torch.Tensor:
+        b, n, w = x.shape
+        q, k, v = self.qkv(x).view(b, n, 3, self.heads, w // self.heads).permute(2, 0, 3, 1, 4)
+        if cache is not None and "k" in cache:  # earlier positions, computed at this same step
+            k = torch.cat([cache["k"], k], dim=2)
+            v = torch.cat([cache["v"], v], dim=2)
+        if cache is not None:
+            cache["k"], cache["v"] = k, v
+        past = k.shape[2] - n
+        if past == 0:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            mask = torch.ones(n, k.shape[2], dtype=torch.bool, device=x.device).tril(diagonal=past)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return self.proj(out.transpose(1, 2).reshape(b, n, w))
+
+
+class Block(nn.Module):
+    def __init__(self, width: int, heads: int):
+        super().__init__()
+        self.norm1 = nn.LayerNorm(width, elementwise_affine=False)
+        self.attn = CausalSelfAttention(width, heads)
+        self.norm2 = nn.LayerNorm(width, elementwise_affine=False)
+        self.mlp = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(approximate="tanh"), nn.Linear(4 * width, width))
+        self.modulation = nn.Linear(width, 6 * width)
+        nn.init.zeros_(self.modulation.weight)  # adaLN-Zero: every block starts as the identity
+        nn.init.zeros_(self.modulation.bias)
+
+    def forward(self, x: torch.Tensor, temb: torch.Tensor, cache: dict | None = None) -> torch.Tensor:
+        shift1, scale1, gate1, shift2, scale2, gate2 = self.modulation(F.silu(temb)).chunk(6, dim=1)
+        x = x + gate1[:, None] * self.attn(modulate(self.norm1(x), shift1, scale1), cache)
+        return x + gate2[:, None] * self.mlp(modulate(self.norm2(x), shift2, scale2))
+
+
+class Denoiser(nn.Module):
+    def __init__(self, cfg: DenoiserConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.in_x = nn.Linear(cfg.dim, cfg.width)
+        self.in_c = nn.Linear(cfg.dim, cfg.width)
+        self.pos = nn.Embedding(cfg.max_len, cfg.width)
+        self.time = TimestepEmbedding(cfg.width)
+        self.blocks = nn.ModuleList(Block(cfg.width, cfg.heads) for _ in range(cfg.depth))
+        self.final_norm = nn.LayerNorm(cfg.width, elementwise_affine=False)
+        self.final_modulation = nn.Linear(cfg.width, 2 * cfg.width)
+        nn.init.zeros_(self.final_modulation.weight)
+        nn.init.zeros_(self.final_modulation.bias)
+        self.out = nn.Linear(cfg.width, cfg.dim)
+        self.skip = nn.Linear(cfg.dim, cfg.dim)  # A c
+        nn.init.normal_(self.pos.weight, std=0.02)
+
+    def forward(self, x_t: torch.Tensor, t: torch.Tensor, c: torch.Tensor, start: int = 0,
+                caches: list[dict] | None = None) -> torch.Tensor:
+        """x_t, c: (B, n, D) for positions start..start+n-1 of the covered range; t: (B,)."""
+        positions = torch.arange(start, start + x_t.shape[1], device=x_t.device)
+        h = self.in_x(x_t) + self.in_c(c) + self.pos(positions)[None]
+        temb = self.time(t)
+        for i, block in enumerate(self.blocks):
+            h = block(h, temb, None if caches is None else caches[i])
+        shift, scale = self.final_modulation(F.silu(temb)).chunk(2, dim=1)
+        return self.out(modulate(self.final_norm(h), shift, scale)) + self.skip(c)
+
+    def new_caches(self) -> list[dict]:
+        return [{} for _ in self.blocks]

@@ -1,0 +1,72 @@
+"""Bridge fidelity (METHOD.md section 3), teacher forced on held-out sequences.
+
+For each number of sampling steps: relative reconstruction error ||h_hat - h||^2 / ||h - mu||^2,
+mean cosine similarity, KL(original || hybrid) of next-token distributions, top-1 agreement,
+and the perplexity of the hybrid and of the original, all over positions 1..T-1 (position 0
+is the exact BOS state in both).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from stages.bridge import Bridge
+from stages.hybrid import original_forward, suffix_logits, suffix_model
+
+
+@dataclass
+class FidelityTotals:
+    sq_err: float = 0.0
+    sq_dev: float = 0.0
+    cos_sum: float = 0.0
+    kl_sum: float = 0.0
+    agree: float = 0.0
+    nll_hybrid: float = 0.0
+    nll_original: float = 0.0
+    positions: int = 0
+    targets: int = 0
+
+    def add(self, h_hat, h, mu, logits_h, logits_o, ids) -> None:
+        h_hat, h = h_hat[:, 1:], h[:, 1:]
+        self.sq_err += float(((h_hat - h) ** 2).sum())
+        self.sq_dev += float(((h - mu) ** 2).sum())
+        self.cos_sum += float(F.cosine_similarity(h_hat, h, dim=-1).sum())
+        lp_h = F.log_softmax(logits_h[:, 1:], -1)
+        lp_o = F.log_softmax(logits_o[:, 1:], -1)
+        self.kl_sum += float((lp_o.exp() * (lp_o - lp_h)).sum())
+        self.agree += float((lp_h.argmax(-1) == lp_o.argmax(-1)).sum())
+        self.positions += lp_h.shape[0] * lp_h.shape[1]
+        tgt = ids[:, 2:]
+        self.nll_hybrid -= float(lp_h[:, :-1].gather(-1, tgt[..., None]).sum())
+        self.nll_original -= float(lp_o[:, :-1].gather(-1, tgt[..., None]).sum())
+        self.targets += tgt.numel()
+
+    def metrics(self) -> dict[str, float]:
+        ppl_h = float(np.exp(self.nll_hybrid / self.targets))
+        ppl_o = float(np.exp(self.nll_original / self.targets))
+        return {"rel_recon_error": self.sq_err / self.sq_dev, "cosine": self.cos_sum / self.positions,
+                "kl": self.kl_sum / self.positions, "top1_agreement": self.agree / self.positions,
+                "ppl_hybrid": ppl_h, "ppl_original": ppl_o, "ppl_ratio": ppl_h / ppl_o}
+
+
+@torch.no_grad()
+def evaluate_fidelity(model: torch.nn.Module, bridge: Bridge, input_ids: torch.Tensor, steps_list: list[int],
+                      batch_size: int = 16, seed: int = 0) -> dict[int, dict[str, float]]:
+    """{steps: metrics} over input_ids (N, T), the same noise for every steps value."""
+    suffix = suffix_model(model, bridge.layer)
+    device = next(model.parameters()).device
+    totals = {s: FidelityTotals() for s in steps_list}
+    gen = torch.Generator().manual_seed(seed)
+    mu = bridge.norm.mu_y
+    for start in range(0, input_ids.shape[0], batch_size):
+        ids = input_ids[start:start + batch_size].to(device)
+        logits_o, states = original_forward(model, ids, [0, bridge.layer])
+        noise = bridge.noise(ids.shape[0], ids.shape[1], gen)
+        for steps in steps_list:
+            h_hat = bridge.sample(states[0], steps, noise)
+            logits_h = suffix_logits(suffix, h_hat)
+            totals[steps].add(h_hat.float(), states[bridge.layer], mu, logits_h, logits_o, ids)
+    return {s: t.metrics() for s, t in totals.items()}

@@ -1,0 +1,64 @@
+"""The hybrid model of METHOD.md section 3: bridge -> original blocks l+1..L -> final norm -> LM head.
+
+The upper part is a *suffix model*: an instance of the backbone's own class whose blocks are
+the backbone's block objects l+1..L (shallow copies that share every parameter, renumbered
+so the KV cache and per-layer attention types line up), fed with `inputs_embeds`. Rotary
+embeddings, masks, Gemma's sliding windows, logit soft-capping and the cache all behave as
+in the original, because they are the original code.
+"""
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+
+
+def _renumbered(block: nn.Module, index: int) -> nn.Module:
+    """A shallow copy of a decoder block (parameters shared) that believes it is layer `index`."""
+    new_block = copy.copy(block)
+    new_block._modules = dict(block._modules)
+    if hasattr(new_block, "layer_idx"):
+        new_block.layer_idx = index
+    attn = block._modules.get("self_attn")
+    if attn is not None:
+        new_attn = copy.copy(attn)
+        new_attn._modules = dict(attn._modules)
+        new_attn.layer_idx = index
+        new_block._modules["self_attn"] = new_attn
+    return new_block
+
+
+def suffix_model(model: nn.Module, layer: int) -> nn.Module:
+    """Blocks layer+1..L (1-based), final norm and LM head of `model`, sharing its weights."""
+    config = copy.deepcopy(model.config)
+    blocks = list(model.model.layers)[layer:]
+    config.num_hidden_layers = len(blocks)
+    if getattr(config, "layer_types", None) is not None:
+        config.layer_types = list(config.layer_types)[layer:]
+    with torch.device("meta"):
+        suffix = type(model)(config)
+    suffix.model.layers = nn.ModuleList(_renumbered(b, i) for i, b in enumerate(blocks))
+    suffix.model.embed_tokens = model.model.embed_tokens  # unused (inputs_embeds), kept off the meta device
+    suffix.model.norm = model.model.norm
+    suffix.model.rotary_emb = model.model.rotary_emb
+    suffix.lm_head = model.lm_head
+    for name, module in list(suffix.model.named_children()):
+        if any(p.is_meta for p in module.parameters()) or any(b.is_meta for b in module.buffers()):
+            setattr(suffix.model, name, getattr(model.model, name))
+    return suffix.eval()
+
+
+def suffix_logits(suffix: nn.Module, states: torch.Tensor) -> torch.Tensor:
+    """Teacher-forced logits from layer-l states (B, T, D), no cache."""
+    dtype = next(suffix.parameters()).dtype
+    return suffix(inputs_embeds=states.to(dtype), use_cache=False).logits.float()
+
+
+def original_forward(model: nn.Module, input_ids: torch.Tensor, layers: list[int]) -> tuple[torch.Tensor, dict]:
+    """Full-stack logits plus the residual states at `layers` (METHOD.md section 0)."""
+    from stages.capture import capture_layers
+
+    with torch.no_grad(), capture_layers(model, layers, stop_early=False) as captured:
+        logits = model(input_ids=input_ids, use_cache=False).logits.float()
+        return logits, {k: v.float() for k, v in captured.items()}
