@@ -172,6 +172,7 @@ def train_bridge(
     warmup: Optional[int] = typer.Option(None, "--warmup"), ema: Optional[float] = typer.Option(None, "--ema"),
     width: Optional[int] = typer.Option(None, "--width"), depth: Optional[int] = typer.Option(None, "--depth"),
     heads: Optional[int] = typer.Option(None, "--heads"), eval_every: Optional[int] = typer.Option(None, "--eval-every"),
+    checkpoint_every: Optional[int] = typer.Option(None, "--checkpoint-every"),
     prediction: Optional[str] = typer.Option(None, "--prediction", help="x0 (default) or velocity."),
     skip_init: Optional[str] = typer.Option(None, "--skip-init", help="ridge (default) or zero."),
     device: str = Device, dtype: str = Dtype, seed: int = Seed, force: bool = Force, root: Optional[str] = Root,
@@ -183,7 +184,7 @@ def train_bridge(
     store = ArtifactStore(root)
     device = resolve_device(device)
     overrides = dict(steps=steps, epochs=epochs, batch_size=batch_size, lr=lr, warmup=warmup, ema=ema, width=width,
-                     depth=depth, heads=heads, eval_every=eval_every, prediction=prediction, skip_init=skip_init,
+                     depth=depth, heads=heads, eval_every=eval_every, checkpoint_every=checkpoint_every, prediction=prediction, skip_init=skip_init,
                      seed=seed, device=device)
     if epochs is not None and steps is None:
         overrides["steps"] = None

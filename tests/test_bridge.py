@@ -1,0 +1,166 @@
+"""The bridge: flow loss and sampler on toys, causality, caching, resume, NaN, and the CLI."""
+from __future__ import annotations
+
+import signal
+
+import numpy as np
+import pytest
+import torch
+
+from stages import flow
+from stages.denoiser import Denoiser, DenoiserConfig
+from tests.conftest import invoke, run_cli
+
+
+def _train_toy(y_fn, c_fn, dim, length, steps=400, prediction="x0", width=64, seed=0, batch=256):
+    torch.manual_seed(seed)
+    net = Denoiser(DenoiserConfig(dim=dim, width=width, depth=2, heads=4, max_len=length))
+    opt = torch.optim.AdamW(net.parameters(), lr=3e-3)
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, steps)
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        c = c_fn(batch, gen)
+        y = y_fn(c, gen)
+        t = torch.rand(batch, generator=gen)
+        eps = torch.randn(y.shape, generator=gen)
+        loss = ((net(flow.noisy(y, eps, t), t, c) - flow.training_target(y, eps, prediction)) ** 2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        sched.step()
+    return net.eval()
+
+
+def test_flow_matching_learns_a_2d_gaussian():
+    """Tolerance: mean within 0.1 per coordinate, covariance entries within 0.25 (a short
+    training run and Euler steps shrink the spread somewhat; a broken loss or sampler is off
+    by far more)."""
+    mean = torch.tensor([2.0, -1.0])
+    chol = torch.linalg.cholesky(torch.tensor([[1.0, 0.5], [0.5, 0.8]]))
+    zeros = lambda b, g: torch.zeros(b, 1, 2)  # noqa: E731 - no condition
+    target = lambda c, g: (mean + torch.randn(c.shape[0], 2, generator=g) @ chol.T)[:, None]  # noqa: E731
+    net = _train_toy(target, zeros, dim=2, length=1, steps=600)
+    with torch.no_grad():
+        noise = torch.randn(4000, 1, 2, generator=torch.Generator().manual_seed(9))
+        c = torch.zeros(4000, 1, 2)
+        samples = flow.sample(lambda x, t, i: net(x, t, c), noise, steps=32)[:, 0]
+    assert torch.allclose(samples.mean(0), mean, atol=0.1), samples.mean(0)
+    cov = torch.cov(samples.T)
+    assert torch.allclose(cov, chol @ chol.T, atol=0.25), cov
+
+
+def test_conditional_toy_with_deterministic_map_is_reconstructed():
+    w = torch.randn(6, 6, generator=torch.Generator().manual_seed(3)) / 6 ** 0.5
+    cond = lambda b, g: torch.randn(b, 8, 6, generator=g)  # noqa: E731
+    target = lambda c, g: torch.tanh(c @ w) * 1.5  # noqa: E731
+    net = _train_toy(target, cond, dim=6, length=8, steps=400, batch=64)
+    c = cond(256, torch.Generator().manual_seed(11))
+    y = target(c, None)
+    with torch.no_grad():
+        y_hat = flow.sample(lambda x, t, i: net(x, t, c), torch.randn(y.shape), steps=8)
+    rel = float(((y_hat - y) ** 2).sum() / ((y - y.mean((0, 1))) ** 2).sum())
+    assert rel < 0.05, rel
+
+
+def test_denoiser_is_causal_and_cache_matches_full_pass():
+    torch.manual_seed(0)
+    net = Denoiser(DenoiserConfig(dim=8, width=32, depth=2, heads=4, max_len=16)).eval()
+    for p in net.parameters():  # leave adaLN-Zero so attention actually contributes
+        torch.nn.init.normal_(p, std=0.2)
+    x, c, t = torch.randn(2, 16, 8), torch.randn(2, 16, 8), torch.rand(2)
+    with torch.no_grad():
+        base = net(x, t, c)
+        c2 = c.clone()
+        c2[:, 9] += 5.0
+        changed = net(x, t, c2)
+        assert torch.equal(base[:, :9], changed[:, :9])
+        assert not torch.allclose(base[:, 9:], changed[:, 9:])
+        caches = net.new_caches()
+        pieces = [net(x[:, :5], t, c[:, :5], 0, caches)] + [net(x[:, p:p + 1], t, c[:, p:p + 1], p, caches) for p in range(5, 16)]
+    torch.testing.assert_close(torch.cat(pieces, 1), base, atol=1e-5, rtol=1e-5)
+
+
+def test_lr_schedule_warmup_then_cosine_to_zero():
+    from stages.bridge import lr_at, resolve_config
+
+    cfg = resolve_config(3, "cpu-small", {"steps": 100, "warmup": 10, "lr": 1.0})
+    assert lr_at(0, 100, cfg) == pytest.approx(0.1) and lr_at(9, 100, cfg) == pytest.approx(1.0)
+    assert lr_at(55, 100, cfg) == pytest.approx(0.5) and lr_at(100, 100, cfg) == pytest.approx(0.0)
+
+
+@pytest.fixture()
+def tiny_bridge_extract(tiny_dirs, root):
+    res = invoke("extract", "--model", str(tiny_dirs["llama"]), "--max-sequences", "40", "--seq-len", "16",
+                 "--val-fraction", "0.2", "--device", "cpu")
+    assert res.exit_code == 0, res.output
+    return root
+
+
+TINY = ["--protocol", "sweep-tiny", "--width", "32", "--depth", "2", "--heads", "4", "--batch-size", "8"]
+
+
+def test_train_bridge_writes_weights_metrics_plot(tiny_bridge_extract):
+    from artifacts.store import ArtifactStore
+    from artifacts import files
+
+    res = invoke("train-bridge", "--layer", "2", "--extract", "latest", *TINY, "--steps", "12", "--eval-every", "6")
+    assert res.exit_code == 0, res.output
+    art = ArtifactStore(tiny_bridge_extract).resolve("latest", "bridge")
+    rows = files.read_jsonl(art.file("metrics.jsonl"))
+    assert [r["step"] for r in rows] == list(range(1, 13))
+    assert [r["step"] for r in rows if "val_loss" in r] == [6, 12]
+    assert art.manifest["metrics"]["val_loss"] == rows[-1]["val_loss"]
+    for name in ("weights.safetensors", "weights_ema.safetensors", "stats.safetensors", "loss_curve.png", "bridge.json"):
+        assert art.file(name).exists(), name
+    assert not art.file("state.pt").exists()
+    assert art.manifest["config"]["protocol"] == "sweep-tiny" and art.manifest["config"]["steps"] == 12
+    again = invoke("train-bridge", "--layer", "2", "--extract", "latest", *TINY, "--steps", "12", "--eval-every", "6")
+    assert "cache hit" in again.output
+    fid = invoke("evaluate", "--bridge", art.id, "--steps", "1,4", "--limit", "8", "--json")
+    assert fid.exit_code == 0, fid.output
+    import json
+
+    rows = json.loads(fid.output)["results"]
+    assert [r["steps"] for r in rows] == [1, 4]
+    for r in rows:
+        assert 0 <= r["top1_agreement"] <= 1 and -1 <= r["cosine"] <= 1 and r["kl"] >= 0 and r["ppl_original"] > 1
+
+
+def test_resume_after_kill_gives_identical_weights(tiny_bridge_extract, tmp_path):
+    from artifacts.store import ArtifactStore
+    from artifacts import files
+
+    args = ["train-bridge", "--layer", "2", "--extract", "latest", *TINY, "--steps", "30", "--eval-every", "10",
+            "--checkpoint-every", "10", "--root", str(tiny_bridge_extract)]
+    killed = run_cli(*args, env={"DIHAL_FAULT_AFTER_STEPS": "25"})
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    store = ArtifactStore(tiny_bridge_extract)
+    partial = store.all("bridge")[0]
+    assert partial.status == "running" and files.load_state(partial.file("state.pt"))["step"] == 20
+    resumed = run_cli(*args)
+    assert resumed.returncode == 0, resumed.stderr
+    assert "resuming bridge training at step 20" in resumed.stderr
+    resumed_w = files.load_tensors(store.load("bridge", partial.id).file("weights_ema.safetensors"))
+    fresh = run_cli(*args, "--force")
+    assert fresh.returncode == 0
+    fresh_w = files.load_tensors(store.load("bridge", partial.id).file("weights_ema.safetensors"))
+    for name in fresh_w:
+        assert torch.equal(resumed_w[name], fresh_w[name]), name
+    log = files.read_jsonl(store.load("bridge", partial.id).file("metrics.jsonl"))
+    assert [r["step"] for r in log] == list(range(1, 31))
+
+
+def test_nan_loss_stops_with_clear_message(tiny_bridge_extract):
+    res = invoke("train-bridge", "--layer", "2", "--extract", "latest", *TINY, "--steps", "30", "--lr", "1e30",
+                 "--warmup", "1")
+    assert res.exit_code == 2 and "bridge loss became" in res.output, res.output
+    from artifacts.store import ArtifactStore
+
+    assert ArtifactStore(tiny_bridge_extract).all("bridge")[0].status == "failed"
+
+
+def test_bridge_errors(tiny_bridge_extract):
+    res = invoke("train-bridge", "--layer", "2", "--extract", "latest", "--protocol", "huge")
+    assert res.exit_code == 2 and "unknown --protocol" in res.output
+    res = invoke("evaluate", "--bridge", "doesnotexist")
+    assert res.exit_code == 2 and "no bridge artifact 'doesnotexist'" in res.output
