@@ -235,3 +235,49 @@ def evaluate(
     cols = list(rows[0])
     console.print(table(title, cols, [[r[c] for c in cols] for r in rows]))
     _report(art, False)
+
+
+@app.command()
+@user_errors
+def sweep(
+    layers: str = typer.Option("1-29", "--layers", help="Layers to bridge, e.g. 1-29 or 1,3,5."),
+    protocol: str = typer.Option("sweep-tiny", "--protocol"),
+    steps: Optional[int] = typer.Option(None, "--steps", help="Override the protocol's steps for every layer."),
+    width: Optional[int] = typer.Option(None, "--width"), depth: Optional[int] = typer.Option(None, "--depth"),
+    batch_size: Optional[int] = typer.Option(None, "--batch-size"),
+    extract: Optional[str] = typer.Option(None, "--extract", help="Extract holding layer 0 and the swept layers."),
+    score: Optional[str] = typer.Option(None, "--score", help="Score artifact (default: score the extract now)."),
+    tokens: int = typer.Option(4096, "--tokens", help="Score sample size when scoring now."),
+    model: str = Model, dataset: str = typer.Option("pydoc", "--dataset"),
+    max_sequences: Optional[int] = typer.Option(None, "--max-sequences"), seq_len: int = typer.Option(64, "--seq-len"),
+    eval_steps: int = typer.Option(8, "--eval-steps"), eval_limit: int = typer.Option(32, "--eval-limit"),
+    device: str = Device, dtype: str = Dtype, seed: int = Seed, force: bool = Force, root: Optional[str] = Root,
+) -> None:
+    """A bridge per layer under one protocol; Spearman rho between S and -validation loss."""
+    from stages import score as score_stage
+    from stages import sweep as stage
+    from stages.extract import parse_layers
+    from stages.models import dtype_name, resolve_device
+
+    store = ArtifactStore(root)
+    device = resolve_device(device)
+    layer_list = parse_layers(layers, 10**6)
+    parent = _extract_parent(store, extract, "0," + ",".join(map(str, layer_list)), model, dataset, max_sequences,
+                             seq_len, device, dtype, seed)
+    if score:
+        score_art = store.resolve(score, "score")
+    else:
+        scfg = score_stage.ScoreConfig(tokens=tokens, candidates=",".join(map(str, layer_list)), seed=seed, device=device)
+        score_art = score_stage.run(scfg, parent, store, progress=RichProgress())
+    overrides = tuple((k, v) for k, v in (("steps", steps), ("width", width), ("depth", depth),
+                                          ("batch_size", batch_size)) if v is not None)
+    cfg = stage.SweepConfig(tuple(layer_list), protocol, overrides, eval_steps, eval_limit, seed, device,
+                            dtype_name(dtype, device))
+    art = stage.run(cfg, parent, score_art, store, force=force, progress=RichProgress())
+    result = stage.pd.read_csv(art.file("sweep.csv"))
+    cols = ["layer", "S", "score_rank", "val_loss", "top1_agreement", "kl", "ppl_ratio", "rel_recon_error"]
+    m = art.manifest["metrics"]
+    console.print(table(f"sweep ({protocol}): rho = {m['spearman_rho']:.3f} (p = {m['p_value']:.2g}), "
+                        f"l* = {m['l_star']}, oracle = {m['oracle_layer']}, worst = {m['worst_layer']}",
+                        cols, [[r[c] for c in cols] for r in result.to_dict("records")]))
+    _report(art, False)

@@ -164,3 +164,32 @@ def test_bridge_errors(tiny_bridge_extract):
     assert res.exit_code == 2 and "unknown --protocol" in res.output
     res = invoke("evaluate", "--bridge", "doesnotexist")
     assert res.exit_code == 2 and "no bridge artifact 'doesnotexist'" in res.output
+
+
+def test_sweep_over_tiny_model_writes_table_rho_plot(tiny_dirs, root):
+    import json
+
+    import pandas as pd
+    from scipy.stats import spearmanr
+
+    from artifacts.store import ArtifactStore
+
+    ok = invoke("extract", "--model", str(tiny_dirs["gemma3"]), "--max-sequences", "40", "--seq-len", "16",
+                "--val-fraction", "0.2", "--device", "cpu")
+    assert ok.exit_code == 0, ok.output
+    res = invoke("sweep", "--layers", "1,2,3", "--extract", "latest", "--tokens", "200", "--steps", "6", "--width", "32",
+                 "--depth", "1", "--batch-size", "8", "--eval-limit", "4", "--device", "cpu")
+    assert res.exit_code == 0, res.output
+    store = ArtifactStore(root)
+    art = store.resolve("latest", "sweep")
+    table = pd.read_csv(art.file("sweep.csv"))
+    assert table["layer"].tolist() == [1, 2, 3]
+    assert len(store.all("bridge")) == 3 and art.file("sweep.png").stat().st_size > 1000
+    summary = json.loads(art.file("summary.json").read_text())
+    rho, p = spearmanr(table["S"], -table["val_loss"])
+    assert summary["spearman_rho"] == pytest.approx(rho) and summary["p_value"] == pytest.approx(p)
+    assert summary["oracle_layer"] == int(table.loc[table.val_loss.idxmin(), "layer"])
+    assert summary["worst_layer"] == int(table.loc[table.val_loss.idxmax(), "layer"])
+    again = invoke("sweep", "--layers", "1,2,3", "--extract", "latest", "--tokens", "200", "--steps", "6", "--width",
+                   "32", "--depth", "1", "--batch-size", "8", "--eval-limit", "4", "--device", "cpu")
+    assert again.exit_code == 0 and len(store.all("bridge")) == 3  # bridges reused through the cache

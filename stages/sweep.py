@@ -1,0 +1,100 @@
+"""`dihal sweep`: one bridge per layer under one fixed protocol, then METHOD.md section 4 claim 1:
+Spearman rho between the geometry score S_l and the negated validation bridge loss."""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+
+import pandas as pd
+from scipy.stats import spearmanr
+
+from artifacts.store import Artifact, ArtifactStore, artifact_id
+from stages import bridge as bridge_stage
+from stages import evaluate as eval_stage
+from stages import score as score_stage
+from stages.progress import NullProgress, Progress
+
+STAGE = "sweep"
+
+
+@dataclass(frozen=True)
+class SweepConfig:
+    layers: tuple[int, ...]
+    protocol: str = "sweep-tiny"
+    overrides: tuple[tuple[str, object], ...] = ()  # protocol fields changed for every layer alike
+    eval_steps: int = 8
+    eval_limit: int = 32
+    seed: int = 0
+    device: str = "cpu"
+    dtype: str = "float32"
+
+
+def run(cfg: SweepConfig, extract: Artifact, score_art: Artifact, store: ArtifactStore, *, force: bool = False,
+        progress: Progress | None = None) -> Artifact:
+    progress = progress or NullProgress()
+    config = {**asdict(cfg), "overrides": dict(cfg.overrides)}
+    parents = {"extract": extract.id, "score": score_art.id}
+    cached = store.cached(STAGE, config, parents)
+    if cached and not force:
+        return cached
+    scores = score_stage.load_table(score_art).set_index("layer")
+    loaded = None
+    rows = []
+    for layer in cfg.layers:
+        progress.log(f"layer {layer}: bridge under protocol {cfg.protocol}")
+        bcfg = bridge_stage.resolve_config(layer, cfg.protocol, {**dict(cfg.overrides), "seed": cfg.seed,
+                                                                 "device": cfg.device})
+        bridge_art = bridge_stage.run(bcfg, extract, store, progress=progress)
+        fcfg = eval_stage.FidelityConfig((cfg.eval_steps,), cfg.eval_limit, 16, cfg.seed, cfg.device, cfg.dtype)
+        if store.cached(eval_stage.STAGE, {"kind": "fidelity", **asdict(fcfg)}, {"bridge": bridge_art.id}) is None:
+            loaded = loaded or eval_stage.backbone_for(bridge_art, cfg.device, cfg.dtype)
+        fid_art = eval_stage.run_fidelity(fcfg, bridge_art, store, loaded=loaded)
+        fid = fid_art.manifest["metrics"]["fidelity"][0]
+        rows.append({"layer": layer, "S": float(scores.loc[layer, "S"]), "score_rank": int(scores.loc[layer, "rank"]),
+                     "val_loss": bridge_art.manifest["metrics"]["val_loss"], "bridge": bridge_art.id,
+                     **{k: v for k, v in fid.items() if k != "steps"}})
+    table = pd.DataFrame(rows)
+    summary = summarize(table, int(score_stage.load_table(score_art).set_index("layer")["S"].idxmax()))
+    with store.lock(STAGE, artifact_id(STAGE, config, parents)):
+        art = store.begin(STAGE, config, parents, seed=cfg.seed, device=cfg.device, force=force,
+                          extra={"model": extract.manifest.get("model")})
+        table.to_csv(art.file("sweep.csv"), index=False)
+        table.to_parquet(art.file("sweep.parquet"), index=False)
+        art.file("summary.json").write_text(json.dumps(summary, indent=2))
+        plot(table, summary, art.file("sweep.png"))
+        art.manifest["metrics"] = summary
+        art.finish()
+    return art
+
+
+def summarize(table: pd.DataFrame, l_star: int) -> dict:
+    rho, p_value = spearmanr(table["S"], -table["val_loss"]) if len(table) > 1 else (float("nan"), float("nan"))
+    oracle = int(table.loc[table["val_loss"].idxmin(), "layer"])
+    worst = int(table.loc[table["val_loss"].idxmax(), "layer"])
+    loss = table.set_index("layer")["val_loss"]
+    return {"spearman_rho": float(rho), "p_value": float(p_value), "oracle_layer": oracle, "worst_layer": worst,
+            "l_star": l_star, "l_star_val_loss": float(loss.get(l_star, float("nan"))),
+            "oracle_val_loss": float(loss[oracle]), "worst_val_loss": float(loss[worst]), "layers": table["layer"].tolist()}
+
+
+def plot(table: pd.DataFrame, summary: dict, path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    ax.plot(table["layer"], table["S"], marker="o", color="black", label="geometry score S")
+    ax.set_xlabel("layer")
+    ax.set_ylabel("S")
+    ax2 = ax.twinx()
+    ax2.plot(table["layer"], table["val_loss"], marker="s", color="tab:red", label="validation bridge loss")
+    ax2.set_ylabel("validation bridge loss", color="tab:red")
+    ax.axvline(summary["l_star"], color="black", linestyle="--", alpha=0.6)
+    ax.axvline(summary["oracle_layer"], color="tab:red", linestyle=":", alpha=0.6)
+    ax.set_title(f"Spearman rho(S, -loss) = {summary['spearman_rho']:.3f} (p = {summary['p_value']:.2g}); "
+                 f"l* = {summary['l_star']}, oracle = {summary['oracle_layer']}")
+    fig.legend(loc="upper right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
