@@ -281,3 +281,54 @@ def sweep(
                         f"l* = {m['l_star']}, oracle = {m['oracle_layer']}, worst = {m['worst_layer']}",
                         cols, [[r[c] for c in cols] for r in result.to_dict("records")]))
     _report(art, False)
+
+
+@app.command()
+@user_errors
+def generate(
+    bridge: str = typer.Option("latest", "--bridge", help="Bridge artifact: id, prefix or latest."),
+    mode: str = typer.Option("ar", "--mode", help="ar: autoregressive hybrid generation."),
+    prompt: list[str] = typer.Option([], "--prompt", help="A prompt (repeatable); none: start from BOS."),
+    prompts_file: Optional[str] = typer.Option(None, "--prompts-file", help="One prompt per line."),
+    num_samples: int = typer.Option(8, "--num-samples", help="Samples per prompt."),
+    max_new_tokens: int = typer.Option(48, "--max-new-tokens"),
+    temperature: float = typer.Option(1.0, "--temperature"), top_k: int = typer.Option(0, "--top-k"),
+    top_p: float = typer.Option(1.0, "--top-p"), steps: int = typer.Option(8, "--steps", help="Bridge Euler steps."),
+    batch_size: int = typer.Option(8, "--batch-size"),
+    baseline: str = typer.Option("none", "--baseline", help="original: also sample the unmodified backbone."),
+    no_cache: bool = typer.Option(False, "--no-cache", help="Recompute every position each step (reference path)."),
+    device: str = Device, dtype: str = Dtype, seed: int = Seed, force: bool = Force, root: Optional[str] = Root,
+) -> None:
+    """Hybrid generation: bridge -> upper blocks -> LM head (METHOD.md section 3)."""
+    from pathlib import Path
+
+    from artifacts.errors import DihalError
+    from stages import generate as stage
+    from stages.evaluate import backbone_for
+    from stages.models import dtype_name, resolve_device
+
+    prompts = list(prompt)
+    if prompts_file is not None:
+        path = Path(prompts_file)
+        if not path.is_file():
+            raise DihalError(f"prompts file '{prompts_file}' does not exist")
+        lines = [l for l in path.read_text().splitlines() if l.strip()]
+        if not lines:
+            raise DihalError(f"prompts file '{prompts_file}' is empty; put one prompt per line")
+        prompts += lines
+    store = ArtifactStore(root)
+    device = resolve_device(device)
+    cfg = stage.GenerateConfig(tuple(prompts), num_samples, max_new_tokens, temperature, top_k, top_p, steps,
+                               batch_size, mode, baseline, not no_cache, seed, device, dtype_name(dtype, device))
+    stage.validate(cfg)
+    bridge_art = store.resolve(bridge, "bridge")
+    art = stage.run(cfg, bridge_art, store, backbone_for(bridge_art, device, cfg.dtype), force=force,
+                    progress=RichProgress())
+    import json
+
+    for line in art.file("samples.jsonl").read_text().splitlines()[:3]:
+        row = json.loads(line)
+        console.print(f"[bold]hybrid[/bold] {row['prompt']!r} -> {row['text'][:200]!r}", highlight=False)
+    for model_name, m in art.manifest["metrics"].items():
+        console.print(f"{model_name}: {m['ms_per_token']:.1f} ms per token (batch step), {m['mean_tokens']:.1f} tokens")
+    _report(art, False)

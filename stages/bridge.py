@@ -158,6 +158,9 @@ class Bridge:
         norm = Normalizer(**files.load_tensors(art.file("stats.safetensors")))
         return Bridge(net.to(device), norm.to(device), meta["layer"], meta["start"], meta["prediction"])
 
+    def cached_sampler(self, steps: int, batch: int) -> "CachedSampler":
+        return CachedSampler(self, steps, batch)
+
     def noise(self, batch: int, length: int, generator: torch.Generator) -> torch.Tensor:
         """Noise for the covered positions, drawn once per position."""
         return torch.randn(batch, length - self.start, self.net.cfg.dim, generator=generator).to(self.device)

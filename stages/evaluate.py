@@ -72,3 +72,71 @@ def run_fidelity(cfg: FidelityConfig, bridge_art: Artifact, store: ArtifactStore
         art.manifest["metrics"] = {"layer": bridge.layer, "fidelity": rows}
         art.finish()
     return art
+
+
+@dataclass(frozen=True)
+class SamplesConfig:
+    evaluator: str | None = None  # model spec; None = the bridge's original backbone
+    limit: int = 64
+    batch_size: int = 16
+    device: str = "cpu"
+    dtype: str = "float32"
+
+
+@torch.no_grad()
+def sample_nlls(loaded: LoadedModel, prompts: list[str], texts: list[str]) -> list[tuple[float, int]]:
+    """(summed NLL, token count) of each text's tokens under the evaluator, given BOS + prompt."""
+    from stages.generate import prompt_ids
+
+    tok, model, device = loaded.tokenizer, loaded.model, loaded.device
+    out = []
+    for prompt, text in zip(prompts, texts):
+        head = prompt_ids(tok, prompt)
+        full = prompt_ids(tok, prompt + text)
+        n_new = len(full) - len(head)
+        if n_new <= 0:
+            out.append((0.0, 0))
+            continue
+        ids = torch.tensor([full], device=device)
+        logp = torch.log_softmax(model(input_ids=ids, use_cache=False).logits.float()[0, :-1], -1)
+        targets = ids[0, 1:]
+        nll = -logp.gather(-1, targets[:, None])[:, 0][-n_new:]
+        out.append((float(nll.sum()), n_new))
+    return out
+
+
+def gen_ppl(nlls: list[tuple[float, int]]) -> dict[str, float]:
+    scored = [(s, n) for s, n in nlls if n > 0]
+    if not scored:
+        return {"gen_ppl_token": float("nan"), "gen_ppl_mean": float("nan")}
+    return {"gen_ppl_token": float(np.exp(sum(s for s, _ in scored) / sum(n for _, n in scored))),
+            "gen_ppl_mean": float(np.mean([np.exp(s / n) for s, n in scored]))}
+
+
+def run_samples(cfg: SamplesConfig, gen_art: Artifact, store: ArtifactStore, *, force: bool = False,
+                loaded: LoadedModel | None = None) -> Artifact:
+    from stages.text_metrics import text_metrics
+
+    config, parents = {"kind": "samples", **asdict(cfg)}, {"generate": gen_art.id}
+    cached = store.cached(STAGE, config, parents)
+    if cached and not force:
+        return cached
+    with store.lock(STAGE, artifact_id(STAGE, config, parents)):
+        art = store.begin(STAGE, config, parents, device=cfg.device, force=force,
+                          extra={"model": gen_art.manifest.get("model")})
+        spec = cfg.evaluator or gen_art.manifest["extract_config"]["model"]
+        loaded = loaded or load_model(spec, cfg.device, cfg.dtype)
+        rows = []
+        for name in ("samples.jsonl", "samples_original.jsonl"):
+            if not gen_art.file(name).exists():
+                continue
+            samples = [json.loads(l) for l in gen_art.file(name).read_text().splitlines()][: cfg.limit]
+            texts = [s["text"] for s in samples]
+            nlls = sample_nlls(loaded, [s["prompt"] for s in samples], texts)
+            rows.append({"model": samples[0]["model"], "n_samples": len(samples), **gen_ppl(nlls),
+                         **text_metrics(texts), "mean_tokens": float(np.mean([s["n_tokens"] for s in samples]))})
+        pd.DataFrame(rows).to_csv(art.file("generation.csv"), index=False)
+        art.file("results.json").write_text(json.dumps({"evaluator": spec, "rows": rows}, indent=2))
+        art.manifest["metrics"] = {"evaluator": spec, "rows": rows}
+        art.finish()
+    return art

@@ -1,0 +1,194 @@
+"""`dihal generate`: autoregressive hybrid generation (METHOD.md section 3, --mode ar).
+
+Each step: the bridge samples h_l for the new position from its embedding (noise drawn once
+per position; with the causal denoiser, earlier positions are cached per sampling step), the
+backbone's upper blocks continue with their KV cache, and a token is drawn (temperature,
+top-k, top-p). `--baseline original` runs the unmodified backbone through the same loop.
+"""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+from transformers import DynamicCache
+
+from artifacts.errors import DihalError
+from artifacts.store import Artifact, ArtifactStore, artifact_id
+from stages.bridge import Bridge
+from stages.capture import hidden_states
+from stages.hybrid import suffix_model
+from stages.models import LoadedModel
+from stages.progress import NullProgress, Progress
+
+STAGE = "generate"
+
+
+@dataclass(frozen=True)
+class GenerateConfig:
+    prompts: tuple[str, ...] = ()
+    num_samples: int = 8
+    max_new_tokens: int = 48
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    steps: int = 8
+    batch_size: int = 8
+    mode: str = "ar"
+    baseline: str = "none"  # "original": also generate with the unmodified backbone
+    cache: bool = True
+    seed: int = 0
+    device: str = "cpu"
+    dtype: str = "float32"
+
+
+def validate(cfg: GenerateConfig) -> None:
+    if cfg.mode != "ar":
+        raise DihalError(f"--mode {cfg.mode} is not implemented; use --mode ar")
+    if not 0 < cfg.top_p <= 1:
+        raise DihalError(f"--top-p must be in (0, 1], got {cfg.top_p}")
+    if cfg.temperature < 0:
+        raise DihalError("--temperature must be >= 0 (0 = greedy)")
+    if cfg.top_k < 0 or cfg.num_samples < 1 or cfg.max_new_tokens < 1 or cfg.steps < 1 or cfg.batch_size < 1:
+        raise DihalError("--top-k must be >= 0; --num-samples, --max-new-tokens, --steps and --batch-size >= 1")
+    if cfg.baseline not in ("none", "original"):
+        raise DihalError("--baseline must be none or original")
+
+
+def sample_token(logits: torch.Tensor, cfg: GenerateConfig, gen: torch.Generator) -> torch.Tensor:
+    """(B, V) logits -> (B,) token ids."""
+    logits = logits.float()
+    if cfg.temperature == 0:
+        return logits.argmax(-1)
+    logits = logits / cfg.temperature
+    if cfg.top_k:
+        kth = torch.topk(logits, min(cfg.top_k, logits.shape[-1]), dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if cfg.top_p < 1:
+        sorted_logits, order = torch.sort(logits, descending=True)
+        probs = sorted_logits.softmax(-1)
+        drop = probs.cumsum(-1) - probs > cfg.top_p  # keep the smallest prefix reaching top_p
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
+    probs = logits.softmax(-1).cpu()
+    return torch.multinomial(probs, 1, generator=gen)[:, 0].to(logits.device)
+
+
+def prompt_ids(tokenizer, prompt: str) -> list[int]:
+    ids = tokenizer(prompt, add_special_tokens=False)["input_ids"] if prompt else []
+    bos = tokenizer.bos_token_id
+    return ([bos] if bos is not None else []) + ids
+
+
+def _layer0(model, ids: torch.Tensor) -> torch.Tensor:
+    return hidden_states(model, ids, [0])[0].float()
+
+
+@torch.no_grad()
+def generate_hybrid(loaded: LoadedModel, bridge: Bridge, suffix, prefix: torch.Tensor, cfg: GenerateConfig,
+                    gen: torch.Generator) -> torch.Tensor:
+    """prefix (B, P) -> (B, max_new_tokens) new ids, hybrid model."""
+    model, batch = loaded.model, prefix.shape[0]
+    noise = bridge.noise(batch, prefix.shape[1] + cfg.max_new_tokens, gen)
+    ids, new = prefix, []
+    if cfg.cache:
+        sampler, kv = bridge.cached_sampler(cfg.steps, batch), DynamicCache(config=suffix.config)
+        h = sampler.extend(_layer0(model, ids), noise[:, : ids.shape[1] - bridge.start])
+    for _ in range(cfg.max_new_tokens):
+        if cfg.cache:
+            logits = suffix(inputs_embeds=h.to(_dtype(suffix)), cache=kv, use_cache=True).logits[:, -1]
+        else:  # recompute everything from the full prefix (the reference for the cached path)
+            h_all = bridge.sample(_layer0(model, ids), cfg.steps, noise)
+            logits = suffix(inputs_embeds=h_all.to(_dtype(suffix)), use_cache=False).logits[:, -1]
+        token = sample_token(logits, cfg, gen)
+        new.append(token)
+        ids = torch.cat([ids, token[:, None]], dim=1)
+        if cfg.cache:
+            p = ids.shape[1] - 1 - bridge.start
+            h = sampler.extend(_layer0(model, token[:, None]), noise[:, p:p + 1])
+    return torch.stack(new, dim=1)
+
+
+@torch.no_grad()
+def generate_original(loaded: LoadedModel, prefix: torch.Tensor, cfg: GenerateConfig, gen: torch.Generator) -> torch.Tensor:
+    model, new = loaded.model, []
+    kv = DynamicCache(config=model.config)
+    logits = model(input_ids=prefix, cache=kv, use_cache=True).logits[:, -1]
+    for _ in range(cfg.max_new_tokens):
+        token = sample_token(logits, cfg, gen)
+        new.append(token)
+        logits = model(input_ids=token[:, None], cache=kv, use_cache=True).logits[:, -1]
+    return torch.stack(new, dim=1)
+
+
+def _dtype(module) -> torch.dtype:
+    return next(module.parameters()).dtype
+
+
+def _truncate_at_eos(ids: list[int], eos: int | None) -> list[int]:
+    return ids[: ids.index(eos)] if eos is not None and eos in ids else ids
+
+
+def jobs(cfg: GenerateConfig) -> list[tuple[str, int]]:
+    """(prompt, count) batches: every prompt num_samples times, or BOS alone."""
+    prompts = list(cfg.prompts) or [""]
+    out = []
+    for prompt in prompts:
+        left = cfg.num_samples
+        while left > 0:
+            out.append((prompt, min(left, cfg.batch_size)))
+            left -= cfg.batch_size
+    return out
+
+
+def generate_all(loaded: LoadedModel, bridge: Bridge | None, cfg: GenerateConfig, progress: Progress) -> list[dict]:
+    """Samples from the hybrid (bridge given) or the original backbone (bridge None)."""
+    tok, device = loaded.tokenizer, loaded.device
+    suffix = suffix_model(loaded.model, bridge.layer) if bridge is not None else None
+    rows = []
+    for batch_index, (prompt, count) in enumerate(jobs(cfg)):
+        gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + batch_index)
+        prefix = torch.tensor([prompt_ids(tok, prompt)] * count, device=device)
+        clock = time.perf_counter()
+        if bridge is not None:
+            new = generate_hybrid(loaded, bridge, suffix, prefix, cfg, gen)
+        else:
+            new = generate_original(loaded, prefix, cfg, gen)
+        seconds = time.perf_counter() - clock
+        for row_ids in new.tolist():
+            kept = _truncate_at_eos(row_ids, tok.eos_token_id)
+            rows.append({"prompt": prompt, "text": tok.decode(kept, skip_special_tokens=True), "token_ids": kept,
+                         "model": "hybrid" if bridge is not None else "original", "n_tokens": len(kept),
+                         "batch_seconds": seconds, "ms_per_token": 1000 * seconds / cfg.max_new_tokens})
+        progress.advance(count)
+    return rows
+
+
+def run(cfg: GenerateConfig, bridge_art: Artifact, store: ArtifactStore, loaded: LoadedModel, *,
+        force: bool = False, progress: Progress | None = None) -> Artifact:
+    progress = progress or NullProgress()
+    validate(cfg)
+    config, parents = asdict(cfg), {"bridge": bridge_art.id}
+    cached = store.cached(STAGE, config, parents)
+    if cached and not force:
+        return cached
+    with store.lock(STAGE, artifact_id(STAGE, config, parents)):
+        art = store.begin(STAGE, config, parents, seed=cfg.seed, device=cfg.device, force=force,
+                          extra={"model": bridge_art.manifest.get("model"),
+                                 "extract_config": bridge_art.manifest.get("extract_config")})
+        bridge = Bridge.load(bridge_art, cfg.device)
+        total = len(cfg.prompts or [""]) * cfg.num_samples * (2 if cfg.baseline == "original" else 1)
+        progress.start("generate", total, "sample")
+        outputs = {"samples.jsonl": generate_all(loaded, bridge, cfg, progress)}
+        if cfg.baseline == "original":
+            outputs["samples_original.jsonl"] = generate_all(loaded, None, cfg, progress)
+        progress.stop()
+        metrics = {}
+        for name, rows in outputs.items():
+            art.file(name).write_text("".join(json.dumps(r) + "\n" for r in rows))
+            metrics[rows[0]["model"]] = {"ms_per_token": sum(r["ms_per_token"] for r in rows) / len(rows),
+                                         "mean_tokens": sum(r["n_tokens"] for r in rows) / len(rows)}
+        art.manifest["metrics"] = metrics
+        art.finish()
+    return art

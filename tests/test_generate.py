@@ -1,0 +1,168 @@
+"""Hybrid generation and generation metrics."""
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from stages import generate as gen_stage
+from stages import text_metrics as tm
+from stages.models import wrap_model
+from tests.conftest import build_tiny, invoke
+
+
+class OracleBridge:
+    """Returns the exact layer-l states: blocks 1..l of the backbone run on the given h_0."""
+
+    def __init__(self, model, layer):
+        self.model, self.layer, self.start = model, layer, 1
+
+    def noise(self, batch, length, generator):
+        return torch.zeros(batch, length - self.start, 1)
+
+    def sample(self, h0, steps, noise):
+        from stages.capture import capture_layers
+
+        with torch.no_grad(), capture_layers(self.model, [self.layer]) as captured:
+            try:
+                self.model.model(inputs_embeds=h0, use_cache=False)
+            except Exception:  # noqa: BLE001 - the capture stops the forward early
+                pass
+            return captured[self.layer]
+
+    def cached_sampler(self, steps, batch):
+        oracle = self
+
+        class History:
+            h0 = None
+
+            def extend(self, h0_new, noise_new):
+                self.h0 = h0_new if self.h0 is None else torch.cat([self.h0, h0_new], 1)
+                return oracle.sample(self.h0, steps, None)[:, -h0_new.shape[1]:]
+
+        return History()
+
+
+@pytest.mark.parametrize("kind", ["llama", "gemma3"])
+@pytest.mark.parametrize("cache", [True, False])
+def test_oracle_bridge_greedy_hybrid_equals_original(kind, cache):
+    model, tok = build_tiny(kind, layers=4)
+    loaded = wrap_model(model, tok, {"name": kind})
+    cfg = gen_stage.GenerateConfig(prompts=("The",), num_samples=2, max_new_tokens=20, temperature=0, cache=cache)
+    prefix = torch.tensor([gen_stage.prompt_ids(tok, "The module")] * 2)
+    original = gen_stage.generate_original(loaded, prefix, cfg, torch.Generator().manual_seed(0))
+    suffix = gen_stage.suffix_model(model, 2)
+    hybrid = gen_stage.generate_hybrid(loaded, OracleBridge(model, 2), suffix, prefix, cfg, torch.Generator().manual_seed(0))
+    assert torch.equal(hybrid, original)
+
+
+@pytest.fixture(scope="module")
+def tiny_trained_bridge(tiny_dirs, tmp_path_factory):
+    """A bridge trained briefly on a tiny Llama extract (its quality is irrelevant here)."""
+    from artifacts.store import ArtifactStore
+    from stages import bridge as bstage
+    from stages import extract as estage
+
+    store = ArtifactStore(tmp_path_factory.mktemp("gen-runs"))
+    ex = estage.run(estage.ExtractConfig(model=str(tiny_dirs["llama"]), max_sequences=24, seq_len=16, layers="0,2"), store)
+    cfg = bstage.resolve_config(2, "sweep-tiny", {"steps": 5, "width": 32, "depth": 2, "batch_size": 8})
+    art = bstage.run(cfg, ex, store)
+    return store, art
+
+
+def test_cached_and_uncached_generation_agree_and_are_deterministic(tiny_trained_bridge, tiny_dirs):
+    from stages.bridge import Bridge
+    from stages.models import load_model
+
+    store, art = tiny_trained_bridge
+    loaded = load_model(str(tiny_dirs["llama"]), "cpu", "float32")
+    bridge = Bridge.load(art)
+    suffix = gen_stage.suffix_model(loaded.model, 2)
+    prefix = torch.tensor([gen_stage.prompt_ids(loaded.tokenizer, "The")] * 3)
+    outs = {}
+    for cache in (True, False):
+        cfg = gen_stage.GenerateConfig(max_new_tokens=12, steps=4, cache=cache, top_k=50, top_p=0.9)
+        outs[cache] = gen_stage.generate_hybrid(loaded, bridge, suffix, prefix, cfg, torch.Generator().manual_seed(5))
+    assert torch.equal(outs[True], outs[False])
+    cfg = gen_stage.GenerateConfig(max_new_tokens=12, steps=4)
+    again = [gen_stage.generate_hybrid(loaded, bridge, suffix, prefix, cfg, torch.Generator().manual_seed(7)) for _ in range(2)]
+    assert torch.equal(again[0], again[1])
+
+
+def test_generate_cli_then_evaluate_samples(tiny_trained_bridge, monkeypatch):
+    store, art = tiny_trained_bridge
+    monkeypatch.setenv("DIHAL_ROOT", str(store.root))
+    res = invoke("generate", "--bridge", art.id, "--prompt", "The", "--num-samples", "3", "--max-new-tokens", "8",
+                 "--baseline", "original", "--seed", "3", "--device", "cpu")
+    assert res.exit_code == 0, res.output
+    gen_art = store.resolve("latest", "generate")
+    rows = [json.loads(l) for l in gen_art.file("samples.jsonl").read_text().splitlines()]
+    base = [json.loads(l) for l in gen_art.file("samples_original.jsonl").read_text().splitlines()]
+    assert len(rows) == 3 and len(base) == 3 and all(r["model"] == "hybrid" for r in rows)
+    assert all(len(r["token_ids"]) <= 8 and r["prompt"] == "The" for r in rows)
+    again = invoke("generate", "--bridge", art.id, "--prompt", "The", "--num-samples", "3", "--max-new-tokens", "8",
+                   "--baseline", "original", "--seed", "3", "--device", "cpu", "--force")
+    assert again.exit_code == 0
+    rows2 = [json.loads(l) for l in store.resolve("latest", "generate").file("samples.jsonl").read_text().splitlines()]
+    assert [r["token_ids"] for r in rows2] == [r["token_ids"] for r in rows]
+    ev = invoke("evaluate", "--samples", gen_art.id, "--json", "--device", "cpu")
+    assert ev.exit_code == 0, ev.output
+    results = json.loads(ev.output)["results"]
+    assert [r["model"] for r in results] == ["hybrid", "original"]
+    texts = [r["text"] for r in rows]
+    assert results[0]["diversity"] == pytest.approx(tm.diversity(texts))
+
+
+def test_gen_ppl_equals_independent_computation(tiny_dirs):
+    from stages.evaluate import gen_ppl, sample_nlls
+    from stages.models import load_model
+
+    loaded = load_model(str(tiny_dirs["llama"]), "cpu", "float32")
+    tok, model = loaded.tokenizer, loaded.model
+    prompts, texts = ["The", ""], [" module provides functions.", "Return the value of x."]
+    ppl = gen_ppl(sample_nlls(loaded, prompts, texts))
+    total_nll, total_n, per_sample = 0.0, 0, []
+    for prompt, text in zip(prompts, texts):
+        head = [tok.bos_token_id] + tok(prompt, add_special_tokens=False)["input_ids"]
+        full = [tok.bos_token_id] + tok(prompt + text, add_special_tokens=False)["input_ids"]
+        nll = 0.0
+        with torch.no_grad():
+            for i in range(len(head), len(full)):  # one forward per token, no batching tricks
+                logits = model(torch.tensor([full[:i]])).logits[0, -1]
+                nll -= torch.log_softmax(logits.double(), -1)[full[i]].item()
+        total_nll, total_n = total_nll + nll, total_n + len(full) - len(head)
+        per_sample.append(math.exp(nll / (len(full) - len(head))))
+    assert ppl["gen_ppl_token"] == pytest.approx(math.exp(total_nll / total_n), rel=1e-4)
+    assert ppl["gen_ppl_mean"] == pytest.approx(sum(per_sample) / 2, rel=1e-4)
+
+
+def test_diversity_and_distinct_on_hand_made_texts():
+    texts = ["a b c a b c", "A B D"]
+    # words: [a b c a b c], [a b d]; bigrams: ab bc ca ab bc | ab bd -> 7 total, unique {ab, bc, ca, bd} = 4
+    assert tm.distinct_n(texts, 2) == pytest.approx(4 / 7)
+    # trigrams: abc bca cab abc | abd -> 5 total, 4 unique; 4-grams: abca bcab cabc -> 3 of 3
+    assert tm.distinct_n(texts, 3) == pytest.approx(4 / 5)
+    assert tm.distinct_n(texts, 4) == pytest.approx(1.0)
+    assert tm.diversity(texts) == pytest.approx(4 / 7 * 4 / 5 * 1.0)
+    assert tm.distinct_n(texts, 1) == pytest.approx(4 / 9)
+    # unigram counts a:3 b:3 c:2 d:1 over 9
+    expected = -sum(p * math.log(p) for p in (3 / 9, 3 / 9, 2 / 9, 1 / 9))
+    assert tm.unigram_entropy(texts) == pytest.approx(expected)
+    assert tm.diversity(["same words here again"] * 5) < tm.diversity(["one two three four", "five six seven eight"])
+
+
+def test_generate_bad_input(tiny_trained_bridge, tmp_path, monkeypatch):
+    store, art = tiny_trained_bridge
+    monkeypatch.setenv("DIHAL_ROOT", str(store.root))
+    res = invoke("generate", "--bridge", "nonexistent0")
+    assert res.exit_code == 2 and "no bridge artifact 'nonexistent0'" in res.output
+    empty = tmp_path / "prompts.txt"
+    empty.write_text("\n\n")
+    res = invoke("generate", "--bridge", art.id, "--prompts-file", str(empty))
+    assert res.exit_code == 2 and "is empty" in res.output
+    for bad in ("0", "1.5"):
+        res = invoke("generate", "--bridge", art.id, "--top-p", bad)
+        assert res.exit_code == 2 and "--top-p must be in (0, 1]" in res.output
+        assert len(res.output.strip().splitlines()) == 1
