@@ -37,6 +37,14 @@ def main(_: bool = typer.Option(False, "--version", callback=_version, is_eager=
     """Stages: extract -> score -> train-bridge -> evaluate / generate; sweep trains one bridge per layer."""
 
 
+def _dry_run(command: str, cfg) -> bool:
+    """DIHAL_DRY_RUN=1: validate arguments, print the resolved config, touch no weights or data."""
+    if os.environ.get("DIHAL_DRY_RUN") != "1":
+        return False
+    console.print(f"[yellow]dry run[/yellow] {command}: {cfg}", highlight=False)
+    return True
+
+
 def _report(art, cached: bool) -> None:
     state = "cache hit" if cached else "done"
     console.print(f"[green]{state}[/green]: {art.stage} {art.id} -> {art.path}")
@@ -69,10 +77,10 @@ def extract(
     cfg = stage.ExtractConfig(model, revision, dataset, dataset_config, split, text_field, seq_len, val_fraction,
                               max_sequences, layers, store_dtype, batch_size, device, dtype_name(dtype, device), seed)
     store = ArtifactStore(root)
-    if dry_run:
+    if dry_run or os.environ.get("DIHAL_DRY_RUN") == "1":
         plan = stage.plan(cfg)
-        console.print(f"model {plan.identity['name']}: {plan.num_blocks} blocks, width {plan.width}; "
-                      f"layers {plan.layers[0]}..{plan.layers[-1]} ({len(plan.layers)}); "
+        span = f"{plan.layers[0]}..{plan.layers[-1]} ({len(plan.layers)})" if plan.layers else f"'{layers}' (unchecked)"
+        console.print(f"model {plan.identity['name']}: {plan.num_blocks} blocks, width {plan.width}; layers {span}; "
                       f"sequences {plan.n_sequences or 'all'}; estimated size {human_size(plan.bytes_estimate)}; "
                       f"artifact {stage.STAGE}/{stage._id(stage.resolved_config(cfg))}")
         return
@@ -129,10 +137,13 @@ def score(
     from stages import score as stage
     from stages.models import resolve_device
 
-    store = ArtifactStore(root)
-    parent = store.resolve(extract, "extract")
     cfg = stage.ScoreConfig(tokens, k, eps_rel, pairs, normalize, exclude_positions, candidates, split, seed,
                             resolve_device(device))
+    stage.validate(cfg)
+    if _dry_run("score", cfg):
+        return
+    store = ArtifactStore(root)
+    parent = store.resolve(extract, "extract")
     art = stage.run(cfg, parent, store, force=force, progress=None if as_json else RichProgress())
     result = stage.load_table(art).sort_values("rank")
     if as_json:
@@ -189,6 +200,8 @@ def train_bridge(
     if epochs is not None and steps is None:
         overrides["steps"] = None
     cfg = stage.resolve_config(layer, protocol, overrides)
+    if _dry_run("train-bridge", cfg):
+        return
     parent = _extract_parent(store, extract, f"0,{layer}", model, dataset, max_sequences, seq_len, device, dtype, seed)
     cached = store.cached(stage.STAGE, stage.config_dict(cfg), {"extract": parent.id})
     art = stage.run(cfg, parent, store, force=force, progress=RichProgress())
@@ -221,11 +234,15 @@ def evaluate(
     device = resolve_device(device)
     if bridge is not None:
         cfg = stage.FidelityConfig(stage.parse_steps(steps), limit, batch_size, seed, device, dtype_name(dtype, device))
+        if _dry_run("evaluate", cfg):
+            return
         art = stage.run_fidelity(cfg, store.resolve(bridge, "bridge"), store, force=force)
         rows = art.manifest["metrics"]["fidelity"]
         title = f"bridge fidelity, layer {art.manifest['metrics']['layer']}"
     else:
         cfg = stage.SamplesConfig(evaluator, limit, batch_size, device, dtype_name(dtype, device))
+        if _dry_run("evaluate", cfg):
+            return
         art = stage.run_samples(cfg, store.resolve(samples, "generate"), store, force=force)
         rows = art.manifest["metrics"]["rows"]
         title = "generation quality"
@@ -262,6 +279,13 @@ def sweep(
     store = ArtifactStore(root)
     device = resolve_device(device)
     layer_list = parse_layers(layers, 10**6)
+    from stages.bridge import resolve_config
+
+    overrides = tuple((k, v) for k, v in (("steps", steps), ("width", width), ("depth", depth),
+                                          ("batch_size", batch_size)) if v is not None)
+    resolve_config(max(layer_list), protocol, dict(overrides))
+    if _dry_run("sweep", (layer_list, protocol, overrides)):
+        return
     parent = _extract_parent(store, extract, "0," + ",".join(map(str, layer_list)), model, dataset, max_sequences,
                              seq_len, device, dtype, seed)
     if score:
@@ -269,8 +293,6 @@ def sweep(
     else:
         scfg = score_stage.ScoreConfig(tokens=tokens, candidates=",".join(map(str, layer_list)), seed=seed, device=device)
         score_art = score_stage.run(scfg, parent, store, progress=RichProgress())
-    overrides = tuple((k, v) for k, v in (("steps", steps), ("width", width), ("depth", depth),
-                                          ("batch_size", batch_size)) if v is not None)
     cfg = stage.SweepConfig(tuple(layer_list), protocol, overrides, eval_steps, eval_limit, seed, device,
                             dtype_name(dtype, device))
     art = stage.run(cfg, parent, score_art, store, force=force, progress=RichProgress())
@@ -321,6 +343,8 @@ def generate(
     cfg = stage.GenerateConfig(tuple(prompts), num_samples, max_new_tokens, temperature, top_k, top_p, steps,
                                batch_size, mode, baseline, not no_cache, seed, device, dtype_name(dtype, device))
     stage.validate(cfg)
+    if _dry_run("generate", cfg):
+        return
     bridge_art = store.resolve(bridge, "bridge")
     art = stage.run(cfg, bridge_art, store, backbone_for(bridge_art, device, cfg.dtype), force=force,
                     progress=RichProgress())
@@ -332,3 +356,10 @@ def generate(
     for model_name, m in art.manifest["metrics"].items():
         console.print(f"{model_name}: {m['ms_per_token']:.1f} ms per token (batch step), {m['mean_tokens']:.1f} tokens")
     _report(art, False)
+
+
+@runs_app.command("latest")
+@user_errors
+def runs_latest(stage: str, root: Optional[str] = Root) -> None:
+    """Print the id of the newest complete artifact of STAGE (for scripts)."""
+    print(ArtifactStore(root).resolve("latest", stage).id)

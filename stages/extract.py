@@ -107,7 +107,13 @@ def plan(cfg: ExtractConfig) -> Plan:
         raise DihalError("--store-dtype must be float16 or float32")
     if cfg.batch_size < 1:
         raise DihalError("--batch-size must be at least 1")
-    config, identity = model_config(cfg.model)
+    try:
+        config, identity = model_config(cfg.model)
+    except DihalError:
+        if locate(cfg.model)[1]["source"] != "hub":
+            raise
+        # offline dry run of a hub model: flags checked, the layer range waits for the real run
+        return Plan([], 0, 0, cfg.max_sequences, None, {"name": cfg.model, "source": "hub (offline: config not checked)"})
     num_blocks = config.num_hidden_layers
     layers = parse_layers(cfg.layers, num_blocks)
     max_pos = getattr(config, "max_position_embeddings", None)

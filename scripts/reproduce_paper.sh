@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# The paper's setting: Llama-3.1-8B-Instruct and Qwen3-8B on Dolma v1.7, GPU-sized.
+# It needs the hub (or a populated HF cache) and a GPU. DRY_RUN=1 validates every stage's
+# arguments offline without loading weights or data.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+[ "${DRY_RUN:-0}" = 1 ] && export DIHAL_DRY_RUN=1 HF_HUB_OFFLINE=1
+DEV="--device ${DEVICE:-cuda} --dtype ${DTYPE:-bfloat16}"
+dry() { [ "${DIHAL_DRY_RUN:-0}" = 1 ]; }
+latest() { if dry; then echo latest; else dihal runs latest "$1"; fi; }
+
+for spec in "meta-llama/Llama-3.1-8B-Instruct 1-31" "Qwen/Qwen3-8B 1-35"; do
+  set -- $spec
+  MODEL=$1; LAYERS=$2
+  export DIHAL_ROOT=runs/paper/$(basename "$MODEL")
+  echo "== $MODEL"
+  dihal extract --model "$MODEL" --dataset allenai/dolma --dataset-config v1_7 --text-field text \
+    --layers all --max-sequences 20000 --seq-len 128 --batch-size 32 $DEV
+  EXTRACT=$(latest extract)
+  dihal score --extract "$EXTRACT" --tokens 4096 --device cuda
+  SCORE=$(latest score)
+  if dry; then LSTAR=3; else
+    LSTAR=$(dihal score --extract "$EXTRACT" --tokens 4096 --device cuda --json | python3 -c "import json,sys; print(json.load(sys.stdin)['l_star'])")
+  fi
+  dihal sweep --layers "$LAYERS" --protocol paper --extract "$EXTRACT" --score "$SCORE" --eval-limit 256 $DEV
+  BRIDGE=$(latest bridge)
+  dry || BRIDGE=$(python3 -c "import json; print(__import__('pandas').read_csv('$DIHAL_ROOT/sweep/'+'$(latest sweep)'+'/sweep.csv').set_index('layer').loc[$LSTAR,'bridge'])")
+  dihal evaluate --bridge "$BRIDGE" --steps 4,8,16,32 --limit 512 $DEV
+  dihal generate --bridge "$BRIDGE" --num-samples 1000 --max-new-tokens 128 --steps 16 --top-p 0.95 \
+    --batch-size 50 --baseline original $DEV
+  GENERATE=$(latest generate)
+  dihal evaluate --samples "$GENERATE" --limit 1000 $DEV
+  dry || python3 scripts/summarize.py "$DIHAL_ROOT" "$DIHAL_ROOT/summary.md"
+done
