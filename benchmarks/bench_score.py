@@ -9,7 +9,6 @@ the same run and compared per layer.
 from __future__ import annotations
 
 import sys
-import time
 from pathlib import Path
 
 import numpy as np

@@ -82,7 +82,7 @@ def extract(
         span = f"{plan.layers[0]}..{plan.layers[-1]} ({len(plan.layers)})" if plan.layers else f"'{layers}' (unchecked)"
         console.print(f"model {plan.identity['name']}: {plan.num_blocks} blocks, width {plan.width}; layers {span}; "
                       f"sequences {plan.n_sequences or 'all'}; estimated size {human_size(plan.bytes_estimate)}; "
-                      f"artifact {stage.STAGE}/{stage._id(stage.resolved_config(cfg))}")
+                      f"artifact {stage.STAGE}/{stage.artifact_id_for(cfg)}")
         return
     cached = store.cached(stage.STAGE, stage.resolved_config(cfg), {})
     art = stage.run(cfg, store, force=force, progress=RichProgress())

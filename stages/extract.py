@@ -6,18 +6,17 @@ the same bytes as an uninterrupted one. Under torchrun, rank r takes chunks r, r
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
-import time
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 import numpy as np
 import torch
 
 from artifacts import hidden_states as hs
 from artifacts.errors import DihalError
-from artifacts.store import Artifact, ArtifactStore
+from artifacts.store import Artifact, ArtifactStore, artifact_id
 from stages import data as data_mod
 from stages.capture import capture_layers, run_capture
 from stages.models import LoadedModel, load_model, locate
@@ -171,48 +170,46 @@ def run(cfg: ExtractConfig, store: ArtifactStore, *, force: bool = False, check_
     est = estimate_bytes(n_seq, cfg.seq_len, loaded.width, len(layers), cfg.store_dtype)
     progress.log(f"plan: {n_seq} sequences x {cfg.seq_len} tokens, {len(layers)} layers, "
                  f"about {est / 2**20:.1f} MiB on disk under {store.root}")
-    if check_disk:
+    if check_disk and not force:
         store.root.mkdir(parents=True, exist_ok=True)
         free = shutil.disk_usage(store.root).free
         if est > free:
             raise DihalError(f"extraction needs about {est / 2**30:.2f} GiB but {store.root} has {free / 2**30:.2f} GiB free; "
                              "lower --max-sequences or pass --force")
-    art_path = store.root / STAGE / _id(config)
-    zarr_path = art_path / "hidden.zarr"
-    if rank == 0:
-        with store.lock(STAGE, _id(config)):
-            art = store.begin(STAGE, config, {}, seed=cfg.seed, device=str(loaded.device), force=force,
-                              extra={"model": loaded.identity, "dataset_fingerprint": packed.fingerprint,
-                                     "n_documents": packed.n_documents, "world_size": world})
+    art_id = artifact_id(STAGE, config, {})
+    zarr_path = store.root / STAGE / art_id / "hidden.zarr"
+    with contextlib.ExitStack() as held:
+        if rank == 0:  # rank 0 owns the artifact (and its lock) for the whole extraction
+            held.enter_context(store.lock(STAGE, art_id))
+            store.begin(STAGE, config, {}, seed=cfg.seed, device=str(loaded.device), force=force,
+                        extra={"model": loaded.identity, "dataset_fingerprint": packed.fingerprint,
+                               "n_documents": packed.n_documents, "world_size": world})
             group = hs.create(zarr_path, layers, n_seq, cfg.seq_len, loaded.width, cfg.store_dtype, cfg.batch_size,
                               {"num_blocks": loaded.num_blocks, "model": loaded.identity["name"]})
             if not hs.committed_chunks(group).any():
                 group["split"][:] = packed.split
-    _barrier(world)
-    if rank != 0:
-        group = hs.open_for_writing(zarr_path)
-    try:
-        _extract_chunks(loaded, group, packed.input_ids, layers, cfg, rank, world, progress)
-    except DihalError as exc:  # committed chunks stay; a rerun resumes after the fix
+        _barrier(world)
+        if rank != 0:
+            group = hs.open_for_writing(zarr_path)
+        try:
+            _extract_chunks(loaded, group, packed.input_ids, layers, cfg, rank, world, progress)
+        except DihalError as exc:  # committed chunks stay; a rerun resumes after the fix
+            if rank == 0:
+                store.load(STAGE, art_id).fail(str(exc))
+            raise
+        _barrier(world)
+        art = store.load(STAGE, art_id)
         if rank == 0:
-            store.load(STAGE, _id(config)).fail(str(exc))
-        raise
-    _barrier(world)
-    if rank != 0:
-        return store.load(STAGE, _id(config))
-    art = store.load(STAGE, _id(config))
-    art.manifest.setdefault("metrics", {}).update({
-        "n_sequences": int(n_seq), "n_train": int((packed.split == 0).sum()), "n_validation": int((packed.split == 1).sum()),
-        "layers": layers, "seq_len": cfg.seq_len, "width": loaded.width, "num_blocks": loaded.num_blocks,
-    })
-    art.finish()
+            art.manifest["metrics"] = {
+                "n_sequences": int(n_seq), "n_train": int((packed.split == 0).sum()),
+                "n_validation": int((packed.split == 1).sum()), "layers": layers, "seq_len": cfg.seq_len,
+                "width": loaded.width, "num_blocks": loaded.num_blocks}
+            art.finish()
     return art
 
 
-def _id(config: dict) -> str:
-    from artifacts.store import artifact_id
-
-    return artifact_id(STAGE, config, {})
+def artifact_id_for(cfg: ExtractConfig) -> str:
+    return artifact_id(STAGE, resolved_config(cfg), {})
 
 
 def _fault_injection(index: int, mine: list[int]) -> None:

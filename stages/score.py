@@ -19,7 +19,7 @@ import torch
 
 from artifacts import hidden_states as hs
 from artifacts.errors import DihalError
-from artifacts.store import Artifact, ArtifactStore
+from artifacts.store import Artifact, ArtifactStore, artifact_id
 from stages.progress import NullProgress, Progress
 
 STAGE = "score"
@@ -232,7 +232,7 @@ def run(cfg: ScoreConfig, extract: Artifact, store: ArtifactStore, *, force: boo
     cached = store.cached(STAGE, config, parents)
     if cached and not force:
         return cached
-    with store.lock(STAGE, _id(config, parents)):
+    with store.lock(STAGE, artifact_id(STAGE, config, parents)):
         art = store.begin(STAGE, config, parents, seed=cfg.seed, device=cfg.device, force=force,
                           extra={"model": extract.manifest.get("model")})
         table, seq_idx, pos_idx = score_layers(group, cfg, layers, progress)
@@ -241,12 +241,6 @@ def run(cfg: ScoreConfig, extract: Artifact, store: ArtifactStore, *, force: boo
         art.manifest["metrics"] = {"l_star": best, "n_tokens": cfg.tokens, "candidates": layers}
         art.finish()
     return art
-
-
-def _id(config: dict, parents: dict) -> str:
-    from artifacts.store import artifact_id
-
-    return artifact_id(STAGE, config, parents)
 
 
 def write_outputs(art: Artifact, table: pd.DataFrame, seq_idx: np.ndarray, pos_idx: np.ndarray) -> None:

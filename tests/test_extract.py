@@ -91,7 +91,7 @@ def test_killed_extraction_resumes_to_identical_store(tiny_dirs, tmp_path):
     resumed = run_cli(*args, "--root", str(tmp_path / "a"))
     assert resumed.returncode == 0, resumed.stderr
     assert "resuming: 2 of 6 chunks" in resumed.stderr
-    clean = run_cli(*args, "--root", str(tmp_path / "b"), check=True)
+    run_cli(*args, "--root", str(tmp_path / "b"), check=True)
     a, b = _store_arrays(_only_artifact(tmp_path / "a").path), _store_arrays(_only_artifact(tmp_path / "b").path)
     assert a.keys() == b.keys()
     for name in a:
