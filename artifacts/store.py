@@ -45,7 +45,7 @@ def resolve_root(root: str | os.PathLike | None = None) -> Path:
 
 
 def _now() -> str:
-    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="microseconds")
 
 
 def _git_state() -> dict:

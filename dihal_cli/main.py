@@ -99,7 +99,7 @@ def runs_list(stage: Optional[str] = typer.Option(None, "--stage"), root: Option
     for art in store.all(stage):
         cfg = art.config
         keys = [f"{k}={cfg[k]}" for k in ("model", "layer", "layers", "protocol", "mode") if cfg.get(k) is not None]
-        rows.append([art.stage, art.id, art.status, " ".join(keys), art.manifest.get("created", ""),
+        rows.append([art.stage, art.id, art.status, " ".join(keys), art.manifest.get("created", "")[:19].replace("T", " "),
                      human_size(art.manifest.get("size_bytes"))])
     console.print(table(f"artifacts under {store.root}", ["stage", "id", "status", "parameters", "created", "size"], rows))
 

@@ -1,0 +1,67 @@
+"""The artifact store: content-hashed ids, manifests, references, locks."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from artifacts.errors import DihalError
+from artifacts.store import ArtifactStore, artifact_id
+from tests.conftest import invoke
+
+
+def test_id_is_sha256_prefix_of_canonical_json_and_order_free():
+    import hashlib
+
+    a = artifact_id("score", {"k": 64, "tokens": 4096}, {"extract": "abc"})
+    b = artifact_id("score", {"tokens": 4096, "k": 64}, {"extract": "abc"})
+    payload = json.dumps({"stage": "score", "schema": 1, "config": {"k": 64, "tokens": 4096}, "parents": {"extract": "abc"}},
+                         sort_keys=True, separators=(",", ":"))
+    assert a == b == hashlib.sha256(payload.encode()).hexdigest()[:12]
+    assert artifact_id("score", {"k": 65, "tokens": 4096}, {"extract": "abc"}) != a
+    assert artifact_id("score", {"k": 64, "tokens": 4096}, {"extract": "abd"}) != a
+
+
+def test_manifest_lifecycle_and_references(tmp_path):
+    store = ArtifactStore(tmp_path)
+    first = store.begin("extract", {"x": 1}, {}, seed=3)
+    assert first.status == "running" and store.cached("extract", {"x": 1}, {}) is None
+    (first.path / "data.bin").write_bytes(b"12345")
+    first.finish()
+    manifest = json.loads(first.manifest_path.read_text())
+    assert manifest["status"] == "complete" and manifest["files"] == {"data.bin": 5} and manifest["seed"] == 3
+    for key in ("environment", "dihal_version", "created", "finished", "schema_version", "config", "parents"):
+        assert key in manifest
+    assert store.cached("extract", {"x": 1}, {}).id == first.id
+    with pytest.raises(DihalError, match="complete"):
+        first.set_metrics(loss=1.0)
+    second = store.begin("extract", {"x": 2}, {})
+    second.finish()
+    assert store.resolve("latest", "extract").id == second.id
+    assert store.resolve(first.id[:6], "extract").id == first.id
+    with pytest.raises(DihalError, match="no extract artifact 'zzz'"):
+        store.resolve("zzz", "extract")
+
+
+def test_lock_stops_a_second_writer(tmp_path):
+    store = ArtifactStore(tmp_path)
+    with store.lock("bridge", "abc"):
+        other = ArtifactStore(tmp_path)
+        with pytest.raises(DihalError, match="another process is writing"):
+            with other.lock("bridge", "abc"):
+                pass
+
+
+def test_runs_list_and_show(tmp_path, monkeypatch):
+    monkeypatch.setenv("DIHAL_ROOT", str(tmp_path))
+    store = ArtifactStore(tmp_path)
+    parent = store.begin("extract", {"model": "m"}, {})
+    parent.finish()
+    child = store.begin("score", {"k": 5}, {"extract": parent.id})
+    child.finish()
+    listed = invoke("runs", "list")
+    assert listed.exit_code == 0 and parent.id in listed.output and child.id in listed.output
+    shown = invoke("runs", "show", child.id[:5])
+    assert shown.exit_code == 0 and f"<- extract {parent.id}" in shown.output
+    assert invoke("runs", "latest", "score").output.strip() == child.id
+    assert invoke("runs", "show", "nope").exit_code == 2
