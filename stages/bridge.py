@@ -31,7 +31,7 @@ PROTOCOLS: dict[str, dict] = {
     "cpu-small": dict(steps=600, epochs=None, batch_size=32, lr=1e-3, warmup=30, schedule="cosine", ema=0.995,
                       width=256, depth=4, heads=4, eval_every=100, checkpoint_every=50, val_sequences=64),
     # one fixed short budget per layer for sweeps (under 2 minutes a layer on CPU)
-    "sweep-tiny": dict(steps=150, epochs=None, batch_size=32, lr=1e-3, warmup=15, schedule="cosine", ema=0.99,
+    "sweep-tiny": dict(steps=150, epochs=None, batch_size=32, lr=2e-3, warmup=15, schedule="cosine", ema=0.99,
                        width=256, depth=4, heads=4, eval_every=75, checkpoint_every=50, val_sequences=64),
     # GPU scale, as in the paper: one epoch over the train split
     "paper": dict(steps=None, epochs=1, batch_size=64, lr=3e-4, warmup=500, schedule="cosine", ema=0.9999,
