@@ -29,9 +29,9 @@ def create(path: Path, layers: list[int], n_seq: int, seq_len: int, width: int, 
     if (path / "zarr.json").exists():
         return zarr.open_group(str(path), mode="r+")
     group = zarr.open_group(str(path), mode="w")
-    for layer in layers:
+    for layer in layers:  # uncompressed: float16 states shrink ~10% under zstd at twice the write time
         group.create_array(f"layers/{layer}", shape=(n_seq, seq_len, width), chunks=(chunk_seqs, seq_len, width),
-                           dtype=store_dtype, fill_value=0)
+                           dtype=store_dtype, fill_value=0, compressors=None)
     group.create_array("input_ids", shape=(n_seq, seq_len), chunks=(chunk_seqs, seq_len), dtype="int32", fill_value=0)
     group.create_array("attention_mask", shape=(n_seq, seq_len), chunks=(chunk_seqs, seq_len), dtype="int8", fill_value=0)
     group.create_array("split", shape=(n_seq,), chunks=(max(n_seq, 1),), dtype="int8", fill_value=0)

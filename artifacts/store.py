@@ -250,6 +250,19 @@ class ArtifactStore:
         art.save_manifest()
         return art
 
+    @contextlib.contextmanager
+    def writing(self, stage: str, config: dict, parents: dict[str, str], *, force: bool = False,
+                seed: int | None = None, device: str | None = None, extra: dict | None = None) -> Iterator[Artifact]:
+        """Lock, open (status running), yield, then mark complete; a DihalError marks it failed."""
+        with self.lock(stage, artifact_id(stage, config, parents)):
+            art = self.begin(stage, config, parents, seed=seed, device=device, extra=extra, force=force)
+            try:
+                yield art
+            except DihalError as exc:
+                art.fail(str(exc))
+                raise
+            art.finish()
+
     def cached(self, stage: str, config: dict, parents: dict[str, str]) -> Artifact | None:
         art = self.load(stage, artifact_id(stage, config, parents))
         return art if art.complete else None

@@ -150,9 +150,10 @@ def score(
         print_json({"id": art.id, "path": str(art.path), **art.manifest["metrics"], "table": result.to_dict("records")})
         return
     cols = ["rank", "layer", "S", "m_curv", "m_mono", "k_hat", "participation_ratio", "entropy_rank", "mean_token_norm"]
+    names = ["rank", "layer", "S", "m_curv", "m_mono", "k_hat", "PR", "erank", "|h|"]
     l_star = art.manifest["metrics"]["l_star"]
     rows = [[r[c] for c in cols] for r in result.to_dict("records")]
-    console.print(table(f"layer ranking (l* = {l_star})", cols, rows, highlight_row=0))
+    console.print(table(f"layer ranking (l* = {l_star})", names, rows, highlight_row=0))
     _report(art, False)
 
 

@@ -73,7 +73,7 @@ def user_errors(fn: Callable) -> Callable:
 def table(title: str, columns: list[str], rows: list[list], highlight_row: int | None = None) -> Table:
     out = Table(title=title, show_lines=False)
     for column in columns:
-        out.add_column(column)
+        out.add_column(column, overflow="fold")
     for i, row in enumerate(rows):
         out.add_row(*[_fmt(v) for v in row], style="bold green" if i == highlight_row else None)
     return out
@@ -81,7 +81,7 @@ def table(title: str, columns: list[str], rows: list[list], highlight_row: int |
 
 def _fmt(value) -> str:
     if isinstance(value, float):
-        return f"{value:.4g}"
+        return f"{value:.3e}" if value != 0 and abs(value) < 1e-2 else f"{value:.4g}"
     return str(value)
 
 

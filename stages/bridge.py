@@ -19,8 +19,8 @@ import torch
 from artifacts import files
 from artifacts import hidden_states as hs
 from artifacts.errors import DihalError
-from artifacts.store import Artifact, ArtifactStore, artifact_id
-from stages import flow
+from artifacts.store import Artifact, ArtifactStore
+from stages import flow, plotting
 from stages.denoiser import Denoiser, DenoiserConfig
 from stages.progress import NullProgress, Progress
 
@@ -325,7 +325,7 @@ def train(cfg: BridgeConfig, group, art: Artifact, progress: Progress) -> dict:
         if not torch.isfinite(loss):
             kept = files.load_state(state_path)
             where = f"step {kept['step']}" if kept else "none yet"
-            raise DihalError(f"bridge loss became {float(loss)} at step {step} (last good checkpoint: {where}); "
+            raise DihalError(f"bridge loss became {loss.item()} at step {step} (last good checkpoint: {where}); "
                              "lower --lr or raise --warmup, then rerun to resume")
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -385,12 +385,7 @@ def _fault_injection(step: int) -> None:
 
 
 def plot_losses(log: list[dict], path, cfg: BridgeConfig) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig, ax = plotting.figure(7, 4)
     ax.plot([r["step"] for r in log], [r["train_loss"] for r in log], alpha=0.5, label="train")
     val = [(r["step"], r["val_loss"]) for r in log if "val_loss" in r]
     if val:
@@ -398,12 +393,8 @@ def plot_losses(log: list[dict], path, cfg: BridgeConfig) -> None:
     ax.set_yscale("log")
     ax.set_xlabel("step")
     ax.set_ylabel(f"{cfg.prediction} MSE (normalized)")
-    ax.set_title(f"bridge layer {cfg.layer} ({cfg.protocol})")
     ax.legend()
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    plotting.save(fig, ax, path, f"bridge layer {cfg.layer} ({cfg.protocol})", dpi=110)
 
 
 # -- the stage ----------------------------------------------------------------------------------
@@ -423,17 +414,9 @@ def run(cfg: BridgeConfig, extract: Artifact, store: ArtifactStore, *, force: bo
     cached = store.cached(STAGE, config, parents)
     if cached and not force:
         return cached
-    with store.lock(STAGE, artifact_id(STAGE, config, parents)):
-        art = store.begin(STAGE, config, parents, seed=cfg.seed, device=cfg.device, force=force,
-                          extra={"model": extract.manifest.get("model"),
-                                 "extract_config": extract.config})
-        try:
-            metrics = train(cfg, group, art, progress)
-        except DihalError as exc:
-            art.fail(str(exc))
-            raise
-        art.manifest["metrics"] = metrics
-        art.finish()
+    with store.writing(STAGE, config, parents, force=force, seed=cfg.seed, device=cfg.device,
+                       extra={"model": extract.manifest.get("model"), "extract_config": extract.config}) as art:
+        art.manifest["metrics"] = train(cfg, group, art, progress)
     return art
 
 

@@ -10,7 +10,7 @@ import torch
 
 from artifacts import hidden_states as hs
 from artifacts.errors import DihalError
-from artifacts.store import Artifact, ArtifactStore, artifact_id
+from artifacts.store import Artifact, ArtifactStore
 from stages.bridge import Bridge
 from stages.fidelity import evaluate_fidelity
 from stages.models import LoadedModel, load_model
@@ -58,9 +58,8 @@ def run_fidelity(cfg: FidelityConfig, bridge_art: Artifact, store: ArtifactStore
     cached = store.cached(STAGE, config, parents)
     if cached and not force:
         return cached
-    with store.lock(STAGE, artifact_id(STAGE, config, parents)):
-        art = store.begin(STAGE, config, parents, seed=cfg.seed, device=cfg.device, force=force,
-                          extra={"model": bridge_art.manifest.get("model")})
+    with store.writing(STAGE, config, parents, force=force, seed=cfg.seed, device=cfg.device,
+                       extra={"model": bridge_art.manifest.get("model")}) as art:
         loaded = loaded or backbone_for(bridge_art, cfg.device, cfg.dtype)
         bridge = Bridge.load(bridge_art, cfg.device)
         ids = validation_ids(store, bridge_art, cfg.limit)
@@ -70,7 +69,6 @@ def run_fidelity(cfg: FidelityConfig, bridge_art: Artifact, store: ArtifactStore
         art.file("results.json").write_text(json.dumps({"layer": bridge.layer, "n_sequences": int(ids.shape[0]),
                                                         "fidelity": rows}, indent=2))
         art.manifest["metrics"] = {"layer": bridge.layer, "fidelity": rows}
-        art.finish()
     return art
 
 
@@ -121,9 +119,8 @@ def run_samples(cfg: SamplesConfig, gen_art: Artifact, store: ArtifactStore, *, 
     cached = store.cached(STAGE, config, parents)
     if cached and not force:
         return cached
-    with store.lock(STAGE, artifact_id(STAGE, config, parents)):
-        art = store.begin(STAGE, config, parents, device=cfg.device, force=force,
-                          extra={"model": gen_art.manifest.get("model")})
+    with store.writing(STAGE, config, parents, force=force, device=cfg.device,
+                       extra={"model": gen_art.manifest.get("model")}) as art:
         spec = cfg.evaluator or gen_art.manifest["extract_config"]["model"]
         loaded = loaded or load_model(spec, cfg.device, cfg.dtype)
         rows = []
@@ -138,5 +135,4 @@ def run_samples(cfg: SamplesConfig, gen_art: Artifact, store: ArtifactStore, *, 
         pd.DataFrame(rows).to_csv(art.file("generation.csv"), index=False)
         art.file("results.json").write_text(json.dumps({"evaluator": spec, "rows": rows}, indent=2))
         art.manifest["metrics"] = {"evaluator": spec, "rows": rows}
-        art.finish()
     return art

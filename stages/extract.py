@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from concurrent.futures import ThreadPoolExecutor
 import shutil
 from dataclasses import asdict, dataclass
 
@@ -231,7 +232,9 @@ def _extract_chunks(loaded: LoadedModel, group, input_ids: np.ndarray, layers: l
         progress.log(f"resuming: {int(done.sum())} of {len(chunks)} chunks already committed")
     progress.start("extract", total_tokens, "tok")
     device = loaded.device
-    with torch.no_grad(), capture_layers(loaded.model, layers) as captured:
+    # one chunk is written (and committed) on a background thread while the next is computed
+    with torch.no_grad(), capture_layers(loaded.model, layers) as captured, ThreadPoolExecutor(1) as writer:
+        pending = None
         for index in mine:
             start, stop = chunks[index]
             ids = torch.from_numpy(input_ids[start:stop].astype(np.int64)).to(device)
@@ -239,11 +242,16 @@ def _extract_chunks(loaded: LoadedModel, group, input_ids: np.ndarray, layers: l
             states = run_capture(loaded.model, captured, ids, mask)
             arrays = {}
             for layer in layers:
-                values = states[layer].float()
+                values = states[layer]
                 if cfg.store_dtype == "float16":
                     check_float16(layer, values)
-                arrays[layer] = values.cpu().numpy().astype(cfg.store_dtype)
-            hs.write_chunk(group, index, start, arrays, input_ids[start:stop], mask.cpu().numpy().astype(np.int8))
+                arrays[layer] = values.to("cpu", torch.float32).numpy().astype(cfg.store_dtype)
+            if pending is not None:
+                pending.result()
+                _fault_injection(mine[mine.index(index) - 1], mine)
+            pending = writer.submit(hs.write_chunk, group, index, start, arrays, input_ids[start:stop],
+                                    mask.cpu().numpy().astype(np.int8))
             progress.advance((stop - start) * cfg.seq_len)
-            _fault_injection(index, mine)
+        if pending is not None:
+            pending.result()
     progress.stop()

@@ -15,7 +15,7 @@ import torch
 from transformers import DynamicCache
 
 from artifacts.errors import DihalError
-from artifacts.store import Artifact, ArtifactStore, artifact_id
+from artifacts.store import Artifact, ArtifactStore
 from stages.bridge import Bridge
 from stages.capture import hidden_states
 from stages.hybrid import suffix_model
@@ -173,10 +173,9 @@ def run(cfg: GenerateConfig, bridge_art: Artifact, store: ArtifactStore, loaded:
     cached = store.cached(STAGE, config, parents)
     if cached and not force:
         return cached
-    with store.lock(STAGE, artifact_id(STAGE, config, parents)):
-        art = store.begin(STAGE, config, parents, seed=cfg.seed, device=cfg.device, force=force,
-                          extra={"model": bridge_art.manifest.get("model"),
-                                 "extract_config": bridge_art.manifest.get("extract_config")})
+    with store.writing(STAGE, config, parents, force=force, seed=cfg.seed, device=cfg.device,
+                       extra={"model": bridge_art.manifest.get("model"),
+                              "extract_config": bridge_art.manifest.get("extract_config")}) as art:
         bridge = Bridge.load(bridge_art, cfg.device)
         total = len(cfg.prompts or [""]) * cfg.num_samples * (2 if cfg.baseline == "original" else 1)
         progress.start("generate", total, "sample")
@@ -190,5 +189,4 @@ def run(cfg: GenerateConfig, bridge_art: Artifact, store: ArtifactStore, loaded:
             metrics[rows[0]["model"]] = {"ms_per_token": sum(r["ms_per_token"] for r in rows) / len(rows),
                                          "mean_tokens": sum(r["n_tokens"] for r in rows) / len(rows)}
         art.manifest["metrics"] = metrics
-        art.finish()
     return art

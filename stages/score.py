@@ -19,7 +19,8 @@ import torch
 
 from artifacts import hidden_states as hs
 from artifacts.errors import DihalError
-from artifacts.store import Artifact, ArtifactStore, artifact_id
+from artifacts.store import Artifact, ArtifactStore
+from stages import plotting
 from stages.progress import NullProgress, Progress
 
 STAGE = "score"
@@ -232,14 +233,12 @@ def run(cfg: ScoreConfig, extract: Artifact, store: ArtifactStore, *, force: boo
     cached = store.cached(STAGE, config, parents)
     if cached and not force:
         return cached
-    with store.lock(STAGE, artifact_id(STAGE, config, parents)):
-        art = store.begin(STAGE, config, parents, seed=cfg.seed, device=cfg.device, force=force,
-                          extra={"model": extract.manifest.get("model")})
+    with store.writing(STAGE, config, parents, force=force, seed=cfg.seed, device=cfg.device,
+                       extra={"model": extract.manifest.get("model")}) as art:
         table, seq_idx, pos_idx = score_layers(group, cfg, layers, progress)
         write_outputs(art, table, seq_idx, pos_idx)
         best = int(table.loc[table["S"].idxmax(), "layer"])
         art.manifest["metrics"] = {"l_star": best, "n_tokens": cfg.tokens, "candidates": layers}
-        art.finish()
     return art
 
 
@@ -255,24 +254,15 @@ def write_outputs(art: Artifact, table: pd.DataFrame, seq_idx: np.ndarray, pos_i
 
 
 def plot(table: pd.DataFrame, l_star: int, path, normalize_mode: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(8, 4.5))
+    fig, ax = plotting.figure()
     for column, label in (("z_m_curv", "z(m_curv)"), ("z_m_mono", "z(m_mono)"), ("z_k_hat", "z(k_hat)")):
         ax.plot(table["layer"], table[column], marker=".", label=label, alpha=0.8)
     ax.plot(table["layer"], table["S"], marker="o", color="black", linewidth=2, label="S")
     ax.axvline(l_star, color="red", linestyle="--", label=f"l* = {l_star}")
     ax.set_xlabel("layer")
     ax.set_ylabel("z-score")
-    ax.set_title(f"DiHAL geometry score (normalize={normalize_mode})")
     ax.legend()
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    plotting.save(fig, ax, path, f"DiHAL geometry score (normalize={normalize_mode})")
 
 
 def load_table(art: Artifact) -> pd.DataFrame:

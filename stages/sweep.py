@@ -8,9 +8,10 @@ from dataclasses import asdict, dataclass
 import pandas as pd
 from scipy.stats import spearmanr
 
-from artifacts.store import Artifact, ArtifactStore, artifact_id
+from artifacts.store import Artifact, ArtifactStore
 from stages import bridge as bridge_stage
 from stages import evaluate as eval_stage
+from stages import plotting
 from stages import score as score_stage
 from stages.progress import NullProgress, Progress
 
@@ -55,15 +56,13 @@ def run(cfg: SweepConfig, extract: Artifact, score_art: Artifact, store: Artifac
                      **{k: v for k, v in fid.items() if k != "steps"}})
     table = pd.DataFrame(rows)
     summary = summarize(table, int(score_stage.load_table(score_art).set_index("layer")["S"].idxmax()))
-    with store.lock(STAGE, artifact_id(STAGE, config, parents)):
-        art = store.begin(STAGE, config, parents, seed=cfg.seed, device=cfg.device, force=force,
-                          extra={"model": extract.manifest.get("model")})
+    with store.writing(STAGE, config, parents, force=force, seed=cfg.seed, device=cfg.device,
+                       extra={"model": extract.manifest.get("model")}) as art:
         table.to_csv(art.file("sweep.csv"), index=False)
         table.to_parquet(art.file("sweep.parquet"), index=False)
         art.file("summary.json").write_text(json.dumps(summary, indent=2))
         plot(table, summary, art.file("sweep.png"))
         art.manifest["metrics"] = summary
-        art.finish()
     return art
 
 
@@ -78,12 +77,7 @@ def summarize(table: pd.DataFrame, l_star: int) -> dict:
 
 
 def plot(table: pd.DataFrame, summary: dict, path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(8, 4.5))
+    fig, ax = plotting.figure()
     ax.plot(table["layer"], table["S"], marker="o", color="black", label="geometry score S")
     ax.set_xlabel("layer")
     ax.set_ylabel("S")
@@ -92,9 +86,6 @@ def plot(table: pd.DataFrame, summary: dict, path) -> None:
     ax2.set_ylabel("validation bridge loss", color="tab:red")
     ax.axvline(summary["l_star"], color="black", linestyle="--", alpha=0.6)
     ax.axvline(summary["oracle_layer"], color="tab:red", linestyle=":", alpha=0.6)
-    ax.set_title(f"Spearman rho(S, -loss) = {summary['spearman_rho']:.3f} (p = {summary['p_value']:.2g}); "
-                 f"l* = {summary['l_star']}, oracle = {summary['oracle_layer']}")
     fig.legend(loc="upper right")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    plotting.save(fig, ax, path, f"Spearman rho(S, -loss) = {summary['spearman_rho']:.3f} (p = {summary['p_value']:.2g}); "
+                                 f"l* = {summary['l_star']}, oracle = {summary['oracle_layer']}")
