@@ -171,3 +171,28 @@ def test_builtin_smollm2_all_layers_and_cache_hit(root):
     assert set(np.asarray(group["split"][:]).tolist()) == {0, 1}
     second = invoke(*args)
     assert second.exit_code == 0 and "cache hit" in second.output
+
+
+def test_float16_overflow_is_detected_with_the_fix_named(tmp_path, root):
+    from tests.conftest import build_tiny
+
+    model, tok = build_tiny("llama")
+    with torch.no_grad():
+        model.model.embed_tokens.weight.mul_(1e8)  # layer-0 states far beyond float16's 65504
+    model.save_pretrained(tmp_path / "huge")
+    tok.save_pretrained(tmp_path / "huge")
+    args = ("extract", "--model", str(tmp_path / "huge"), "--max-sequences", "4", "--seq-len", "16", "--device", "cpu")
+    res = invoke(*args)
+    assert res.exit_code == 2 and "beyond float16's range" in res.output and "--store-dtype float32" in res.output
+    assert _only_artifact(root).status == "failed"
+    assert invoke(*args, "--store-dtype", "float32").exit_code == 0
+
+
+def test_disk_estimate_refuses_when_space_is_short(tiny_dirs, root, monkeypatch):
+    import shutil
+    from collections import namedtuple
+
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10**6, 10**6 - 100, 100))
+    res = invoke("extract", "--model", str(tiny_dirs["llama"]), "--max-sequences", "8", "--seq-len", "16", "--device", "cpu")
+    assert res.exit_code == 2 and "GiB free" in res.output and "--force" in res.output
