@@ -13,9 +13,16 @@ from artifacts.errors import DihalError
 from artifacts.store import ArtifactStore
 
 
-def latest(store: ArtifactStore, stage: str, kind: str | None = None):
-    arts = [a for a in store.all(stage) if a.complete and (kind is None or a.config.get("kind") == kind)]
+def latest(store: ArtifactStore, stage: str, kind: str | None = None, parent: tuple[str, str] | None = None):
+    arts = [a for a in store.all(stage) if a.complete and (kind is None or a.config.get("kind") == kind)
+            and (parent is None or a.manifest["parents"].get(parent[0]) == parent[1])]
     return arts[-1] if arts else None
+
+
+def main_bridge(store: ArtifactStore):
+    """The bridge the hybrid generated with (the sweep's per-layer bridges are not it)."""
+    generate = latest(store, "generate")
+    return store.load("bridge", generate.manifest["parents"]["bridge"]) if generate else latest(store, "bridge")
 
 
 def rows_for(store: ArtifactStore) -> list[tuple[str, str]]:
@@ -29,11 +36,11 @@ def rows_for(store: ArtifactStore) -> list[tuple[str, str]]:
         rows += [("Spearman rho(S, -val loss)", f"{m['spearman_rho']:.3f} (p = {m['p_value']:.2g})"),
                  ("oracle / worst layer", f"{m['oracle_layer']} / {m['worst_layer']}"),
                  ("val loss at l* / oracle / worst", f"{m['l_star_val_loss']:.4f} / {m['oracle_val_loss']:.4f} / {m['worst_val_loss']:.4f}")]
-    bridge = latest(store, "bridge")
+    bridge = main_bridge(store)
     if bridge:
         m = bridge.manifest["metrics"]
         rows.append((f"bridge layer {bridge.config['layer']} ({bridge.config['protocol']}) val loss", f"{m['val_loss']:.4f}"))
-    fidelity = latest(store, "evaluate", "fidelity")
+    fidelity = latest(store, "evaluate", "fidelity", ("bridge", bridge.id)) if bridge else None
     if fidelity:
         for r in fidelity.manifest["metrics"]["fidelity"]:
             rows.append((f"fidelity @ {r['steps']} steps: top-1 / KL / rel.err / cos",
