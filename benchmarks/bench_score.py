@@ -39,7 +39,8 @@ def reference_layer(x: np.ndarray, k: int, eps_rel: float, pairs) -> dict:
 
 
 def ranked(model: str, normalize: str) -> dict:
-    art = ex.run(ex.ExtractConfig(model=model, layers="all", max_sequences=1200, seq_len=64), store())
+    store_dtype = "float32" if model.startswith("gemma") else "float16"  # gemma3's stream exceeds float16
+    art = ex.run(ex.ExtractConfig(model=model, layers="all", max_sequences=1200, seq_len=64, store_dtype=store_dtype), store())
     group = hs.open_group(art.path / "hidden.zarr")
     layers = list(range(1, int(group.attrs["num_blocks"])))
     cfg = sc.ScoreConfig(normalize=normalize)
