@@ -157,7 +157,8 @@ def score(
     _report(art, False)
 
 
-def _extract_parent(store, extract_ref, layers, model, dataset, max_sequences, seq_len, device, dtype, seed):
+def _extract_parent(store, extract_ref, layers, model, dataset, max_sequences, seq_len, device, dtype, seed,
+                    store_dtype="float16"):
     """The named extract, or run the extract stage now so the lineage stays explicit."""
     from stages import extract as ex
     from stages.models import dtype_name, resolve_device
@@ -166,7 +167,7 @@ def _extract_parent(store, extract_ref, layers, model, dataset, max_sequences, s
         return store.resolve(extract_ref, "extract")
     device = resolve_device(device)
     cfg = ex.ExtractConfig(model=model, dataset=dataset, seq_len=seq_len, max_sequences=max_sequences, layers=layers,
-                           device=device, dtype=dtype_name(dtype, device), seed=seed)
+                           store_dtype=store_dtype, device=device, dtype=dtype_name(dtype, device), seed=seed)
     return ex.run(cfg, store, progress=RichProgress())
 
 
@@ -179,6 +180,7 @@ def train_bridge(
                                                                     "omitted: run the extract stage now."),
     model: str = Model, dataset: str = typer.Option("pydoc", "--dataset"),
     max_sequences: Optional[int] = typer.Option(None, "--max-sequences"), seq_len: int = typer.Option(64, "--seq-len"),
+    store_dtype: str = typer.Option("float16", "--store-dtype", help="Of the extract run now (float32 for Gemma 3)."),
     steps: Optional[int] = typer.Option(None, "--steps"), epochs: Optional[int] = typer.Option(None, "--epochs"),
     batch_size: Optional[int] = typer.Option(None, "--batch-size"), lr: Optional[float] = typer.Option(None, "--lr"),
     warmup: Optional[int] = typer.Option(None, "--warmup"), ema: Optional[float] = typer.Option(None, "--ema"),
@@ -203,7 +205,8 @@ def train_bridge(
     cfg = stage.resolve_config(layer, protocol, overrides)
     if _dry_run("train-bridge", cfg):
         return
-    parent = _extract_parent(store, extract, f"0,{layer}", model, dataset, max_sequences, seq_len, device, dtype, seed)
+    parent = _extract_parent(store, extract, f"0,{layer}", model, dataset, max_sequences, seq_len, device, dtype, seed,
+                             store_dtype)
     cached = store.cached(stage.STAGE, stage.config_dict(cfg), {"extract": parent.id})
     art = stage.run(cfg, parent, store, force=force, progress=RichProgress())
     metrics = art.manifest["metrics"]

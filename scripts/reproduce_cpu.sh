@@ -14,7 +14,8 @@ dry() { [ "${DIHAL_DRY_RUN:-0}" = 1 ]; }
 latest() { if dry; then echo latest; else dihal runs latest "$1"; fi; }
 
 echo "== 1. extract every layer (sample for the score and the sweep)"
-dihal extract --model "$MODEL" --dataset pydoc --layers all --max-sequences ${MAX_SEQUENCES:-1200} --seq-len $SEQ_LEN $DEV
+dihal extract --model "$MODEL" --dataset pydoc --layers all --max-sequences ${MAX_SEQUENCES:-1200} --seq-len $SEQ_LEN \
+  --store-dtype ${STORE_DTYPE:-float16} $DEV
 EXTRACT=$(latest extract)
 
 echo "== 2. score the layers"
@@ -26,7 +27,8 @@ fi
 echo "l* = $LSTAR"
 
 echo "== 3. train the bridge at l* (cpu-small protocol, all of pydoc)"
-dihal train-bridge --layer "$LSTAR" --protocol cpu-small --model "$MODEL" --dataset pydoc --seq-len $SEQ_LEN $DEV ${BRIDGE_ARGS:-}
+dihal train-bridge --layer "$LSTAR" --protocol cpu-small --model "$MODEL" --dataset pydoc --seq-len $SEQ_LEN \
+  --store-dtype ${STORE_DTYPE:-float16} $DEV ${BRIDGE_ARGS:-}
 BRIDGE=$(latest bridge)
 
 echo "== 4. bridge fidelity (teacher forced, held-out sequences)"
