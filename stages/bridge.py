@@ -11,7 +11,7 @@ import json
 import math
 import os
 import time
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, dataclass, fields
 
 import numpy as np
 import torch
@@ -419,6 +419,3 @@ def run(cfg: BridgeConfig, extract: Artifact, store: ArtifactStore, *, force: bo
         art.manifest["metrics"] = train(cfg, group, art, progress)
     return art
 
-
-def with_overrides(cfg: BridgeConfig, **kw) -> BridgeConfig:
-    return replace(cfg, **kw)
