@@ -75,11 +75,33 @@ def split_indices(group: zarr.Group, split: str) -> np.ndarray:
     return np.flatnonzero(np.asarray(group["split"][:]) == SPLITS[split])
 
 
-def read_positions(group: zarr.Group, layer: int, seq_idx: np.ndarray, pos_idx: np.ndarray) -> np.ndarray:
-    """Hidden states at (seq, pos) pairs, reading only the sequences that hold them."""
-    unique_seqs, inverse = np.unique(seq_idx, return_inverse=True)
-    block = group[f"layers/{layer}"].oindex[unique_seqs]
-    return np.asarray(block[inverse, pos_idx])
+def read_positions(group: zarr.Group, layer: int, seq_idx: np.ndarray, pos_idx: np.ndarray,
+                   max_bytes: int = 256 << 20) -> np.ndarray:
+    """Hidden states at (seq, pos) pairs: (len(seq_idx), width). Reads only the chunks that hold
+    them, as contiguous slices of at most max_bytes (slices read twice as fast as fancy indexing)."""
+    array = group[f"layers/{layer}"]
+    out = np.empty((len(seq_idx), array.shape[2]), dtype=array.dtype)
+    order = np.argsort(seq_idx, kind="stable")
+    sorted_seqs = np.asarray(seq_idx)[order]
+    seq_bytes = array.shape[1] * array.shape[2] * array.dtype.itemsize
+    for start, stop in _chunk_runs(sorted_seqs, array.chunks[0], array.shape[0], max_bytes // seq_bytes):
+        lo, hi = np.searchsorted(sorted_seqs, [start, stop])
+        rows = order[lo:hi]
+        out[rows] = array[start:stop][sorted_seqs[lo:hi] - start, np.asarray(pos_idx)[rows]]
+    return out
+
+
+def _chunk_runs(sorted_seqs: np.ndarray, chunk_seqs: int, n_seqs: int, max_seqs: int) -> list[tuple[int, int]]:
+    """(start, stop) sequence ranges covering the chunks that hold sorted_seqs: consecutive chunks
+    merged, each range at most max(max_seqs, one chunk) sequences."""
+    chunks = np.unique(sorted_seqs // chunk_seqs)
+    per_run = max(1, max_seqs // chunk_seqs)
+    runs = []
+    for run in np.split(chunks, np.flatnonzero(np.diff(chunks) != 1) + 1):
+        for first in range(0, run.size, per_run):
+            piece = run[first:first + per_run]
+            runs.append((int(piece[0]) * chunk_seqs, min((int(piece[-1]) + 1) * chunk_seqs, n_seqs)))
+    return runs
 
 
 def read_sequences(group: zarr.Group, layer: int, seq_idx: np.ndarray) -> np.ndarray:

@@ -6,6 +6,11 @@ positions. Proxies:
     m_mono = median (v^T P v) / (v^T v)       P = (Sigma + eps I)^-1, v = x_a - x_b over random pairs
     k_hat  = tr(Sigma) / lambda_max(Sigma)
     S_l    = z(m_curv)_l + z(m_mono)_l - z(k_hat)_l,   l* = argmax S
+
+How m_curv is computed: K = X X^T once (n x n, symmetric blocks); each point's k nearest come from
+a top-k over its row of K, and lambda_max(C_i) from the k x k Gram matrix K[N_i, N_i], centered,
+which has the same nonzero spectrum as (k-1) C_i. Beyond FULL_PRODUCTS_MAX_BYTES the rows of K
+are computed per block and the Gram matrices from the gathered neighbourhoods instead.
 """
 from __future__ import annotations
 
@@ -21,6 +26,7 @@ from artifacts import hidden_states as hs
 from artifacts.errors import DihalError
 from artifacts.store import Artifact, ArtifactStore
 from stages import plotting
+from stages.allocator import keep_freed_memory
 from stages.progress import NullProgress, Progress
 
 STAGE = "score"
@@ -69,32 +75,65 @@ def normalize(x: torch.Tensor, mode: str) -> torch.Tensor:
 
 
 # -- the proxies ----------------------------------------------------------------------------------
-def knn_indices(x: torch.Tensor, k: int, start: int, stop: int) -> torch.Tensor:
-    """(stop-start, k) indices of the k nearest points of x[start:stop] in x, itself included."""
-    sq = x.pow(2).sum(1)
-    dist2 = sq[start:stop, None] + sq[None, :] - 2.0 * (x[start:stop] @ x.T)
-    rows = torch.arange(stop - start, device=x.device)
-    dist2[rows, rows + start] = -1.0  # the point itself always comes first, despite rounding
-    return torch.topk(dist2, k, dim=1, largest=False).indices
+FULL_PRODUCTS_MAX_BYTES = 1 << 30  # n x n inner products kept whole up to n = 11,585 (float64)
 
 
-def neighbourhood_lambda_max(x: torch.Tensor, neighbours: torch.Tensor) -> torch.Tensor:
-    """lambda_max(C_i) from each neighbourhood's k x k Gram matrix (same nonzero spectrum as C_i)."""
+def inner_products(x: torch.Tensor, chunk: int) -> torch.Tensor:
+    """K = X X^T (n x n), computing only blocks on and above the diagonal and mirroring them."""
+    n = x.shape[0]
+    products = torch.empty(n, n, dtype=x.dtype, device=x.device)
+    for start in range(0, n, chunk):
+        stop = min(start + chunk, n)
+        block = x[start:stop] @ x[start:].T
+        products[start:stop, start:] = block
+        products[stop:, start:stop] = block[:, stop - start:].T
+    return products
+
+
+def nearest_from_products(rows: torch.Tensor, sq: torch.Tensor, k: int, start: int) -> torch.Tensor:
+    """Indices of the k nearest points for the points start.. whose inner products with all points are
+    `rows`; |x_i - x_j|^2 = |x_i|^2 + |x_j|^2 - 2 x_i.x_j. Each point comes first in its own list."""
+    ranking = torch.add(sq, rows, alpha=-2.0)  # |x_i|^2 is the same along a row: ranks unchanged
+    own = torch.arange(rows.shape[0], device=rows.device)
+    ranking[own, own + start] = -torch.inf  # despite rounding
+    return torch.topk(ranking, k, dim=1, largest=False).indices
+
+
+def grams_from_products(products: torch.Tensor, neighbours: torch.Tensor) -> torch.Tensor:
+    """Centered k x k Gram matrices J K[N_i, N_i] J (J = I - 11^T/k), gathered from the whole K."""
+    n, k = products.shape[0], neighbours.shape[1]
+    flat = (neighbours[:, :, None] * n + neighbours[:, None, :]).reshape(-1)
+    gram = products.view(-1).index_select(0, flat).view(-1, k, k)
+    row_mean = gram.mean(dim=2, keepdim=True)
+    return gram - row_mean - row_mean.transpose(1, 2) + row_mean.mean(dim=1, keepdim=True)
+
+
+def grams_from_points(x: torch.Tensor, neighbours: torch.Tensor) -> torch.Tensor:
+    """Centered k x k Gram matrices from the gathered neighbourhoods (when K does not fit)."""
     k = neighbours.shape[1]
     hood = torch.index_select(x, 0, neighbours.reshape(-1)).view(-1, k, x.shape[1])
     hood -= hood.mean(dim=1, keepdim=True)
-    gram = torch.bmm(hood, hood.transpose(1, 2))
-    return torch.linalg.eigvalsh(gram)[:, -1] / (k - 1)
+    return torch.bmm(hood, hood.transpose(1, 2))
 
 
-def local_lambda_max(x: torch.Tensor, k: int, chunk: int = 512) -> torch.Tensor:
-    """lambda_max(C_i) for every point; blocks of points run on a thread pool (torch frees the GIL),
-    so memory stays O(chunk * (n + k * D)) for any n."""
+def local_lambda_max(x: torch.Tensor, k: int, chunk: int = 512,
+                     max_product_bytes: int = FULL_PRODUCTS_MAX_BYTES) -> torch.Tensor:
+    """lambda_max(C_i) for every point: the centered neighbourhood's k x k Gram matrix has the same
+    nonzero spectrum as (k-1) C_i. Memory is O(n^2) while K fits in max_product_bytes, else
+    O(chunk * (n + k * D)); blocks of points run on a thread pool (torch frees the GIL)."""
+    x = x - x.mean(dim=0)  # distances and neighbourhood covariances are translation invariant
+    n = x.shape[0]
+    sq = x.pow(2).sum(dim=1)
+    products = inner_products(x, chunk) if n * n * x.element_size() <= max_product_bytes else None
+
     def block(start: int) -> torch.Tensor:
-        stop = min(start + chunk, x.shape[0])
-        return neighbourhood_lambda_max(x, knn_indices(x, k, start, stop))
+        stop = min(start + chunk, n)
+        rows = products[start:stop] if products is not None else x[start:stop] @ x.T
+        neighbours = nearest_from_products(rows, sq, k, start)
+        grams = grams_from_products(products, neighbours) if products is not None else grams_from_points(x, neighbours)
+        return torch.linalg.eigvalsh(grams)[:, -1] / (k - 1)
 
-    starts = range(0, x.shape[0], chunk)
+    starts = range(0, n, chunk)
     if x.device.type != "cpu":
         return torch.cat([block(s) for s in starts])
     with ThreadPoolExecutor(max_workers=max(1, torch.get_num_threads())) as pool:
@@ -103,8 +142,9 @@ def local_lambda_max(x: torch.Tensor, k: int, chunk: int = 512) -> torch.Tensor:
 
 def local_curvature(x: torch.Tensor, k: int, chunk: int = 512) -> float:
     lam = local_lambda_max(x, k, chunk)
-    scale = float(x.var(dim=0).sum()) / x.shape[1] if x.shape[0] > 1 else 1.0
-    positive = lam[lam > 1e-12 * max(scale, 1e-300)]  # exact duplicates give 0 up to rounding
+    # a neighbourhood of exact duplicates has lambda_max = 0; computed, it is 0 up to rounding of |x|^2
+    rounding = k * torch.finfo(x.dtype).eps * float((x - x.mean(dim=0)).pow(2).sum(dim=1).max())
+    positive = lam[lam > rounding]
     if positive.numel() == 0:
         return float("nan")
     return float(np.median((1.0 / positive).cpu().numpy()))
@@ -128,11 +168,10 @@ def global_monotonicity(x: torch.Tensor, eig: torch.Tensor, vecs: torch.Tensor, 
     """median (v^T P v)/(v^T v), P = (Sigma + eps I)^-1 = U diag(1/(lambda + eps)) U^T."""
     eps = eps_rel * float(eig.sum()) / x.shape[1]
     a, b = (torch.as_tensor(i, device=x.device) for i in pairs)
-    v = x[a] - x[b]
-    vv = (v * v).sum(1)
+    w = x @ (vecs / torch.sqrt(eig + eps))  # v^T P v = |w_a - w_b|^2: whiten the n points once
+    vv = (x[a] - x[b]).pow(2).sum(1)
     keep = vv > 0
-    whitened = (v[keep] @ vecs) / torch.sqrt(eig + eps)
-    ratio = whitened.pow(2).sum(1) / vv[keep]
+    ratio = (w[a] - w[b]).pow(2).sum(1)[keep] / vv[keep]
     return float(np.median(ratio.cpu().numpy()))
 
 
@@ -213,11 +252,19 @@ def score_layers(group, cfg: ScoreConfig, layers: list[int], progress: Progress)
     pairs = sample_pairs(cfg.tokens, cfg.pairs, cfg.seed)
     rows = []
     progress.start("score", len(layers), "layer")
-    for layer in layers:
-        raw = torch.from_numpy(hs.read_positions(group, layer, seq_idx, pos_idx)).to(cfg.device, torch.float64)
-        proxies = layer_proxies(normalize(raw, cfg.normalize), cfg, pairs)
-        rows.append({"layer": layer, **proxies, "mean_token_norm": float(raw.norm(dim=1).mean())})
-        progress.advance(1)
+    with ThreadPoolExecutor(max_workers=1) as reader:  # reads layer l+1 while layer l is scored
+        def read(layer: int):
+            return reader.submit(hs.read_positions, group, layer, seq_idx, pos_idx)
+
+        pending = read(layers[0])
+        for position, layer in enumerate(layers):
+            states = pending.result()
+            if position + 1 < len(layers):
+                pending = read(layers[position + 1])
+            raw = torch.from_numpy(states).to(cfg.device, torch.float64)
+            proxies = layer_proxies(normalize(raw, cfg.normalize), cfg, pairs)
+            rows.append({"layer": layer, **proxies, "mean_token_norm": float(raw.norm(dim=1).mean())})
+            progress.advance(1)
     progress.stop()
     return combine(pd.DataFrame(rows)), seq_idx, pos_idx
 
@@ -226,6 +273,7 @@ def run(cfg: ScoreConfig, extract: Artifact, store: ArtifactStore, *, force: boo
         progress: Progress | None = None) -> Artifact:
     progress = progress or NullProgress()
     validate(cfg)
+    keep_freed_memory()  # first, before zarr or a progress bar start threads; see stages/allocator.py
     group = hs.open_group(extract.path / "hidden.zarr")
     num_blocks = int(group.attrs["num_blocks"])
     layers = parse_candidates(cfg.candidates, hs.stored_layers(group), num_blocks)

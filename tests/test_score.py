@@ -83,6 +83,57 @@ def test_matches_plain_reference_implementation(normalize):
         assert ours[key] == pytest.approx(ref[key], rel=1e-6), key
 
 
+def test_chunked_neighbourhoods_match_whole_products_and_reference():
+    """K = X X^T kept whole (the default up to n = 16,384) and the per-neighbourhood path used
+    beyond it give the same lambda_max(C_i) as per-point D x D covariances."""
+    from sklearn.neighbors import NearestNeighbors
+
+    rng = np.random.default_rng(7)
+    x = rng.normal(size=(250, 9)) @ rng.normal(size=(9, 9)) + 10.0  # far from the origin
+    whole = sc.local_lambda_max(torch.from_numpy(x), 10, chunk=64)
+    chunked = sc.local_lambda_max(torch.from_numpy(x), 10, chunk=64, max_product_bytes=0)
+    _, idx = NearestNeighbors(n_neighbors=10).fit(x).kneighbors(x)
+    reference = np.array([np.linalg.eigvalsh(np.cov(x[i], rowvar=False))[-1] for i in idx])
+    np.testing.assert_allclose(whole.numpy(), reference, rtol=1e-9)
+    np.testing.assert_allclose(chunked.numpy(), reference, rtol=1e-9)
+
+
+def test_duplicate_neighbourhoods_are_left_out_of_the_median():
+    """Repeated tokens give neighbourhoods of identical states (lambda_max = 0); METHOD takes the
+    median over lambda_max > 0 only. Both paths agree with the count done by hand."""
+    rng = np.random.default_rng(9)
+    repeated = np.repeat(rng.normal(size=(20, 6)), 13, axis=0)  # 20 states seen 13 times each
+    x = np.concatenate([repeated, rng.normal(size=(140, 6))]) * 7.0 + 300.0  # and 140 distinct ones
+    k = 10
+    from sklearn.neighbors import NearestNeighbors
+
+    _, idx = NearestNeighbors(n_neighbors=k).fit(x).kneighbors(x)
+    lam = np.array([np.linalg.eigvalsh(np.cov(x[i], rowvar=False))[-1] for i in idx])
+    distinct = np.array([len(np.unique(x[i], axis=0)) > 1 for i in idx])
+    assert (~distinct).sum() == 260  # every repeated state's neighbourhood is its own copies
+    expected = np.median(1 / lam[distinct])
+    for max_bytes in (sc.FULL_PRODUCTS_MAX_BYTES, 0):
+        lam_ours = sc.local_lambda_max(torch.from_numpy(x), k, chunk=64, max_product_bytes=max_bytes)
+        assert (lam_ours[torch.from_numpy(~distinct)].abs() <= 1e-9).all()
+    assert sc.local_curvature(torch.from_numpy(x), k, chunk=64) == pytest.approx(expected, rel=1e-9)
+
+
+def test_read_positions_reads_the_right_states(tmp_path):
+    """Sparse and dense position sets, read in one slice or many (max_bytes), give X[seq, pos]."""
+    from artifacts import hidden_states as hs
+
+    rng = np.random.default_rng(8)
+    states = rng.normal(size=(37, 5, 3)).astype(np.float16)
+    group = hs.create(tmp_path / "h.zarr", layers=[0], n_seq=37, seq_len=5, width=3, store_dtype="float16",
+                      chunk_seqs=4, attrs={})
+    group["layers/0"][:] = states
+    dense = (np.repeat(np.arange(37), 5), np.tile(np.arange(5), 37))
+    sparse = (np.array([36, 2, 2, 17, 9]), np.array([4, 0, 3, 1, 2]))
+    for seqs, pos in (dense, sparse):
+        for max_bytes in (1, 100, 1 << 20):
+            np.testing.assert_array_equal(hs.read_positions(group, 0, seqs, pos, max_bytes=max_bytes), states[seqs, pos])
+
+
 def test_normalize_modes_against_numpy():
     rng = np.random.default_rng(4)
     x = rng.normal(size=(50, 6)) * 3 + 1
