@@ -1,27 +1,60 @@
-"""Score speed against a plain reference, and the ranked tables (issue 3).
+"""Score speed against a plain reference, memory as n grows, and the ranked tables (issue 3).
 
     python benchmarks/bench_score.py       # writes benchmarks/results/score.json
 
-All layers of smollm2-135m, n = 4096, D = 576, k = 64. The plain reference (scikit-learn
-neighbours, one D x D covariance eigendecomposition per point) is timed on the REF_LAYERS layer(s) in
-the same run and compared per layer.
+All 31 layers of smollm2-135m, n = 4096, D = 576, k = 64: the whole `dihal score` command is timed
+in a fresh process (start-up, reads, every layer, tables and plot). The plain reference
+(scikit-learn neighbours, one D x D covariance eigendecomposition per point) is timed on the
+REF_LAYERS layer(s) in the same run and compared per layer. Peak memory and time of the
+neighbourhood search are measured in child processes at n = 4096, 16,384 and 50,000.
 """
 from __future__ import annotations
 
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.common import Timer, save, store  # noqa: E402
+from benchmarks.common import HERE, Timer, peak_rss_mib, save, store  # noqa: E402
 from artifacts import hidden_states as hs  # noqa: E402
 from stages import extract as ex  # noqa: E402
 from stages import score as sc  # noqa: E402
+from stages.allocator import keep_freed_memory  # noqa: E402
 from stages.progress import NullProgress  # noqa: E402
 
 REF_LAYERS = (3,)
+MEMORY_SIZES = (4096, 16384, 50000)
+
+
+def memory_child(n: int) -> None:
+    """One neighbourhood search on synthetic states (D = 576, k = 64): prints seconds and peak RSS."""
+    x = torch.randn(n, 576, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    before = peak_rss_mib()
+    start = time.perf_counter()
+    sc.local_lambda_max(x, 64)
+    print(time.perf_counter() - start, before, peak_rss_mib())
+
+
+def memory_by_n() -> dict:
+    out = {}
+    for n in MEMORY_SIZES:
+        res = subprocess.run([sys.executable, __file__, "--memory", str(n)], capture_output=True, text=True, check=True)
+        seconds, before, peak = res.stdout.split()
+        out[n] = {"seconds": float(seconds), "input_mib": n * 576 * 8 / 2**20,
+                  "peak_rss_mib": float(peak), "rss_before_mib": float(before)}
+    return out
+
+
+def whole_command(extract_id: str) -> float:
+    """`dihal score` over layers 0..30 in a fresh process, as a user runs it."""
+    start = time.perf_counter()
+    subprocess.run([sys.executable, "-m", "dihal_cli", "score", "--root", str(HERE / ".runs"), "--extract", extract_id,
+                    "--candidates", "0-30", "--force", "--json"], check=True, capture_output=True, cwd=HERE.parent)
+    return time.perf_counter() - start
 
 
 def reference_layer(x: np.ndarray, k: int, eps_rel: float, pairs) -> dict:
@@ -46,17 +79,15 @@ def ranked(model: str, normalize: str) -> dict:
     cfg = sc.ScoreConfig(normalize=normalize)
     with Timer() as t:
         table, seq, pos = sc.score_layers(group, cfg, layers, NullProgress())
-    return {"seconds": t.seconds, "n_layers": len(layers), "table": table, "group": group, "seq": seq, "pos": pos}
+    return {"seconds": t.seconds, "n_layers": len(layers), "table": table, "group": group, "seq": seq, "pos": pos,
+            "extract_id": art.id}
 
 
 def main() -> None:
     out = {"n": 4096, "k": 64, "threads": torch.get_num_threads()}
     res = ranked("smollm2-135m", "none")
     group, seq, pos = res["group"], res["seq"], res["pos"]
-    all_layers = list(range(0, 31))
-    with Timer() as t_all:
-        sc.score_layers(group, sc.ScoreConfig(candidates=None), all_layers, NullProgress())
-    out["all_31_layers_seconds"] = t_all.seconds
+    out["all_31_layers_seconds"] = whole_command(res["extract_id"])
     pairs = sc.sample_pairs(4096, 8192, 0)
     ref_times, our_times, agree = [], [], []
     for layer in REF_LAYERS:
@@ -80,8 +111,13 @@ def main() -> None:
             tables[f"{model}/{normalize}"] = {"l_star": int(t.iloc[0]["layer"]), "seconds": r["seconds"],
                                               "top5": t.head(5)[["layer", "S", "m_curv", "m_mono", "k_hat"]].to_dict("records")}
     out["ranked"] = tables
+    out["neighbourhood_search_by_n"] = memory_by_n()
     save("score", out)
 
 
 if __name__ == "__main__":
-    main()
+    keep_freed_memory()  # as `dihal score` does, before any thread starts
+    if len(sys.argv) == 3 and sys.argv[1] == "--memory":
+        memory_child(int(sys.argv[2]))
+    else:
+        main()

@@ -34,3 +34,17 @@ class Timer:
 
     def __exit__(self, *exc):
         self.seconds = time.perf_counter() - self.start
+
+
+def peak_rss_mib() -> float:
+    """This process's peak resident memory. /proc's VmHWM starts afresh at exec, unlike
+    getrusage's ru_maxrss, which a child inherits from the parent that forked it (so a small
+    child of a big benchmark would report the parent's peak)."""
+    status = Path("/proc/self/status")
+    if status.exists():
+        for line in status.read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
