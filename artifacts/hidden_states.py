@@ -82,12 +82,11 @@ def read_positions(group: zarr.Group, layer: int, seq_idx: np.ndarray, pos_idx: 
     array = group[f"layers/{layer}"]
     out = np.empty((len(seq_idx), array.shape[2]), dtype=array.dtype)
     order = np.argsort(seq_idx, kind="stable")
-    sorted_seqs = np.asarray(seq_idx)[order]
+    seqs, positions = np.asarray(seq_idx)[order], np.asarray(pos_idx)[order]
     seq_bytes = array.shape[1] * array.shape[2] * array.dtype.itemsize
-    for start, stop in _chunk_runs(sorted_seqs, array.chunks[0], array.shape[0], max_bytes // seq_bytes):
-        lo, hi = np.searchsorted(sorted_seqs, [start, stop])
-        rows = order[lo:hi]
-        out[rows] = array[start:stop][sorted_seqs[lo:hi] - start, np.asarray(pos_idx)[rows]]
+    for start, stop in _chunk_runs(seqs, array.chunks[0], array.shape[0], max_bytes // seq_bytes):
+        lo, hi = np.searchsorted(seqs, [start, stop])
+        out[order[lo:hi]] = array[start:stop][seqs[lo:hi] - start, positions[lo:hi]]
     return out
 
 
