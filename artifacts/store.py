@@ -263,7 +263,10 @@ class ArtifactStore:
                 raise
             art.finish()
 
-    def cached(self, stage: str, config: dict, parents: dict[str, str]) -> Artifact | None:
+    def cached(self, stage: str, config: dict, parents: dict[str, str], *, force: bool = False) -> Artifact | None:
+        """The complete artifact for this config and parents, or None (always None under --force)."""
+        if force:
+            return None
         art = self.load(stage, artifact_id(stage, config, parents))
         return art if art.complete else None
 

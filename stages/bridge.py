@@ -411,8 +411,7 @@ def run(cfg: BridgeConfig, extract: Artifact, store: ArtifactStore, *, force: bo
         raise DihalError(f"extract {extract.id} lacks layer {0 if 0 not in stored else cfg.layer} "
                          f"(it holds {stored}); extract with --layers 0,{cfg.layer}")
     config, parents = config_dict(cfg), {"extract": extract.id}
-    cached = store.cached(STAGE, config, parents)
-    if cached and not force:
+    if cached := store.cached(STAGE, config, parents, force=force):
         return cached
     with store.writing(STAGE, config, parents, force=force, seed=cfg.seed, device=cfg.device,
                        extra={"model": extract.manifest.get("model"), "extract_config": extract.config}) as art:

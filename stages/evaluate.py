@@ -55,8 +55,7 @@ def validation_ids(store: ArtifactStore, bridge_art: Artifact, limit: int) -> to
 def run_fidelity(cfg: FidelityConfig, bridge_art: Artifact, store: ArtifactStore, *, force: bool = False,
                  loaded: LoadedModel | None = None) -> Artifact:
     config, parents = {"kind": "fidelity", **asdict(cfg)}, {"bridge": bridge_art.id}
-    cached = store.cached(STAGE, config, parents)
-    if cached and not force:
+    if cached := store.cached(STAGE, config, parents, force=force):
         return cached
     with store.writing(STAGE, config, parents, force=force, seed=cfg.seed, device=cfg.device,
                        extra={"model": bridge_art.manifest.get("model")}) as art:
@@ -116,8 +115,7 @@ def run_samples(cfg: SamplesConfig, gen_art: Artifact, store: ArtifactStore, *, 
     from stages.text_metrics import text_metrics
 
     config, parents = {"kind": "samples", **asdict(cfg)}, {"generate": gen_art.id}
-    cached = store.cached(STAGE, config, parents)
-    if cached and not force:
+    if cached := store.cached(STAGE, config, parents, force=force):
         return cached
     with store.writing(STAGE, config, parents, force=force, device=cfg.device,
                        extra={"model": gen_art.manifest.get("model")}) as art:

@@ -158,8 +158,7 @@ def run(cfg: ExtractConfig, store: ArtifactStore, *, force: bool = False, check_
     """Extract, resuming a partial artifact of the same config; returns the complete artifact."""
     progress = progress or NullProgress()
     config = resolved_config(cfg)
-    cached = store.cached(STAGE, config, {})
-    if cached and not force:
+    if cached := store.cached(STAGE, config, {}, force=force):
         return cached
     rank, world = _dist_info()
     if world > 1 and not torch.distributed.is_initialized():

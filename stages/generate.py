@@ -170,8 +170,7 @@ def run(cfg: GenerateConfig, bridge_art: Artifact, store: ArtifactStore, loaded:
     progress = progress or NullProgress()
     validate(cfg)
     config, parents = asdict(cfg), {"bridge": bridge_art.id}
-    cached = store.cached(STAGE, config, parents)
-    if cached and not force:
+    if cached := store.cached(STAGE, config, parents, force=force):
         return cached
     with store.writing(STAGE, config, parents, force=force, seed=cfg.seed, device=cfg.device,
                        extra={"model": bridge_art.manifest.get("model"),

@@ -278,8 +278,7 @@ def run(cfg: ScoreConfig, extract: Artifact, store: ArtifactStore, *, force: boo
     num_blocks = int(group.attrs["num_blocks"])
     layers = parse_candidates(cfg.candidates, hs.stored_layers(group), num_blocks)
     config, parents = {**asdict(cfg), "candidates": layers, "device": None}, {"extract": extract.id}
-    cached = store.cached(STAGE, config, parents)
-    if cached and not force:
+    if cached := store.cached(STAGE, config, parents, force=force):
         return cached
     with store.writing(STAGE, config, parents, force=force, seed=cfg.seed, device=cfg.device,
                        extra={"model": extract.manifest.get("model")}) as art:

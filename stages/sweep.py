@@ -35,8 +35,7 @@ def run(cfg: SweepConfig, extract: Artifact, score_art: Artifact, store: Artifac
     progress = progress or NullProgress()
     config = {**asdict(cfg), "overrides": dict(cfg.overrides)}
     parents = {"extract": extract.id, "score": score_art.id}
-    cached = store.cached(STAGE, config, parents)
-    if cached and not force:
+    if cached := store.cached(STAGE, config, parents, force=force):
         return cached
     scores = score_stage.load_table(score_art).set_index("layer")
     loaded = None
