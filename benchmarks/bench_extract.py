@@ -14,9 +14,9 @@ import torch
 sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1]))
 from benchmarks.common import Timer, peak_rss_mib, save  # noqa: E402
 from artifacts.store import ArtifactStore  # noqa: E402
-from stages import data as data_mod  # noqa: E402
+from stages.text import data as data_mod  # noqa: E402
 from stages import extract as ex  # noqa: E402
-from stages.models import load_model  # noqa: E402
+from stages.lm.models import load_model  # noqa: E402
 
 N_SEQ, SEQ_LEN, BATCH = 256, 64, 8
 

@@ -19,7 +19,7 @@ from stages import bridge as bstage  # noqa: E402
 from stages import extract as ex  # noqa: E402
 from stages import generate as gen  # noqa: E402
 from stages.bridge import Bridge  # noqa: E402
-from stages.models import load_model  # noqa: E402
+from stages.lm.models import load_model  # noqa: E402
 
 NEW_TOKENS, BATCH, REPEATS = 48, 1, 2
 

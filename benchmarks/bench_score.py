@@ -23,8 +23,8 @@ from benchmarks.common import HERE, Timer, peak_rss_mib, save, store  # noqa: E4
 from artifacts import hidden_states as hs  # noqa: E402
 from stages import extract as ex  # noqa: E402
 from stages import score as sc  # noqa: E402
-from stages.allocator import keep_freed_memory  # noqa: E402
-from stages.progress import NullProgress  # noqa: E402
+from stages.runtime.allocator import keep_freed_memory  # noqa: E402
+from stages.runtime.progress import NullProgress  # noqa: E402
 
 REF_LAYERS = (3,)
 MEMORY_SIZES = (4096, 16384, 50000)

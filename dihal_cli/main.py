@@ -71,7 +71,7 @@ def extract(
 ) -> None:
     """Per-layer hidden states -> chunked Zarr (METHOD.md section 0)."""
     from stages import extract as stage
-    from stages.models import dtype_name, resolve_device
+    from stages.lm.models import dtype_name, resolve_device
 
     device = resolve_device(device)
     cfg = stage.ExtractConfig(model, revision, dataset, dataset_config, split, text_field, seq_len, val_fraction,
@@ -135,7 +135,7 @@ def score(
 ) -> None:
     """Geometry proxies per layer -> ranked table, scores.json and a plot (METHOD.md section 1)."""
     from stages import score as stage
-    from stages.models import resolve_device
+    from stages.lm.models import resolve_device
 
     cfg = stage.ScoreConfig(tokens, k, eps_rel, pairs, normalize, exclude_positions, candidates, split, seed,
                             resolve_device(device))
@@ -161,7 +161,7 @@ def _extract_parent(store, extract_ref, layers, model, dataset, max_sequences, s
                     store_dtype="float16"):
     """The named extract, or run the extract stage now so the lineage stays explicit."""
     from stages import extract as ex
-    from stages.models import dtype_name, resolve_device
+    from stages.lm.models import dtype_name, resolve_device
 
     if extract_ref:
         return store.resolve(extract_ref, "extract")
@@ -193,7 +193,7 @@ def train_bridge(
 ) -> None:
     """Train the conditional flow-matching bridge h_0 -> h_layer (METHOD.md section 2)."""
     from stages import bridge as stage
-    from stages.models import resolve_device
+    from stages.lm.models import resolve_device
 
     store = ArtifactStore(root)
     device = resolve_device(device)
@@ -230,7 +230,7 @@ def evaluate(
     """Bridge fidelity (--bridge) or generation quality (--samples); results JSON + table."""
     from artifacts.errors import DihalError
     from stages import evaluate as stage
-    from stages.models import dtype_name, resolve_device
+    from stages.lm.models import dtype_name, resolve_device
 
     if (bridge is None) == (samples is None):
         raise DihalError("give exactly one of --bridge ID (fidelity) or --samples ID (generation quality)")
@@ -278,7 +278,7 @@ def sweep(
     from stages import score as score_stage
     from stages import sweep as stage
     from stages.extract import parse_layers
-    from stages.models import dtype_name, resolve_device
+    from stages.lm.models import dtype_name, resolve_device
 
     store = ArtifactStore(root)
     device = resolve_device(device)
@@ -331,7 +331,7 @@ def generate(
     from artifacts.errors import DihalError
     from stages import generate as stage
     from stages.evaluate import backbone_for
-    from stages.models import dtype_name, resolve_device
+    from stages.lm.models import dtype_name, resolve_device
 
     prompts = list(prompt)
     if prompts_file is not None:

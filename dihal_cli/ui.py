@@ -18,7 +18,7 @@ err_console = Console(stderr=True)
 
 
 class RichProgress:
-    """stages.progress.Progress drawn as a rich bar with throughput and ETA."""
+    """stages.runtime.progress.Progress drawn as a rich bar with throughput and ETA."""
 
     def __init__(self) -> None:
         self._bar: Progress | None = None

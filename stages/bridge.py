@@ -20,9 +20,10 @@ from artifacts import files
 from artifacts import hidden_states as hs
 from artifacts.errors import DihalError
 from artifacts.store import Artifact, ArtifactStore
-from stages import flow, plotting
-from stages.denoiser import Denoiser, DenoiserConfig
-from stages.progress import NullProgress, Progress
+from stages.diffusion import flow
+from stages.runtime import plotting
+from stages.diffusion.denoiser import Denoiser, DenoiserConfig
+from stages.runtime.progress import NullProgress, Progress
 
 STAGE = "bridge"
 

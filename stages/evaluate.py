@@ -13,7 +13,7 @@ from artifacts.errors import DihalError
 from artifacts.store import Artifact, ArtifactStore
 from stages.bridge import Bridge
 from stages.fidelity import evaluate_fidelity
-from stages.models import LoadedModel, load_model
+from stages.lm.models import LoadedModel, load_model
 
 STAGE = "evaluate"
 
@@ -112,7 +112,7 @@ def gen_ppl(nlls: list[tuple[float, int]]) -> dict[str, float]:
 
 def run_samples(cfg: SamplesConfig, gen_art: Artifact, store: ArtifactStore, *, force: bool = False,
                 loaded: LoadedModel | None = None) -> Artifact:
-    from stages.text_metrics import text_metrics
+    from stages.text.text_metrics import text_metrics
 
     config, parents = {"kind": "samples", **asdict(cfg)}, {"generate": gen_art.id}
     if cached := store.cached(STAGE, config, parents, force=force):

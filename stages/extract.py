@@ -18,10 +18,10 @@ import torch
 from artifacts import hidden_states as hs
 from artifacts.errors import DihalError
 from artifacts.store import Artifact, ArtifactStore, artifact_id
-from stages import data as data_mod
-from stages.capture import capture_layers, run_capture
-from stages.models import LoadedModel, load_model, locate
-from stages.progress import NullProgress, Progress
+from stages.text import data as data_mod
+from stages.lm.capture import capture_layers, run_capture
+from stages.lm.models import LoadedModel, load_model, locate
+from stages.runtime.progress import NullProgress, Progress
 
 STAGE = "extract"
 FLOAT16_MAX = 65504.0

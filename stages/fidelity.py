@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from stages.bridge import Bridge
-from stages.hybrid import original_forward, suffix_logits, suffix_model
+from stages.lm.hybrid import original_forward, suffix_logits, suffix_model
 
 
 @dataclass

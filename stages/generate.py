@@ -17,10 +17,10 @@ from transformers import DynamicCache
 from artifacts.errors import DihalError
 from artifacts.store import Artifact, ArtifactStore
 from stages.bridge import Bridge
-from stages.capture import hidden_states
-from stages.hybrid import suffix_model
-from stages.models import LoadedModel
-from stages.progress import NullProgress, Progress
+from stages.lm.capture import hidden_states
+from stages.lm.hybrid import suffix_model
+from stages.lm.models import LoadedModel
+from stages.runtime.progress import NullProgress, Progress
 
 STAGE = "generate"
 

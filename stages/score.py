@@ -25,9 +25,9 @@ import torch
 from artifacts import hidden_states as hs
 from artifacts.errors import DihalError
 from artifacts.store import Artifact, ArtifactStore
-from stages import plotting
-from stages.allocator import keep_freed_memory
-from stages.progress import NullProgress, Progress
+from stages.runtime import plotting
+from stages.runtime.allocator import keep_freed_memory
+from stages.runtime.progress import NullProgress, Progress
 
 STAGE = "score"
 NORMALIZATIONS = ("none", "rms", "standardize")

@@ -11,9 +11,9 @@ from scipy.stats import spearmanr
 from artifacts.store import Artifact, ArtifactStore
 from stages import bridge as bridge_stage
 from stages import evaluate as eval_stage
-from stages import plotting
+from stages.runtime import plotting
 from stages import score as score_stage
-from stages.progress import NullProgress, Progress
+from stages.runtime.progress import NullProgress, Progress
 
 STAGE = "sweep"
 

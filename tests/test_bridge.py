@@ -6,8 +6,8 @@ import signal
 import pytest
 import torch
 
-from stages import flow
-from stages.denoiser import Denoiser, DenoiserConfig
+from stages.diffusion import flow
+from stages.diffusion.denoiser import Denoiser, DenoiserConfig
 from tests.conftest import invoke, run_cli
 
 

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from stages import generate as gen_stage
-from stages import text_metrics as tm
-from stages.models import wrap_model
+from stages.text import text_metrics as tm
+from stages.lm.models import wrap_model
 from tests.conftest import build_tiny, invoke
 
 
@@ -23,7 +23,7 @@ class OracleBridge:
         return torch.zeros(batch, length - self.start, 1)
 
     def sample(self, h0, steps, noise):
-        from stages.capture import capture_layers
+        from stages.lm.capture import capture_layers
 
         with torch.no_grad(), capture_layers(self.model, [self.layer]) as captured:
             try:
@@ -74,7 +74,7 @@ def tiny_trained_bridge(tiny_dirs, tmp_path_factory):
 
 def test_cached_and_uncached_generation_agree_and_are_deterministic(tiny_trained_bridge, tiny_dirs):
     from stages.bridge import Bridge
-    from stages.models import load_model
+    from stages.lm.models import load_model
 
     store, art = tiny_trained_bridge
     loaded = load_model(str(tiny_dirs["llama"]), "cpu", "float32")
@@ -117,7 +117,7 @@ def test_generate_cli_then_evaluate_samples(tiny_trained_bridge, monkeypatch):
 
 def test_gen_ppl_equals_independent_computation(tiny_dirs):
     from stages.evaluate import gen_ppl, sample_nlls
-    from stages.models import load_model
+    from stages.lm.models import load_model
 
     loaded = load_model(str(tiny_dirs["llama"]), "cpu", "float32")
     tok, model = loaded.tokenizer, loaded.model

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from stages.hybrid import original_forward, suffix_logits, suffix_model
+from stages.lm.hybrid import original_forward, suffix_logits, suffix_model
 from tests.conftest import build_tiny
 
 

@@ -57,7 +57,7 @@ def suffix_logits(suffix: nn.Module, states: torch.Tensor) -> torch.Tensor:
 
 def original_forward(model: nn.Module, input_ids: torch.Tensor, layers: list[int]) -> tuple[torch.Tensor, dict]:
     """Full-stack logits plus the residual states at `layers` (METHOD.md section 0)."""
-    from stages.capture import capture_layers
+    from stages.lm.capture import capture_layers
 
     with torch.no_grad(), capture_layers(model, layers, stop_early=False) as captured:
         logits = model(input_ids=input_ids, use_cache=False).logits.float()

@@ -1,0 +1,1 @@
+"""The backbone: loading (models), residual-stream capture (capture), the upper-blocks suffix (hybrid)."""

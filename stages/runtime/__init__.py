@@ -1,0 +1,1 @@
+"""Process plumbing: progress reporting, allocator tuning, plot styling."""

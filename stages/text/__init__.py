@@ -1,0 +1,1 @@
+"""Text: corpora and packing (data), generation-quality metrics on text (text_metrics)."""
