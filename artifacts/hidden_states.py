@@ -1,6 +1,6 @@
 """Hidden states on disk: one Zarr v3 group per extract artifact (`<artifact>/hidden.zarr`).
 
-    layers/<l>       (n_seq, seq_len, D) float16|float32, chunked by blocks of sequences
+    layers/<l>       (n_seq, seq_len, D) float16|float32 (chosen per layer), chunked by blocks of sequences
     input_ids        (n_seq, seq_len) int32
     attention_mask   (n_seq, seq_len) int8
     split            (n_seq,) int8        0 = train, 1 = validation
@@ -23,7 +23,7 @@ LAYER_CONVENTION = (
 SPLITS = {"train": 0, "validation": 1}
 
 
-def create(path: Path, layers: list[int], n_seq: int, seq_len: int, width: int, store_dtype: str,
+def create(path: Path, layers: list[int], n_seq: int, seq_len: int, width: int, dtypes: dict[int, str],
            chunk_seqs: int, attrs: dict) -> zarr.Group:
     """Create the group (or reopen it unchanged when it already exists, for resume)."""
     if (path / "zarr.json").exists():
@@ -31,7 +31,7 @@ def create(path: Path, layers: list[int], n_seq: int, seq_len: int, width: int, 
     group = zarr.open_group(str(path), mode="w")
     for layer in layers:  # uncompressed: float16 states shrink ~10% under zstd at twice the write time
         group.create_array(f"layers/{layer}", shape=(n_seq, seq_len, width), chunks=(chunk_seqs, seq_len, width),
-                           dtype=store_dtype, fill_value=0, compressors=None)
+                           dtype=dtypes[layer], fill_value=0, compressors=None)
     group.create_array("input_ids", shape=(n_seq, seq_len), chunks=(chunk_seqs, seq_len), dtype="int32", fill_value=0)
     group.create_array("attention_mask", shape=(n_seq, seq_len), chunks=(chunk_seqs, seq_len), dtype="int8", fill_value=0)
     group.create_array("split", shape=(n_seq,), chunks=(max(n_seq, 1),), dtype="int8", fill_value=0)
@@ -65,6 +65,10 @@ def write_chunk(group: zarr.Group, chunk_index: int, start: int, states: dict[in
 
 def committed_chunks(group: zarr.Group) -> np.ndarray:
     return np.asarray(group["committed"][:], dtype=bool)
+
+
+def layer_dtypes(group: zarr.Group) -> dict[int, str]:
+    return {layer: str(group[f"layers/{layer}"].dtype) for layer in stored_layers(group)}
 
 
 def stored_layers(group: zarr.Group) -> list[int]:

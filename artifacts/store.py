@@ -1,25 +1,30 @@
 """The versioned artifact store: where every stage output lives.
 
-Layout (root = --root, $DIHAL_ROOT or ./runs):
+Layout (root = --root, default ./runs):
 
-    <root>/<stage>/<id>/manifest.json   single source of truth (config, parents, status, metrics, files)
+    <root>/<stage>/<id>/manifest.json   single source of truth (config, parents, status, metrics, and
+                                        every file's size and sha256, recorded at completion)
     <root>/<stage>/<id>/...             the stage's files (Zarr groups, tables, weights, plots)
     <root>/<stage>/<id>.lock            held (flock) while a process writes the artifact
 
 id = first 12 hex digits of sha256 over the canonical JSON of
 {stage, schema version, resolved config, parent ids}; same inputs -> same id -> cache hit.
 A manifest is always replaced through an atomic rename, and the status "complete" is the
-last thing written; a complete artifact is never modified again.
+last thing written; a complete artifact is never modified again. `verify` recomputes the
+checksums; `remove` and `collect_garbage` delete artifacts (never one that has children, unless
+asked, and never one a live process holds the lock of).
 """
 from __future__ import annotations
 
 import contextlib
 import datetime as _dt
+import errno
 import fcntl
 import hashlib
 import json
 import os
 import platform
+import shutil
 import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,8 +32,9 @@ from typing import Any, Iterator
 
 from artifacts.errors import DihalError
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: keyword configs (extract holds its data config), per-file checksums
 DEFAULT_ROOT = "runs"
+COMMANDS = {"bridge": "train-bridge", "prior": "train-prior"}  # stage -> the command that makes it
 
 
 def canonical_json(obj: Any) -> str:
@@ -41,7 +47,7 @@ def artifact_id(stage: str, config: dict, parents: dict[str, str]) -> str:
 
 
 def resolve_root(root: str | os.PathLike | None = None) -> Path:
-    return Path(root or os.environ.get("DIHAL_ROOT") or DEFAULT_ROOT)
+    return Path(root or DEFAULT_ROOT)
 
 
 def _now() -> str:
@@ -90,6 +96,18 @@ def dir_size(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
 
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 22), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _payload_files(path: Path) -> list[Path]:
+    return [p for p in sorted(path.rglob("*")) if p.is_file() and p.name != "manifest.json" and not p.name.endswith(".tmp")]
+
+
 @dataclass
 class Artifact:
     """A handle on one artifact directory and its manifest."""
@@ -98,6 +116,7 @@ class Artifact:
     stage: str
     id: str
     manifest: dict = field(default_factory=dict)
+    reused: bool = False  # True when a stage returned this complete artifact instead of computing it
 
     @property
     def path(self) -> Path:
@@ -132,14 +151,11 @@ class Artifact:
         self.save_manifest()
 
     def finish(self) -> None:
-        """Record files and sizes, then mark complete: the last write of an artifact."""
-        files = {
-            str(p.relative_to(self.path)): p.stat().st_size
-            for p in sorted(self.path.rglob("*"))
-            if p.is_file() and p.name not in ("manifest.json",) and not p.name.endswith(".tmp")
-        }
+        """Record every file's size and sha256, then mark complete: the last write of an artifact."""
+        files = {str(p.relative_to(self.path)): {"bytes": p.stat().st_size, "sha256": file_sha256(p)}
+                 for p in _payload_files(self.path)}
         self.manifest["files"] = files
-        self.manifest["size_bytes"] = sum(files.values())
+        self.manifest["size_bytes"] = sum(f["bytes"] for f in files.values())
         self.manifest["finished"] = _now()
         self.manifest["status"] = "complete"
         self.save_manifest()
@@ -148,7 +164,27 @@ class Artifact:
         self.manifest["status"] = "failed"
         self.manifest["error"] = message
         self.manifest["finished"] = _now()
-        self.save_manifest()
+        try:
+            self.save_manifest()
+        except OSError:  # the disk that failed the stage may not take the manifest either
+            pass
+
+    def verify(self) -> list[str]:
+        """Problems found: 'missing F', 'altered F', 'unrecorded F'; empty when every recorded file
+        is present with its recorded size and sha256."""
+        if not self.complete:
+            return [f"status is {self.status}, not complete"]
+        recorded = self.manifest.get("files", {})
+        problems = []
+        for name, entry in recorded.items():
+            path = self.path / name
+            if not path.is_file():
+                problems.append(f"missing {name}")
+            elif path.stat().st_size != entry["bytes"] or file_sha256(path) != entry["sha256"]:
+                problems.append(f"altered {name}")
+        problems += [f"unrecorded {p.relative_to(self.path)}" for p in _payload_files(self.path)
+                     if str(p.relative_to(self.path)) not in recorded]
+        return problems
 
 
 class ArtifactStore:
@@ -178,7 +214,8 @@ class ArtifactStore:
             done = [a for a in candidates if a.complete]
             if not done:
                 where = f"{stage} " if stage else ""
-                raise DihalError(f"no complete {where}artifact under {self.root}; run `dihal {stage or 'extract'}` first")
+                command = COMMANDS.get(stage, stage) if stage else "extract"
+                raise DihalError(f"no complete {where}artifact under {self.root}; run `dihal {command}` first")
             return done[-1]
         matches = [a for a in candidates if a.id.startswith(ref)]
         if not matches:
@@ -198,12 +235,53 @@ class ArtifactStore:
             todo.extend(parent.manifest.get("parents", {}).items())
         return chain
 
+    def children(self, art: Artifact) -> list[Artifact]:
+        return [a for a in self.all() if art.id in a.manifest.get("parents", {}).values()]
+
+    def remove(self, art: Artifact, recursive: bool = False) -> list[Artifact]:
+        """Delete art (and, with recursive, everything made from it); returns what was removed."""
+        kids = self.children(art)
+        if kids and not recursive:
+            raise DihalError(f"{art.stage}/{art.id} has {len(kids)} children ({', '.join(f'{k.stage}/{k.id}' for k in kids[:3])}"
+                             f"{', ...' if len(kids) > 3 else ''}); pass --recursive to remove them too")
+        removed = []
+        for kid in kids:
+            removed += self.remove(kid, recursive=True)
+        with self.lock(art.stage, art.id):
+            shutil.rmtree(art.path)
+        (self.root / art.stage / f"{art.id}.lock").unlink(missing_ok=True)
+        return removed + [art]
+
+    def collect_garbage(self, older_than_s: float, dry_run: bool = False) -> list[Artifact]:
+        """Failed or incomplete artifacts created more than older_than_s ago and not locked by a live
+        writer: removed (or only listed, with dry_run)."""
+        cutoff = _dt.datetime.now(_dt.timezone.utc) - _dt.timedelta(seconds=older_than_s)
+        chosen = []
+        for art in self.all():
+            created = art.manifest.get("created")
+            if art.complete or not created or _dt.datetime.fromisoformat(created) > cutoff:
+                continue
+            try:
+                with self.lock(art.stage, art.id):
+                    if not dry_run:
+                        shutil.rmtree(art.path)
+            except DihalError:  # a live process is writing it
+                continue
+            if not dry_run:
+                (self.root / art.stage / f"{art.id}.lock").unlink(missing_ok=True)
+            chosen.append(art)
+        return chosen
+
     # -- creation -------------------------------------------------------------------------
     @contextlib.contextmanager
     def lock(self, stage: str, art_id: str) -> Iterator[None]:
-        (self.root / stage).mkdir(parents=True, exist_ok=True)
         lock_path = self.root / stage / f"{art_id}.lock"
-        with open(lock_path, "w") as fh:
+        try:
+            (self.root / stage).mkdir(parents=True, exist_ok=True)
+            fh = open(lock_path, "w")
+        except OSError as exc:
+            raise DihalError(f"cannot write under {self.root} ({_reason(exc)}); choose a writable --root") from None
+        with fh:
             try:
                 fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
@@ -255,20 +333,35 @@ class ArtifactStore:
                 seed: int | None = None, device: str | None = None, extra: dict | None = None) -> Iterator[Artifact]:
         """Lock, open (status running), yield, then mark complete; a DihalError marks it failed."""
         with self.lock(stage, artifact_id(stage, config, parents)):
-            art = self.begin(stage, config, parents, seed=seed, device=device, extra=extra, force=force)
+            try:
+                art = self.begin(stage, config, parents, seed=seed, device=device, extra=extra, force=force)
+            except OSError as exc:
+                raise DihalError(f"cannot write under {self.root} ({_reason(exc)}); choose a writable --root") from None
             try:
                 yield art
+                art.finish()
             except DihalError as exc:
                 art.fail(str(exc))
                 raise
-            art.finish()
+            except OSError as exc:  # out of disk, a read-only or vanished directory: keep what is complete
+                message = (f"writing {stage}/{art.id} failed ({_reason(exc)}); free space or fix {self.root}, "
+                           "then rerun the same command to resume")
+                art.fail(message)
+                raise DihalError(message) from None
 
     def cached(self, stage: str, config: dict, parents: dict[str, str], *, force: bool = False) -> Artifact | None:
         """The complete artifact for this config and parents, or None (always None under --force)."""
         if force:
             return None
         art = self.load(stage, artifact_id(stage, config, parents))
+        art.reused = art.complete
         return art if art.complete else None
+
+
+def _reason(exc: OSError) -> str:
+    name = {errno.ENOSPC: "no space left on device", errno.EROFS: "read-only file system",
+            errno.EACCES: "permission denied", errno.EDQUOT: "disk quota exceeded"}.get(exc.errno)
+    return name or exc.strerror or type(exc).__name__
 
 
 def _dihal_version() -> str:

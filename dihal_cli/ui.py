@@ -1,14 +1,17 @@
-"""Terminal side of the CLI: the rich progress bar, tables, and the one-line error rule."""
+"""Terminal side of the CLI: progress (a rich bar on a terminal, plain lines in a piped log),
+tables that fit 80 columns, and the one-line error rule."""
 from __future__ import annotations
 
 import functools
 import json
 import sys
+import time
 from typing import Callable
 
 import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskProgressColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich import box
 from rich.table import Table
 
 from artifacts.errors import DihalError
@@ -18,7 +21,7 @@ err_console = Console(stderr=True)
 
 
 class RichProgress:
-    """stages.runtime.progress.Progress drawn as a rich bar with throughput and ETA."""
+    """stages.runtime.progress.Progress drawn as a rich bar with throughput, ETA and the stage's numbers."""
 
     def __init__(self) -> None:
         self._bar: Progress | None = None
@@ -31,18 +34,20 @@ class RichProgress:
         self._bar = Progress(
             TextColumn("[bold]{task.description}"), BarColumn(), TaskProgressColumn(), MofNCompleteColumn(),
             TextColumn("{task.fields[rate]}"), TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(),
-            console=err_console, transient=False,
+            TextColumn("{task.fields[info]}"), console=err_console, transient=False,
         )
         self._bar.start()
-        self._task = self._bar.add_task(description, total=total, rate="")
+        self._task = self._bar.add_task(description, total=total, rate="", info="")
 
-    def advance(self, amount: float) -> None:
+    def advance(self, amount: float, **info: float) -> None:
         if self._bar is None:
             return
         self._bar.advance(self._task, amount)
         task = self._bar.tasks[0]
+        fields = {"info": _info(info)} if info else {}
         if task.elapsed:
-            self._bar.update(self._task, rate=f"{task.completed / task.elapsed:,.0f} {self._unit}/s")
+            fields["rate"] = f"{task.completed / task.elapsed:,.0f} {self._unit}/s"
+        self._bar.update(self._task, **fields)
 
     def log(self, message: str) -> None:
         err_console.print(f"[dim]{message}[/dim]")
@@ -51,6 +56,74 @@ class RichProgress:
         if self._bar is not None:
             self._bar.stop()
             self._bar = None
+
+
+class PlainProgress:
+    """The same reports as plain lines for a piped log: one when work starts, then one every
+    `every` seconds (step/total, the stage's numbers, rate, ETA), and one when it ends."""
+
+    def __init__(self, every: float = 10.0, stream=None) -> None:
+        self.every, self.stream = every, stream or sys.stderr
+        self._desc, self._total, self._done, self._unit = "", 0.0, 0.0, "tok"
+        self._t0 = self._last = 0.0
+        self._info: dict = {}
+
+    def start(self, description: str, total: float, unit: str = "tok") -> None:
+        self._desc, self._total, self._done, self._unit, self._info = description, total, 0.0, unit, {}
+        self._t0 = self._last = time.monotonic()
+        self._line(f"{description}: started, {total:,.0f} {unit} to do")
+
+    def advance(self, amount: float, **info: float) -> None:
+        self._done += amount
+        self._info.update(info)
+        now = time.monotonic()
+        if now - self._last >= self.every:
+            self._last = now
+            self._line(self._status(now))
+
+    def log(self, message: str) -> None:
+        self._line(message)
+
+    def stop(self) -> None:
+        if self._desc:
+            self._line(self._status(time.monotonic()) + " (finished)" if self._done >= self._total else
+                       self._status(time.monotonic()))
+            self._desc = ""
+
+    def _status(self, now: float) -> str:
+        elapsed = max(now - self._t0, 1e-9)
+        rate = self._done / elapsed
+        pct = 100 * self._done / self._total if self._total else 100.0
+        eta = (self._total - self._done) / rate if rate > 0 else float("nan")
+        parts = [f"{self._desc}: {self._done:,.0f}/{self._total:,.0f} {self._unit} ({pct:.0f}%)"]
+        if self._info:
+            parts.append(_info(self._info))
+        parts.append(f"{rate:,.1f} {self._unit}/s")
+        parts.append(f"ETA {_duration(eta)}")
+        return ", ".join(parts)
+
+    def _line(self, text: str) -> None:
+        self.stream.write(text + "\n")
+        self.stream.flush()
+
+
+def _info(info: dict) -> str:
+    return ", ".join(f"{k.replace('_', ' ')} {fmt(v)}" for k, v in info.items())
+
+
+def _duration(seconds: float) -> str:
+    if seconds != seconds:  # nan
+        return "-"
+    seconds = int(round(seconds))
+    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m" if seconds >= 3600 else f"{seconds // 60}m{seconds % 60:02d}s"
+
+
+LOG_EVERY = {"seconds": 10.0}  # set by `dihal --log-every`
+
+
+def make_progress():
+    """A rich bar on a terminal, plain lines every --log-every seconds otherwise."""
+    return RichProgress() if err_console.is_terminal else PlainProgress(LOG_EVERY["seconds"])
 
 
 def user_errors(fn: Callable) -> Callable:
@@ -71,17 +144,26 @@ def user_errors(fn: Callable) -> Callable:
 
 
 def table(title: str, columns: list[str], rows: list[list], highlight_row: int | None = None) -> Table:
-    out = Table(title=title, show_lines=False)
+    """Numbers at 4 significant digits, cells never wrapped, compact enough for 80 columns."""
+    out = Table(title=title, box=box.SIMPLE_HEAD, pad_edge=False, padding=(0, 1), title_justify="left")
     for column in columns:
-        out.add_column(column, overflow="fold")
+        out.add_column(column, no_wrap=True, overflow="ellipsis", justify="right")
     for i, row in enumerate(rows):
-        out.add_row(*[_fmt(v) for v in row], style="bold green" if i == highlight_row else None)
+        out.add_row(*[fmt(v) for v in row], style="bold green" if i == highlight_row else None)
     return out
 
 
-def _fmt(value) -> str:
+def fmt(value) -> str:
+    """4 significant digits; scientific as 5.359e-3 (no padded exponent) outside [1e-3, 1e5)."""
+    if isinstance(value, bool) or value is None:
+        return "-" if value is None else str(value)
     if isinstance(value, float):
-        return f"{value:.3e}" if value != 0 and abs(value) < 1e-2 else f"{value:.4g}"
+        if value != value or value == 0 or value in (float("inf"), float("-inf")):
+            return "0" if value == 0 else str(value)
+        if 1e-3 <= abs(value) < 1e5:
+            return f"{value:.4g}"
+        mantissa, exponent = f"{value:.3e}".split("e")
+        return f"{mantissa}e{int(exponent)}"
     return str(value)
 
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import time
 from dataclasses import asdict, dataclass, fields
 
@@ -41,23 +40,29 @@ PROTOCOLS: dict[str, dict] = {
 }
 
 
-@dataclass(frozen=True)
+PROTOCOL_FIELDS = tuple(PROTOCOLS["cpu-small"])
+
+
+@dataclass(frozen=True, kw_only=True)
 class BridgeConfig:
+    """A bridge's whole training recipe. Protocol fields have no default here: they come from
+    PROTOCOLS (one place), through BridgeConfig.from_protocol, with named overrides."""
+
     layer: int
-    protocol: str = "cpu-small"
-    steps: int | None = 1000
-    epochs: int | None = None
-    batch_size: int = 32
-    lr: float = 1e-3
-    warmup: int = 30
-    schedule: str = "cosine"
-    ema: float = 0.995
-    width: int = 256
-    depth: int = 4
-    heads: int = 4
-    eval_every: int = 100
-    checkpoint_every: int = 50
-    val_sequences: int = 64
+    protocol: str
+    steps: int | None
+    epochs: int | None
+    batch_size: int
+    lr: float
+    warmup: int
+    schedule: str
+    ema: float
+    width: int
+    depth: int
+    heads: int
+    eval_every: int
+    checkpoint_every: int
+    val_sequences: int
     objective: str = "flow"
     prediction: str = "x0"
     skip_init: str = "ridge"  # "ridge": A starts at the least-squares map c -> y; "zero": plain init
@@ -66,24 +71,48 @@ class BridgeConfig:
     seed: int = 0
     device: str = "cpu"
 
+    @staticmethod
+    def from_protocol(layer: int, protocol: str, **overrides) -> "BridgeConfig":
+        """PROTOCOLS[protocol] with the given fields replaced; None leaves a field as the protocol has it,
+        and a name that is not a field is refused (never dropped)."""
+        if protocol not in PROTOCOLS:
+            raise DihalError(f"unknown --protocol '{protocol}'; use one of {', '.join(PROTOCOLS)}")
+        known = {f.name for f in fields(BridgeConfig)} - {"layer", "protocol"}
+        unknown = sorted(set(overrides) - known)
+        if unknown:
+            raise DihalError(f"unknown bridge setting '{unknown[0]}'; settings are {', '.join(sorted(known))}")
+        values = {**PROTOCOLS[protocol], **{k: v for k, v in overrides.items() if v is not None}}
+        if overrides.get("epochs") is not None and overrides.get("steps") is None:
+            values["steps"] = None  # --epochs alone: the run length comes from the epochs
+        return BridgeConfig(layer=layer, protocol=protocol, **values)
+
+    def __post_init__(self) -> None:
+        if self.layer < 1:
+            raise DihalError("--layer must be at least 1 (layer 0 is the condition itself)")
+        if self.prediction not in flow.PREDICTIONS:
+            raise DihalError(f"unknown --prediction '{self.prediction}'; use x0 or velocity")
+        if self.objective != "flow":
+            raise DihalError("only --objective flow (rectified flow) is implemented")
+        if self.skip_init not in ("ridge", "zero"):
+            raise DihalError(f"unknown --skip-init '{self.skip_init}'; use ridge or zero")
+        if self.schedule not in ("cosine", "constant"):
+            raise DihalError(f"unknown schedule '{self.schedule}'; use cosine or constant")
+        if self.steps is None and self.epochs is None:
+            raise DihalError("give --train-steps or --epochs")
+        for name in ("steps", "epochs"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise DihalError(f"--{'train-steps' if name == 'steps' else name} must be at least 1")
+        for name in ("batch_size", "width", "depth", "heads", "eval_every", "checkpoint_every", "val_sequences"):
+            if getattr(self, name) < 1:
+                raise DihalError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
+        if self.lr <= 0 or self.warmup < 0 or not 0 <= self.ema < 1 or self.grad_clip < 0 or self.weight_decay < 0:
+            raise DihalError("--lr must be > 0, --warmup >= 0, --ema in [0, 1), grad clip and weight decay >= 0")
+        if self.width % self.heads:
+            raise DihalError(f"--width {self.width} must be divisible by --heads {self.heads}")
+
 
 def resolve_config(layer: int, protocol: str, overrides: dict) -> BridgeConfig:
-    """A named protocol with every field overridable (None = keep the protocol's value)."""
-    if protocol not in PROTOCOLS:
-        raise DihalError(f"unknown --protocol '{protocol}'; use one of {', '.join(PROTOCOLS)}")
-    base = {**PROTOCOLS[protocol], "layer": layer, "protocol": protocol}
-    known = {f.name for f in fields(BridgeConfig)}
-    base.update({k: v for k, v in overrides.items() if v is not None and k in known})
-    cfg = BridgeConfig(**base)
-    if cfg.prediction not in flow.PREDICTIONS:
-        raise DihalError(f"unknown --prediction '{cfg.prediction}'; use x0 or velocity")
-    if cfg.objective != "flow":
-        raise DihalError("only --objective flow (rectified flow) is implemented")
-    if cfg.width % cfg.heads:
-        raise DihalError(f"--width {cfg.width} must be divisible by --heads {cfg.heads}")
-    if cfg.layer < 1:
-        raise DihalError("--layer must be at least 1 (layer 0 is the condition itself)")
-    return cfg
+    return BridgeConfig.from_protocol(layer, protocol, **overrides)
 
 
 # -- data -----------------------------------------------------------------------------------------
@@ -293,13 +322,13 @@ def train(cfg: BridgeConfig, group, art: Artifact, progress: Progress) -> dict:
     optimizer = torch.optim.AdamW(net.parameters(), lr=cfg.lr, betas=(0.9, 0.99), weight_decay=cfg.weight_decay)
     ema = EMA(net, cfg.ema)
     steps = total_steps(cfg, y_train.shape[0])
-    state_path, metrics_path = art.file("state.pt"), art.file("metrics.jsonl")
+    state_path, metrics_path = art.file(files.STATE_FILE), art.file("metrics.jsonl")
     first_step, log = 0, []
-    state = files.load_state(state_path)
-    if state is not None:
+    state = files.load_state(art.path)
+    if state is not None:  # tensors go to the training device (the EMA update mixes them with the net's)
         net.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
-        ema.params = state["ema"]
+        ema.params = {k: v.to(device) for k, v in state["ema"].items()}
         first_step, log = state["step"], state["log"]
         files.write_jsonl(metrics_path, log)
         progress.log(f"resuming bridge training at step {first_step} of {steps}")
@@ -324,7 +353,7 @@ def train(cfg: BridgeConfig, group, art: Artifact, progress: Progress) -> dict:
             out = net(x_t, t, cb)
         loss = ((out.float() - flow.training_target(yb, eps, cfg.prediction)) ** 2).mean()
         if not torch.isfinite(loss):
-            kept = files.load_state(state_path)
+            kept = files.load_state(art.path)
             where = f"step {kept['step']}" if kept else "none yet"
             raise DihalError(f"bridge loss became {loss.item()} at step {step} (last good checkpoint: {where}); "
                              "lower --lr or raise --warmup, then rerun to resume")
@@ -341,11 +370,11 @@ def train(cfg: BridgeConfig, group, art: Artifact, progress: Progress) -> dict:
         row["tokens_per_s"] = tokens_per_step * (step + 1 - first_step) / max(elapsed, 1e-9)
         log.append(row)
         files.append_jsonl(metrics_path, row)
-        progress.advance(1)
         if (step + 1) % cfg.checkpoint_every == 0 and step + 1 < steps:
-            files.save_state(state_path, {"step": step + 1, "model": net.state_dict(), "optimizer": optimizer.state_dict(),
-                                          "ema": ema.params, "log": log})
-        _fault_injection(step + 1)
+            files.save_state(art.path, {"step": step + 1, "model": net.state_dict(), "optimizer": optimizer.state_dict(),
+                                        "ema": ema.params, "log": log})
+        progress.advance(1, loss=row["train_loss"], tokens_per_s=row["tokens_per_s"],
+                         **({"val_loss": row["val_loss"]} if "val_loss" in row else {}))
     progress.stop()
     files.save_tensors(art.file("weights.safetensors"), net.state_dict())
     files.save_tensors(art.file("weights_ema.safetensors"), ema.params)
@@ -374,15 +403,6 @@ class _nullcontext:
 
     def __exit__(self, *exc):
         return False
-
-
-def _fault_injection(step: int) -> None:
-    """Tests kill training for real after N steps (DIHAL_FAULT_AFTER_STEPS)."""
-    after = os.environ.get("DIHAL_FAULT_AFTER_STEPS")
-    if after is not None and step == int(after):
-        import signal
-
-        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def plot_losses(log: list[dict], path, cfg: BridgeConfig) -> None:

@@ -18,29 +18,42 @@ from stages.lm.models import LoadedModel, load_model
 STAGE = "evaluate"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class FidelityConfig:
-    steps: tuple[int, ...] = (1, 4, 8, 16)
+    sample_steps: tuple[int, ...] = (1, 4, 8, 16)  # Euler steps of the bridge sampler, compared
     limit: int = 64  # held-out sequences
     batch_size: int = 16
     seed: int = 0
     device: str = "cpu"
     dtype: str = "float32"
 
+    def __post_init__(self) -> None:
+        if not self.sample_steps or min(self.sample_steps) < 1:
+            raise DihalError("--sample-steps must list positive integers")
+        _positive(limit=self.limit, batch_size=self.batch_size)
+
+
+def _positive(**values: int) -> None:
+    for name, value in values.items():
+        if value < 1:
+            raise DihalError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
+
 
 def parse_steps(spec: str) -> tuple[int, ...]:
     try:
         steps = tuple(sorted({int(s) for s in spec.split(",") if s.strip()}))
     except ValueError:
-        raise DihalError(f"cannot read --steps '{spec}'; use a comma list like 4,8,16") from None
+        raise DihalError(f"cannot read --sample-steps '{spec}'; use a comma list like 4,8,16") from None
     if not steps or min(steps) < 1:
-        raise DihalError("--steps must list positive integers")
+        raise DihalError("--sample-steps must list positive integers")
     return steps
 
 
-def backbone_for(bridge_art: Artifact, device: str, dtype: str) -> LoadedModel:
+def backbone_for(bridge_art: Artifact, device: str, dtype: str, trust_remote_code: bool = False) -> LoadedModel:
+    """The backbone a bridge was trained on. Whether its code may run is this command's flag, never
+    the (untrusted) artifact's record."""
     ex = bridge_art.manifest["extract_config"]
-    return load_model(ex["model"], device, dtype, ex.get("revision"))
+    return load_model(ex["model"], device, dtype, ex.get("revision"), trust_remote_code)
 
 
 def validation_ids(store: ArtifactStore, bridge_art: Artifact, limit: int) -> torch.Tensor:
@@ -53,16 +66,16 @@ def validation_ids(store: ArtifactStore, bridge_art: Artifact, limit: int) -> to
 
 
 def run_fidelity(cfg: FidelityConfig, bridge_art: Artifact, store: ArtifactStore, *, force: bool = False,
-                 loaded: LoadedModel | None = None) -> Artifact:
+                 loaded: LoadedModel | None = None, trust_remote_code: bool = False) -> Artifact:
     config, parents = {"kind": "fidelity", **asdict(cfg)}, {"bridge": bridge_art.id}
     if cached := store.cached(STAGE, config, parents, force=force):
         return cached
     with store.writing(STAGE, config, parents, force=force, seed=cfg.seed, device=cfg.device,
                        extra={"model": bridge_art.manifest.get("model")}) as art:
-        loaded = loaded or backbone_for(bridge_art, cfg.device, cfg.dtype)
+        loaded = loaded or backbone_for(bridge_art, cfg.device, cfg.dtype, trust_remote_code)
         bridge = Bridge.load(bridge_art, cfg.device)
         ids = validation_ids(store, bridge_art, cfg.limit)
-        results = evaluate_fidelity(loaded.model, bridge, ids, list(cfg.steps), cfg.batch_size, cfg.seed)
+        results = evaluate_fidelity(loaded.model, bridge, ids, list(cfg.sample_steps), cfg.batch_size, cfg.seed)
         rows = [{"steps": s, **m} for s, m in results.items()]
         pd.DataFrame(rows).to_csv(art.file("fidelity.csv"), index=False)
         art.file("results.json").write_text(json.dumps({"layer": bridge.layer, "n_sequences": int(ids.shape[0]),
@@ -71,13 +84,16 @@ def run_fidelity(cfg: FidelityConfig, bridge_art: Artifact, store: ArtifactStore
     return art
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class SamplesConfig:
     evaluator: str | None = None  # model spec; None = the bridge's original backbone
     limit: int = 64
     batch_size: int = 16
     device: str = "cpu"
     dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        _positive(limit=self.limit, batch_size=self.batch_size)
 
 
 @torch.no_grad()
@@ -111,7 +127,7 @@ def gen_ppl(nlls: list[tuple[float, int]]) -> dict[str, float]:
 
 
 def run_samples(cfg: SamplesConfig, gen_art: Artifact, store: ArtifactStore, *, force: bool = False,
-                loaded: LoadedModel | None = None) -> Artifact:
+                loaded: LoadedModel | None = None, trust_remote_code: bool = False) -> Artifact:
     from stages.text.text_metrics import text_metrics
 
     config, parents = {"kind": "samples", **asdict(cfg)}, {"generate": gen_art.id}
@@ -120,7 +136,7 @@ def run_samples(cfg: SamplesConfig, gen_art: Artifact, store: ArtifactStore, *, 
     with store.writing(STAGE, config, parents, force=force, device=cfg.device,
                        extra={"model": gen_art.manifest.get("model")}) as art:
         spec = cfg.evaluator or gen_art.manifest["extract_config"]["model"]
-        loaded = loaded or load_model(spec, cfg.device, cfg.dtype)
+        loaded = loaded or load_model(spec, cfg.device, cfg.dtype, trust_remote_code=trust_remote_code)
         rows = []
         for name in ("samples.jsonl", "samples_original.jsonl"):
             if not gen_art.file(name).exists():

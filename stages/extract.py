@@ -20,50 +20,53 @@ from artifacts.errors import DihalError
 from artifacts.store import Artifact, ArtifactStore, artifact_id
 from stages.text import data as data_mod
 from stages.lm.capture import capture_layers, run_capture
-from stages.lm.models import LoadedModel, load_model, locate
+from stages.lm.models import LoadedModel, check_remote_code, load_model, locate
 from stages.runtime.progress import NullProgress, Progress
 
 STAGE = "extract"
 FLOAT16_MAX = 65504.0
+AUTO_HEADROOM = 4.0  # --store-dtype auto: float16 only for a layer whose first batch stays under 65504 / 4
+STORE_DTYPES = ("auto", "float16", "float32")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ExtractConfig:
     model: str = "smollm2-135m"
     revision: str | None = None
-    dataset: str = "pydoc"
-    dataset_config: str | None = None
-    split: str = "train"
-    text_field: str = "text"
-    seq_len: int = 64
-    val_fraction: float = 0.1
-    max_sequences: int | None = None
+    data: data_mod.DataConfig = data_mod.DataConfig()
     layers: str = "all"
-    store_dtype: str = "float16"
-    batch_size: int = 8
+    store_dtype: str = "auto"
+    batch_size: int = 8  # sequences per forward pass and per Zarr chunk
     device: str = "cpu"
     dtype: str = "float32"
-    seed: int = 0
+    trust_remote_code: bool = False
 
-    def data_config(self) -> data_mod.DataConfig:
-        return data_mod.DataConfig(self.dataset, self.dataset_config, self.split, self.text_field, self.seq_len,
-                                   self.val_fraction, self.max_sequences, self.seed)
+    def __post_init__(self) -> None:
+        if self.store_dtype not in STORE_DTYPES:
+            raise DihalError(f"--store-dtype {self.store_dtype} would not keep the states; use {', '.join(STORE_DTYPES)}")
+        if self.batch_size < 1:
+            raise DihalError(f"--batch-size must be at least 1, got {self.batch_size}")
+        parse_layers(self.layers, None)  # syntax and order now; the range once the model is known
 
 
-def parse_layers(spec: str, num_blocks: int) -> list[int]:
-    """'all' | '0-4' | '0,3,7' (mixed allowed: '0,2-4') -> sorted indices in 0..L."""
+def parse_layers(spec: str, num_blocks: int | None) -> list[int]:
+    """'all' | '0-4' | '0,3,7' (mixed allowed: '0,2-4') -> sorted indices in 0..L (L unknown: syntax only)."""
     if spec == "all":
-        return list(range(num_blocks + 1))
+        return list(range(num_blocks + 1)) if num_blocks is not None else []
     layers: set[int] = set()
     try:
         for part in spec.split(","):
             if "-" in part:
                 lo, hi = (int(x) for x in part.split("-"))
+                if lo > hi:
+                    raise DihalError(f"--layers range {lo}-{hi} is reversed; write {hi}-{lo}")
                 layers.update(range(lo, hi + 1))
             else:
                 layers.add(int(part))
     except ValueError:
         raise DihalError(f"cannot read --layers '{spec}'; use all, a range like 0-4, or a list like 0,3,7") from None
+    if num_blocks is None:
+        return sorted(layers)
     bad = sorted(x for x in layers if not 0 <= x <= num_blocks)
     if bad or not layers:
         raise DihalError(f"layer {bad[0] if bad else spec} is out of range: this model has layers 0..{num_blocks} "
@@ -74,22 +77,24 @@ def parse_layers(spec: str, num_blocks: int) -> list[int]:
 def resolved_config(cfg: ExtractConfig) -> dict:
     """What the artifact id hashes: the flags plus what makes the inputs unique."""
     resolved = asdict(cfg)
-    if cfg.dataset == "pydoc":
+    if cfg.data.dataset == "pydoc":
         resolved["pydoc_python"] = data_mod.python_version_tag()
     return resolved
 
 
-def model_config(spec: str):
+def model_config(spec: str, trust_remote_code: bool = False):
     """The backbone's config only (no weights), for validation and dry runs."""
     from transformers import AutoConfig
 
     where, identity = locate(spec)
+    check_remote_code(spec, where, trust_remote_code)
     if identity["source"] == "hub":
         try:
-            return AutoConfig.from_pretrained(where, local_files_only=True), identity
+            return AutoConfig.from_pretrained(where, local_files_only=True, trust_remote_code=trust_remote_code), identity
         except OSError:
-            load_model(spec)  # raises the offline message or downloads
-    return AutoConfig.from_pretrained(str(where)), identity
+            raise DihalError(f"model '{spec}' is not in the local Hugging Face cache; the dry run checks hub models "
+                             "only once they are cached") from None
+    return AutoConfig.from_pretrained(str(where), trust_remote_code=trust_remote_code), identity
 
 
 @dataclass
@@ -103,36 +108,34 @@ class Plan:
 
 
 def plan(cfg: ExtractConfig) -> Plan:
-    if cfg.store_dtype not in ("float16", "float32"):
-        raise DihalError("--store-dtype must be float16 or float32")
-    if cfg.batch_size < 1:
-        raise DihalError("--batch-size must be at least 1")
+    """Everything a real run checks before loading weights; the dry run is exactly this."""
+    data_mod.check(cfg.data)
     try:
-        config, identity = model_config(cfg.model)
+        config, identity = model_config(cfg.model, cfg.trust_remote_code)
     except DihalError:
         if locate(cfg.model)[1]["source"] != "hub":
             raise
-        # offline dry run of a hub model: flags checked, the layer range waits for the real run
-        return Plan([], 0, 0, cfg.max_sequences, None, {"name": cfg.model, "source": "hub (offline: config not checked)"})
+        # a hub model not cached here: flags checked, the layer range waits for the real run
+        return Plan([], 0, 0, cfg.data.max_sequences, None, {"name": cfg.model, "source": "hub (config not cached)"})
     num_blocks = config.num_hidden_layers
     layers = parse_layers(cfg.layers, num_blocks)
     max_pos = getattr(config, "max_position_embeddings", None)
-    if max_pos and cfg.seq_len > max_pos:
-        raise DihalError(f"--seq-len {cfg.seq_len} exceeds the model's context of {max_pos} tokens; use a smaller --seq-len")
-    if cfg.dataset != "pydoc" and data_mod.is_local_spec(cfg.dataset) and not data_mod._local_files(cfg.dataset):
-        raise DihalError(f"dataset file '{cfg.dataset}' does not exist; check the path")
-    n = cfg.max_sequences
-    est = estimate_bytes(n, cfg.seq_len, config.hidden_size, len(layers), cfg.store_dtype) if n else None
+    if max_pos and cfg.data.seq_len > max_pos:
+        raise DihalError(f"--seq-len {cfg.data.seq_len} exceeds the model's context of {max_pos} tokens; "
+                         "use a smaller --seq-len")
+    n = cfg.data.max_sequences
+    est = estimate_bytes(n, cfg.data.seq_len, config.hidden_size, len(layers), cfg.store_dtype) if n else None
     return Plan(layers, num_blocks, config.hidden_size, n, est, identity)
 
 
 def estimate_bytes(n_seq: int, seq_len: int, width: int, n_layers: int, store_dtype: str) -> int:
-    itemsize = 2 if store_dtype == "float16" else 4
+    itemsize = 4 if store_dtype == "float32" else 2  # auto: float16 unless a layer needs more
     return n_seq * seq_len * (width * n_layers * itemsize + 5)
 
 
 def _dist_info() -> tuple[int, int]:
-    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    dist = torch.distributed
+    return (dist.get_rank(), dist.get_world_size()) if dist.is_available() and dist.is_initialized() else (0, 1)
 
 
 def _barrier(world: int) -> None:
@@ -140,17 +143,21 @@ def _barrier(world: int) -> None:
         torch.distributed.barrier()
 
 
-def _rank_device(device: str, rank: int) -> str:
-    if device.startswith("cuda") and ":" not in device and _dist_info()[1] > 1:
-        return f"cuda:{int(os.environ.get('LOCAL_RANK', rank))}"
-    return device
-
-
-def check_float16(layer: int, values: torch.Tensor) -> None:
+def check_float16(layer: int, values: torch.Tensor, chosen: str) -> None:
     peak = float(values.abs().max())
     if not np.isfinite(peak) or peak > FLOAT16_MAX:
-        raise DihalError(f"layer {layer} holds values up to {peak:.3g}, beyond float16's range; "
+        why = " (auto chose float16 from the first batch)" if chosen == "auto" else ""
+        raise DihalError(f"layer {layer} holds values up to {peak:.3g}, beyond float16's range{why}; "
                          "rerun with --store-dtype float32")
+
+
+def choose_dtypes(states: dict[int, torch.Tensor], store_dtype: str) -> dict[int, str]:
+    """Per layer: the asked dtype, or under auto float16 where the first batch fits with headroom."""
+    if store_dtype != "auto":
+        return {layer: store_dtype for layer in states}
+    peaks = {layer: float(v.abs().max()) for layer, v in states.items()}
+    return {layer: "float16" if np.isfinite(p) and p * AUTO_HEADROOM <= FLOAT16_MAX else "float32"
+            for layer, p in peaks.items()}
 
 
 def run(cfg: ExtractConfig, store: ArtifactStore, *, force: bool = False, check_disk: bool = True,
@@ -160,15 +167,14 @@ def run(cfg: ExtractConfig, store: ArtifactStore, *, force: bool = False, check_
     config = resolved_config(cfg)
     if cached := store.cached(STAGE, config, {}, force=force):
         return cached
+    plan(cfg) if loaded is None else data_mod.check(cfg.data)
     rank, world = _dist_info()
-    if world > 1 and not torch.distributed.is_initialized():
-        torch.distributed.init_process_group("gloo")
-    loaded = loaded or load_model(cfg.model, _rank_device(cfg.device, rank), cfg.dtype, cfg.revision)
+    loaded = loaded or load_model(cfg.model, cfg.device, cfg.dtype, cfg.revision, cfg.trust_remote_code)
     layers = parse_layers(cfg.layers, loaded.num_blocks)
-    packed = data_mod.pack(cfg.data_config(), loaded.tokenizer, loaded.max_positions)
-    n_seq = packed.input_ids.shape[0]
-    est = estimate_bytes(n_seq, cfg.seq_len, loaded.width, len(layers), cfg.store_dtype)
-    progress.log(f"plan: {n_seq} sequences x {cfg.seq_len} tokens, {len(layers)} layers, "
+    packed = data_mod.pack(cfg.data, loaded.tokenizer, loaded.max_positions)
+    n_seq, seq_len = packed.input_ids.shape[0], cfg.data.seq_len
+    est = estimate_bytes(n_seq, seq_len, loaded.width, len(layers), cfg.store_dtype)
+    progress.log(f"plan: {n_seq} sequences x {seq_len} tokens, {len(layers)} layers, "
                  f"about {est / 2**20:.1f} MiB on disk under {store.root}")
     if check_disk and not force:
         store.root.mkdir(parents=True, exist_ok=True)
@@ -180,58 +186,51 @@ def run(cfg: ExtractConfig, store: ArtifactStore, *, force: bool = False, check_
     zarr_path = store.root / STAGE / art_id / "hidden.zarr"
     with contextlib.ExitStack() as held:
         if rank == 0:  # rank 0 owns the artifact (and its lock) for the whole extraction
-            held.enter_context(store.lock(STAGE, art_id))
-            store.begin(STAGE, config, {}, seed=cfg.seed, device=str(loaded.device), force=force,
-                        extra={"model": loaded.identity, "dataset_fingerprint": packed.fingerprint,
-                               "n_documents": packed.n_documents, "world_size": world})
-            group = hs.create(zarr_path, layers, n_seq, cfg.seq_len, loaded.width, cfg.store_dtype, cfg.batch_size,
-                              {"num_blocks": loaded.num_blocks, "model": loaded.identity["name"]})
-            if not hs.committed_chunks(group).any():
-                group["split"][:] = packed.split
+            art = held.enter_context(store.writing(
+                STAGE, config, {}, seed=cfg.data.seed, device=str(loaded.device), force=force,
+                extra={"model": loaded.identity, "dataset_fingerprint": packed.fingerprint,
+                       "n_documents": packed.n_documents, "world_size": world}))
+            if not (zarr_path / "zarr.json").exists():
+                first = torch.from_numpy(packed.input_ids[: cfg.batch_size].astype(np.int64)).to(loaded.device)
+                with torch.no_grad(), capture_layers(loaded.model, layers) as captured:
+                    dtypes = choose_dtypes(run_capture(loaded.model, captured, first), cfg.store_dtype)
+                hs.create(zarr_path, layers, n_seq, seq_len, loaded.width, dtypes, cfg.batch_size,
+                          {"num_blocks": loaded.num_blocks, "model": loaded.identity["name"],
+                           "start_token": packed.start_token})
+                hs.open_for_writing(zarr_path)["split"][:] = packed.split
         _barrier(world)
-        if rank != 0:
-            group = hs.open_for_writing(zarr_path)
+        group = hs.open_for_writing(zarr_path)
         try:
             _extract_chunks(loaded, group, packed.input_ids, layers, cfg, rank, world, progress)
-        except DihalError as exc:  # committed chunks stay; a rerun resumes after the fix
-            if rank == 0:
-                store.load(STAGE, art_id).fail(str(exc))
-            raise
-        _barrier(world)
-        art = store.load(STAGE, art_id)
+        finally:
+            _barrier(world)
         if rank == 0:
             art.manifest["metrics"] = {
                 "n_sequences": int(n_seq), "n_train": int((packed.split == 0).sum()),
-                "n_validation": int((packed.split == 1).sum()), "layers": layers, "seq_len": cfg.seq_len,
-                "width": loaded.width, "num_blocks": loaded.num_blocks}
-            art.finish()
-    return art
+                "n_validation": int((packed.split == 1).sum()), "layers": layers, "seq_len": seq_len,
+                "width": loaded.width, "num_blocks": loaded.num_blocks, "store_dtypes": hs.layer_dtypes(group),
+                "start_token": packed.start_token}
+    return store.load(STAGE, art_id)
 
 
 def artifact_id_for(cfg: ExtractConfig) -> str:
     return artifact_id(STAGE, resolved_config(cfg), {})
 
 
-def _fault_injection(index: int, mine: list[int]) -> None:
-    """Tests kill the process for real after N committed chunks (DIHAL_FAULT_AFTER_CHUNKS)."""
-    after = os.environ.get("DIHAL_FAULT_AFTER_CHUNKS")
-    if after is not None and mine.index(index) + 1 == int(after):
-        import signal
-
-        os.kill(os.getpid(), signal.SIGKILL)
-
-
 def _extract_chunks(loaded: LoadedModel, group, input_ids: np.ndarray, layers: list[int], cfg: ExtractConfig,
                     rank: int, world: int, progress: Progress) -> None:
+    seq_len = cfg.data.seq_len
     chunks = hs.chunk_ranges(input_ids.shape[0], cfg.batch_size)
     done = hs.committed_chunks(group)
+    dtypes = hs.layer_dtypes(group)
     mine = [i for i in range(len(chunks)) if i % world == rank and not done[i]]
-    total_tokens = sum((chunks[i][1] - chunks[i][0]) * cfg.seq_len for i in mine)
+    total_tokens = sum((chunks[i][1] - chunks[i][0]) * seq_len for i in mine)
     if done.any():
         progress.log(f"resuming: {int(done.sum())} of {len(chunks)} chunks already committed")
     progress.start("extract", total_tokens, "tok")
     device = loaded.device
-    # one chunk is written (and committed) on a background thread while the next is computed
+    # one chunk is written (and committed) on a background thread while the next is computed;
+    # progress advances once a chunk is committed
     with torch.no_grad(), capture_layers(loaded.model, layers) as captured, ThreadPoolExecutor(1) as writer:
         pending = None
         for index in mine:
@@ -241,16 +240,18 @@ def _extract_chunks(loaded: LoadedModel, group, input_ids: np.ndarray, layers: l
             states = run_capture(loaded.model, captured, ids, mask)
             arrays = {}
             for layer in layers:
-                values = states[layer]
-                if cfg.store_dtype == "float16":
-                    check_float16(layer, values)
-                arrays[layer] = values.to("cpu", torch.float32).numpy().astype(cfg.store_dtype)
+                if dtypes[layer] == "float16":
+                    check_float16(layer, states[layer], cfg.store_dtype)
+                arrays[layer] = states[layer].to("cpu", torch.float32).numpy().astype(dtypes[layer])
             if pending is not None:
-                pending.result()
-                _fault_injection(mine[mine.index(index) - 1], mine)
-            pending = writer.submit(hs.write_chunk, group, index, start, arrays, input_ids[start:stop],
-                                    mask.cpu().numpy().astype(np.int8))
-            progress.advance((stop - start) * cfg.seq_len)
+                progress.advance(pending.result())
+            pending = writer.submit(_write, group, index, start, arrays, input_ids[start:stop],
+                                    mask.cpu().numpy().astype(np.int8), (stop - start) * seq_len)
         if pending is not None:
-            pending.result()
+            progress.advance(pending.result())
     progress.stop()
+
+
+def _write(group, index, start, arrays, ids, mask, tokens: int) -> int:
+    hs.write_chunk(group, index, start, arrays, ids, mask)
+    return tokens

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import time
+from typing import Callable
 from dataclasses import asdict, dataclass
 
 import torch
@@ -21,11 +22,12 @@ from stages.lm.capture import hidden_states
 from stages.lm.hybrid import suffix_model
 from stages.lm.models import LoadedModel
 from stages.runtime.progress import NullProgress, Progress
+from stages.text.data import start_token
 
 STAGE = "generate"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class GenerateConfig:
     prompts: tuple[str, ...] = ()
     num_samples: int = 8
@@ -33,7 +35,7 @@ class GenerateConfig:
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
-    steps: int = 8
+    sample_steps: int = 8  # Euler steps of the bridge sampler per position
     batch_size: int = 8
     mode: str = "ar"
     baseline: str = "none"  # "original": also generate with the unmodified backbone
@@ -41,6 +43,9 @@ class GenerateConfig:
     seed: int = 0
     device: str = "cpu"
     dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        validate(self)
 
 
 def validate(cfg: GenerateConfig) -> None:
@@ -50,8 +55,11 @@ def validate(cfg: GenerateConfig) -> None:
         raise DihalError(f"--top-p must be in (0, 1], got {cfg.top_p}")
     if cfg.temperature < 0:
         raise DihalError("--temperature must be >= 0 (0 = greedy)")
-    if cfg.top_k < 0 or cfg.num_samples < 1 or cfg.max_new_tokens < 1 or cfg.steps < 1 or cfg.batch_size < 1:
-        raise DihalError("--top-k must be >= 0; --num-samples, --max-new-tokens, --steps and --batch-size >= 1")
+    if cfg.top_k < 0:
+        raise DihalError(f"--top-k must be >= 0 (0 = off), got {cfg.top_k}")
+    for name in ("num_samples", "max_new_tokens", "sample_steps", "batch_size"):
+        if getattr(cfg, name) < 1:
+            raise DihalError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(cfg, name)}")
     if cfg.baseline not in ("none", "original"):
         raise DihalError("--baseline must be none or original")
 
@@ -76,9 +84,9 @@ def sample_token(logits: torch.Tensor, cfg: GenerateConfig, gen: torch.Generator
 
 
 def prompt_ids(tokenizer, prompt: str) -> list[int]:
+    """The start token (METHOD section 0: BOS, else the document separator, else EOS), then the prompt."""
     ids = tokenizer(prompt, add_special_tokens=False)["input_ids"] if prompt else []
-    bos = tokenizer.bos_token_id
-    return ([bos] if bos is not None else []) + ids
+    return [start_token(tokenizer)[0]] + ids
 
 
 def _layer0(model, ids: torch.Tensor) -> torch.Tensor:
@@ -93,13 +101,13 @@ def generate_hybrid(loaded: LoadedModel, bridge: Bridge, suffix, prefix: torch.T
     noise = bridge.noise(batch, prefix.shape[1] + cfg.max_new_tokens, gen)
     ids, new = prefix, []
     if cfg.cache:
-        sampler, kv = bridge.cached_sampler(cfg.steps, batch), DynamicCache(config=suffix.config)
+        sampler, kv = bridge.cached_sampler(cfg.sample_steps, batch), DynamicCache(config=suffix.config)
         h = sampler.extend(_layer0(model, ids), noise[:, : ids.shape[1] - bridge.start])
     for _ in range(cfg.max_new_tokens):
         if cfg.cache:
             logits = suffix(inputs_embeds=h.to(_dtype(suffix)), cache=kv, use_cache=True).logits[:, -1]
         else:  # recompute everything from the full prefix (the reference for the cached path)
-            h_all = bridge.sample(_layer0(model, ids), cfg.steps, noise)
+            h_all = bridge.sample(_layer0(model, ids), cfg.sample_steps, noise)
             logits = suffix(inputs_embeds=h_all.to(_dtype(suffix)), use_cache=False).logits[:, -1]
         token = sample_token(logits, cfg, gen)
         new.append(token)
@@ -165,16 +173,18 @@ def generate_all(loaded: LoadedModel, bridge: Bridge | None, cfg: GenerateConfig
     return rows
 
 
-def run(cfg: GenerateConfig, bridge_art: Artifact, store: ArtifactStore, loaded: LoadedModel, *,
-        force: bool = False, progress: Progress | None = None) -> Artifact:
+def run(cfg: GenerateConfig, bridge_art: Artifact, store: ArtifactStore,
+        loaded: LoadedModel | Callable[[], LoadedModel], *, force: bool = False,
+        progress: Progress | None = None) -> Artifact:
+    """loaded: the backbone, or a function that loads it (called only when there is work to do)."""
     progress = progress or NullProgress()
-    validate(cfg)
     config, parents = asdict(cfg), {"bridge": bridge_art.id}
     if cached := store.cached(STAGE, config, parents, force=force):
         return cached
     with store.writing(STAGE, config, parents, force=force, seed=cfg.seed, device=cfg.device,
                        extra={"model": bridge_art.manifest.get("model"),
                               "extract_config": bridge_art.manifest.get("extract_config")}) as art:
+        loaded = loaded() if callable(loaded) else loaded
         bridge = Bridge.load(bridge_art, cfg.device)
         total = len(cfg.prompts or [""]) * cfg.num_samples * (2 if cfg.baseline == "original" else 1)
         progress.start("generate", total, "sample")

@@ -34,7 +34,7 @@ NORMALIZATIONS = ("none", "rms", "standardize")
 PROXIES = ("m_curv", "m_mono", "k_hat")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ScoreConfig:
     tokens: int = 4096
     k: int = 64
@@ -47,6 +47,9 @@ class ScoreConfig:
     seed: int = 0
     device: str = "cpu"
     chunk: int = 512  # points per batched kNN / Gram block; bounds memory, not results
+
+    def __post_init__(self) -> None:
+        validate(self)
 
 
 # -- sampling and normalization -----------------------------------------------------------------
@@ -233,7 +236,28 @@ def _ranges(layers: list[int]) -> str:
     return f"layers {layers[0]}..{layers[-1]}" if layers == list(range(layers[0], layers[-1] + 1)) else f"layers {layers}"
 
 
+def excluded_positions(spec: str) -> list[int]:
+    try:
+        positions = [int(p) for p in spec.split(",") if p.strip()] if spec else []
+    except ValueError:
+        raise DihalError(f"cannot read --exclude-positions '{spec}'; use a comma list like 0 or 0,1") from None
+    if any(p < 0 for p in positions):
+        raise DihalError("--exclude-positions must be positions >= 0")
+    return positions
+
+
 def validate(cfg: ScoreConfig) -> None:
+    excluded_positions(cfg.exclude_positions)
+    if cfg.tokens < 3:
+        raise DihalError(f"--tokens must be at least 3, got {cfg.tokens}")
+    if cfg.eps_rel <= 0:
+        raise DihalError(f"--eps-rel must be > 0, got {cfg.eps_rel}")
+    if cfg.chunk < 1:
+        raise DihalError("chunk must be at least 1")
+    if cfg.candidates is not None:
+        from stages.extract import parse_layers
+
+        parse_layers(cfg.candidates, None)
     if cfg.normalize not in NORMALIZATIONS:
         raise DihalError(f"unknown --normalize '{cfg.normalize}'; use one of {', '.join(NORMALIZATIONS)}")
     if cfg.k < 2:
@@ -247,7 +271,7 @@ def validate(cfg: ScoreConfig) -> None:
 
 
 def score_layers(group, cfg: ScoreConfig, layers: list[int], progress: Progress) -> tuple[pd.DataFrame, np.ndarray, np.ndarray]:
-    exclude = [int(p) for p in cfg.exclude_positions.split(",") if p.strip()] if cfg.exclude_positions else []
+    exclude = excluded_positions(cfg.exclude_positions)
     seq_idx, pos_idx = sample_positions(group, cfg.split, cfg.tokens, exclude, cfg.seed)
     pairs = sample_pairs(cfg.tokens, cfg.pairs, cfg.seed)
     rows = []
@@ -272,7 +296,6 @@ def score_layers(group, cfg: ScoreConfig, layers: list[int], progress: Progress)
 def run(cfg: ScoreConfig, extract: Artifact, store: ArtifactStore, *, force: bool = False,
         progress: Progress | None = None) -> Artifact:
     progress = progress or NullProgress()
-    validate(cfg)
     keep_freed_memory()  # first, before zarr or a progress bar start threads; see stages/allocator.py
     group = hs.open_group(extract.path / "hidden.zarr")
     num_blocks = int(group.attrs["num_blocks"])

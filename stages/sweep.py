@@ -8,6 +8,7 @@ from dataclasses import asdict, dataclass
 import pandas as pd
 from scipy.stats import spearmanr
 
+from artifacts.errors import DihalError
 from artifacts.store import Artifact, ArtifactStore
 from stages import bridge as bridge_stage
 from stages import evaluate as eval_stage
@@ -18,20 +19,28 @@ from stages.runtime.progress import NullProgress, Progress
 STAGE = "sweep"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class SweepConfig:
     layers: tuple[int, ...]
     protocol: str = "sweep-tiny"
     overrides: tuple[tuple[str, object], ...] = ()  # protocol fields changed for every layer alike
-    eval_steps: int = 8
+    sample_steps: int = 8  # Euler steps for each bridge's fidelity
     eval_limit: int = 32
     seed: int = 0
     device: str = "cpu"
     dtype: str = "float32"
 
+    def __post_init__(self) -> None:
+        if not self.layers:
+            raise DihalError("--layers must name at least one layer")
+        if self.sample_steps < 1 or self.eval_limit < 1:
+            raise DihalError("--sample-steps and --eval-limit must be at least 1")
+        for layer in self.layers:  # every layer's recipe is valid before the first one trains
+            bridge_stage.BridgeConfig.from_protocol(layer, self.protocol, **dict(self.overrides))
+
 
 def run(cfg: SweepConfig, extract: Artifact, score_art: Artifact, store: ArtifactStore, *, force: bool = False,
-        progress: Progress | None = None) -> Artifact:
+        progress: Progress | None = None, trust_remote_code: bool = False) -> Artifact:
     progress = progress or NullProgress()
     config = {**asdict(cfg), "overrides": dict(cfg.overrides)}
     parents = {"extract": extract.id, "score": score_art.id}
@@ -42,12 +51,13 @@ def run(cfg: SweepConfig, extract: Artifact, score_art: Artifact, store: Artifac
     rows = []
     for layer in cfg.layers:
         progress.log(f"layer {layer}: bridge under protocol {cfg.protocol}")
-        bcfg = bridge_stage.resolve_config(layer, cfg.protocol, {**dict(cfg.overrides), "seed": cfg.seed,
-                                                                 "device": cfg.device})
+        bcfg = bridge_stage.BridgeConfig.from_protocol(layer, cfg.protocol, **dict(cfg.overrides), seed=cfg.seed,
+                                                       device=cfg.device)
         bridge_art = bridge_stage.run(bcfg, extract, store, progress=progress)
-        fcfg = eval_stage.FidelityConfig((cfg.eval_steps,), cfg.eval_limit, 16, cfg.seed, cfg.device, cfg.dtype)
+        fcfg = eval_stage.FidelityConfig(sample_steps=(cfg.sample_steps,), limit=cfg.eval_limit, seed=cfg.seed,
+                                         device=cfg.device, dtype=cfg.dtype)
         if store.cached(eval_stage.STAGE, {"kind": "fidelity", **asdict(fcfg)}, {"bridge": bridge_art.id}) is None:
-            loaded = loaded or eval_stage.backbone_for(bridge_art, cfg.device, cfg.dtype)
+            loaded = loaded or eval_stage.backbone_for(bridge_art, cfg.device, cfg.dtype, trust_remote_code)
         fid_art = eval_stage.run_fidelity(fcfg, bridge_art, store, loaded=loaded)
         fid = fid_art.manifest["metrics"]["fidelity"][0]
         rows.append({"layer": layer, "S": float(scores.loc[layer, "S"]), "score_rank": int(scores.loc[layer, "rank"]),

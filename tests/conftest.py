@@ -80,11 +80,12 @@ def root(tmp_path, monkeypatch) -> Path:
     return path
 
 
-def run_cli(*args: str, env: dict | None = None, check: bool = False) -> subprocess.CompletedProcess:
-    """`dihal ARGS` in a fresh process, as a user runs it."""
+def run_cli(*args: str, env: dict | None = None, check: bool = False, kill_after: int | None = None
+            ) -> subprocess.CompletedProcess:
+    """`dihal ARGS` in a fresh process, as a user runs it; kill_after=N: SIGKILL after N units of work."""
     full_env = {**os.environ, **(env or {})}
-    proc = subprocess.run([sys.executable, "-m", "dihal_cli", *args], capture_output=True, text=True, env=full_env,
-                          cwd=ROOT)
+    entry = ["-m", "dihal_cli"] if kill_after is None else ["-m", "tests.kill_after", str(kill_after)]
+    proc = subprocess.run([sys.executable, *entry, *args], capture_output=True, text=True, env=full_env, cwd=ROOT)
     if check and proc.returncode != 0:
         raise AssertionError(f"dihal {' '.join(args)} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
     return proc

@@ -80,9 +80,9 @@ def test_denoiser_is_causal_and_cache_matches_full_pass():
 
 
 def test_lr_schedule_warmup_then_cosine_to_zero():
-    from stages.bridge import lr_at, resolve_config
+    from stages.bridge import BridgeConfig, lr_at
 
-    cfg = resolve_config(3, "cpu-small", {"steps": 100, "warmup": 10, "lr": 1.0})
+    cfg = BridgeConfig.from_protocol(3, "cpu-small", steps=100, warmup=10, lr=1.0)
     assert lr_at(0, 100, cfg) == pytest.approx(0.1) and lr_at(9, 100, cfg) == pytest.approx(1.0)
     assert lr_at(55, 100, cfg) == pytest.approx(0.5) and lr_at(100, 100, cfg) == pytest.approx(0.0)
 
@@ -102,7 +102,7 @@ def test_train_bridge_writes_weights_metrics_plot(tiny_bridge_extract):
     from artifacts.store import ArtifactStore
     from artifacts import files
 
-    res = invoke("train-bridge", "--layer", "2", "--extract", "latest", *TINY, "--steps", "12", "--eval-every", "6")
+    res = invoke("train-bridge", "--layer", "2", "--extract", "latest", *TINY, "--train-steps", "12", "--eval-every", "6")
     assert res.exit_code == 0, res.output
     art = ArtifactStore(tiny_bridge_extract).resolve("latest", "bridge")
     rows = files.read_jsonl(art.file("metrics.jsonl"))
@@ -111,11 +111,11 @@ def test_train_bridge_writes_weights_metrics_plot(tiny_bridge_extract):
     assert art.manifest["metrics"]["val_loss"] == rows[-1]["val_loss"]
     for name in ("weights.safetensors", "weights_ema.safetensors", "stats.safetensors", "loss_curve.png", "bridge.json"):
         assert art.file(name).exists(), name
-    assert not art.file("state.pt").exists()
+    assert not art.file("state.safetensors").exists()
     assert art.manifest["config"]["protocol"] == "sweep-tiny" and art.manifest["config"]["steps"] == 12
-    again = invoke("train-bridge", "--layer", "2", "--extract", "latest", *TINY, "--steps", "12", "--eval-every", "6")
+    again = invoke("train-bridge", "--layer", "2", "--extract", "latest", *TINY, "--train-steps", "12", "--eval-every", "6")
     assert "cache hit" in again.output
-    fid = invoke("evaluate", "--bridge", art.id, "--steps", "1,4", "--limit", "8", "--json")
+    fid = invoke("evaluate", "--bridge", art.id, "--sample-steps", "1,4", "--limit", "8", "--json")
     assert fid.exit_code == 0, fid.output
     import json
 
@@ -129,13 +129,13 @@ def test_resume_after_kill_gives_identical_weights(tiny_bridge_extract, tmp_path
     from artifacts.store import ArtifactStore
     from artifacts import files
 
-    args = ["train-bridge", "--layer", "2", "--extract", "latest", *TINY, "--steps", "30", "--eval-every", "10",
+    args = ["train-bridge", "--layer", "2", "--extract", "latest", *TINY, "--train-steps", "30", "--eval-every", "10",
             "--checkpoint-every", "10", "--root", str(tiny_bridge_extract)]
-    killed = run_cli(*args, env={"DIHAL_FAULT_AFTER_STEPS": "25"})
+    killed = run_cli(*args, kill_after=25)
     assert killed.returncode == -signal.SIGKILL, killed.stderr
     store = ArtifactStore(tiny_bridge_extract)
     partial = store.all("bridge")[0]
-    assert partial.status == "running" and files.load_state(partial.file("state.pt"))["step"] == 20
+    assert partial.status == "running" and files.load_state(partial.path)["step"] == 20
     resumed = run_cli(*args)
     assert resumed.returncode == 0, resumed.stderr
     assert "resuming bridge training at step 20" in resumed.stderr
@@ -150,7 +150,7 @@ def test_resume_after_kill_gives_identical_weights(tiny_bridge_extract, tmp_path
 
 
 def test_nan_loss_stops_with_clear_message(tiny_bridge_extract):
-    res = invoke("train-bridge", "--layer", "2", "--extract", "latest", *TINY, "--steps", "30", "--lr", "1e30",
+    res = invoke("train-bridge", "--layer", "2", "--extract", "latest", *TINY, "--train-steps", "30", "--lr", "1e30",
                  "--warmup", "1")
     assert res.exit_code == 2 and "bridge loss became" in res.output, res.output
     from artifacts.store import ArtifactStore
@@ -176,7 +176,7 @@ def test_sweep_over_tiny_model_writes_table_rho_plot(tiny_dirs, root):
     ok = invoke("extract", "--model", str(tiny_dirs["gemma3"]), "--max-sequences", "40", "--seq-len", "16",
                 "--val-fraction", "0.2", "--device", "cpu")
     assert ok.exit_code == 0, ok.output
-    res = invoke("sweep", "--layers", "1,2,3", "--extract", "latest", "--tokens", "200", "--steps", "6", "--width", "32",
+    res = invoke("sweep", "--layers", "1,2,3", "--extract", "latest", "--tokens", "200", "--train-steps", "6", "--width", "32",
                  "--depth", "1", "--batch-size", "8", "--eval-limit", "4", "--device", "cpu")
     assert res.exit_code == 0, res.output
     store = ArtifactStore(root)
@@ -189,6 +189,6 @@ def test_sweep_over_tiny_model_writes_table_rho_plot(tiny_dirs, root):
     assert summary["spearman_rho"] == pytest.approx(rho) and summary["p_value"] == pytest.approx(p)
     assert summary["oracle_layer"] == int(table.loc[table.val_loss.idxmin(), "layer"])
     assert summary["worst_layer"] == int(table.loc[table.val_loss.idxmax(), "layer"])
-    again = invoke("sweep", "--layers", "1,2,3", "--extract", "latest", "--tokens", "200", "--steps", "6", "--width",
+    again = invoke("sweep", "--layers", "1,2,3", "--extract", "latest", "--tokens", "200", "--train-steps", "6", "--width",
                    "32", "--depth", "1", "--batch-size", "8", "--eval-limit", "4", "--device", "cpu")
     assert again.exit_code == 0 and len(store.all("bridge")) == 3  # bridges reused through the cache

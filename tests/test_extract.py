@@ -83,7 +83,7 @@ def _store_arrays(path):
 def test_killed_extraction_resumes_to_identical_store(tiny_dirs, tmp_path):
     args = ("extract", "--model", str(tiny_dirs["gemma3"]), "--max-sequences", "24", "--seq-len", "32",
             "--batch-size", "4", "--device", "cpu")
-    killed = run_cli(*args, "--root", str(tmp_path / "a"), env={"DIHAL_FAULT_AFTER_CHUNKS": "2"})
+    killed = run_cli(*args, "--root", str(tmp_path / "a"), kill_after=2)
     assert killed.returncode == -signal.SIGKILL
     art = _only_artifact(tmp_path / "a")
     assert art.status == "running"
@@ -182,10 +182,28 @@ def test_float16_overflow_is_detected_with_the_fix_named(tmp_path, root):
     model.save_pretrained(tmp_path / "huge")
     tok.save_pretrained(tmp_path / "huge")
     args = ("extract", "--model", str(tmp_path / "huge"), "--max-sequences", "4", "--seq-len", "16", "--device", "cpu")
-    res = invoke(*args)
+    res = invoke(*args, "--store-dtype", "float16")
     assert res.exit_code == 2 and "beyond float16's range" in res.output and "--store-dtype float32" in res.output
     assert _only_artifact(root).status == "failed"
-    assert invoke(*args, "--store-dtype", "float32").exit_code == 0
+    auto = invoke(*args)  # the default, auto: float32 where float16 would not hold the values
+    assert auto.exit_code == 0, auto.output
+    art = [a for a in ArtifactStore(root).all("extract") if a.complete][0]
+    dtypes = art.manifest["metrics"]["store_dtypes"]
+    assert dtypes["0"] == "float32" if "0" in dtypes else dtypes[0] == "float32"
+    group = hs.open_group(art.path / "hidden.zarr")
+    assert str(group["layers/0"].dtype) == "float32"
+    stored = np.asarray(group["layers/0"][:])
+    assert np.abs(stored).max() > 65504 and np.isfinite(stored).all()
+
+
+def test_auto_store_dtype_rule():
+    from stages.extract import AUTO_HEADROOM, FLOAT16_MAX, check_float16, choose_dtypes
+
+    fits, near, over = torch.full((2, 3), 100.0), torch.full((2, 3), FLOAT16_MAX / AUTO_HEADROOM * 1.01), torch.full((1,), 7e4)
+    assert choose_dtypes({0: fits, 1: near, 2: over}, "auto") == {0: "float16", 1: "float32", 2: "float32"}
+    assert choose_dtypes({0: over}, "float16") == {0: "float16"}
+    with pytest.raises(Exception, match="auto chose float16 from the first batch"):
+        check_float16(3, over, "auto")
 
 
 def test_disk_estimate_refuses_when_space_is_short(tiny_dirs, root, monkeypatch):

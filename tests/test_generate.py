@@ -64,10 +64,12 @@ def tiny_trained_bridge(tiny_dirs, tmp_path_factory):
     from artifacts.store import ArtifactStore
     from stages import bridge as bstage
     from stages import extract as estage
+    from stages.text.data import DataConfig
 
     store = ArtifactStore(tmp_path_factory.mktemp("gen-runs"))
-    ex = estage.run(estage.ExtractConfig(model=str(tiny_dirs["llama"]), max_sequences=24, seq_len=16, layers="0,2"), store)
-    cfg = bstage.resolve_config(2, "sweep-tiny", {"steps": 5, "width": 32, "depth": 2, "batch_size": 8})
+    ex = estage.run(estage.ExtractConfig(model=str(tiny_dirs["llama"]), layers="0,2",
+                                          data=DataConfig(max_sequences=24, seq_len=16)), store)
+    cfg = bstage.BridgeConfig.from_protocol(2, "sweep-tiny", steps=5, width=32, depth=2, batch_size=8)
     art = bstage.run(cfg, ex, store)
     return store, art
 
@@ -83,10 +85,10 @@ def test_cached_and_uncached_generation_agree_and_are_deterministic(tiny_trained
     prefix = torch.tensor([gen_stage.prompt_ids(loaded.tokenizer, "The")] * 3)
     outs = {}
     for cache in (True, False):
-        cfg = gen_stage.GenerateConfig(max_new_tokens=12, steps=4, cache=cache, top_k=50, top_p=0.9)
+        cfg = gen_stage.GenerateConfig(max_new_tokens=12, sample_steps=4, cache=cache, top_k=50, top_p=0.9)
         outs[cache] = gen_stage.generate_hybrid(loaded, bridge, suffix, prefix, cfg, torch.Generator().manual_seed(5))
     assert torch.equal(outs[True], outs[False])
-    cfg = gen_stage.GenerateConfig(max_new_tokens=12, steps=4)
+    cfg = gen_stage.GenerateConfig(max_new_tokens=12, sample_steps=4)
     again = [gen_stage.generate_hybrid(loaded, bridge, suffix, prefix, cfg, torch.Generator().manual_seed(7)) for _ in range(2)]
     assert torch.equal(again[0], again[1])
 

@@ -13,7 +13,7 @@ from tests.conftest import invoke
 
 
 def _cfg(**kw):
-    return sc.ScoreConfig(**{"tokens": 10, "k": 8, **kw})
+    return sc.ScoreConfig(**{"tokens": 1000, "k": 8, **kw})  # tokens: the sample size a run would draw
 
 
 def test_subspace_effective_rank_and_participation_ratio():
@@ -124,7 +124,7 @@ def test_read_positions_reads_the_right_states(tmp_path):
 
     rng = np.random.default_rng(8)
     states = rng.normal(size=(37, 5, 3)).astype(np.float16)
-    group = hs.create(tmp_path / "h.zarr", layers=[0], n_seq=37, seq_len=5, width=3, store_dtype="float16",
+    group = hs.create(tmp_path / "h.zarr", layers=[0], n_seq=37, seq_len=5, width=3, dtypes={0: "float16"},
                       chunk_seqs=4, attrs={})
     group["layers/0"][:] = states
     dense = (np.repeat(np.arange(37), 5), np.tile(np.arange(5), 37))

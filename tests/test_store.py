@@ -6,7 +6,7 @@ import json
 import pytest
 
 from artifacts.errors import DihalError
-from artifacts.store import ArtifactStore, artifact_id
+from artifacts.store import SCHEMA_VERSION, ArtifactStore, artifact_id
 from tests.conftest import invoke
 
 
@@ -15,7 +15,7 @@ def test_id_is_sha256_prefix_of_canonical_json_and_order_free():
 
     a = artifact_id("score", {"k": 64, "tokens": 4096}, {"extract": "abc"})
     b = artifact_id("score", {"tokens": 4096, "k": 64}, {"extract": "abc"})
-    payload = json.dumps({"stage": "score", "schema": 1, "config": {"k": 64, "tokens": 4096}, "parents": {"extract": "abc"}},
+    payload = json.dumps({"stage": "score", "schema": SCHEMA_VERSION, "config": {"k": 64, "tokens": 4096}, "parents": {"extract": "abc"}},
                          sort_keys=True, separators=(",", ":"))
     assert a == b == hashlib.sha256(payload.encode()).hexdigest()[:12]
     assert artifact_id("score", {"k": 65, "tokens": 4096}, {"extract": "abc"}) != a
@@ -29,7 +29,10 @@ def test_manifest_lifecycle_and_references(tmp_path):
     (first.path / "data.bin").write_bytes(b"12345")
     first.finish()
     manifest = json.loads(first.manifest_path.read_text())
-    assert manifest["status"] == "complete" and manifest["files"] == {"data.bin": 5} and manifest["seed"] == 3
+    assert manifest["status"] == "complete" and manifest["seed"] == 3
+    import hashlib
+
+    assert manifest["files"] == {"data.bin": {"bytes": 5, "sha256": hashlib.sha256(b"12345").hexdigest()}}
     for key in ("environment", "dihal_version", "created", "finished", "schema_version", "config", "parents"):
         assert key in manifest
     assert store.cached("extract", {"x": 1}, {}).id == first.id

