@@ -6,7 +6,7 @@
     split            (n_seq,) int8        0 = train, 1 = validation
     committed        (n_chunks,) bool     one file per chunk: set after the chunk's data is written
 
-Group attributes carry the layer convention (METHOD.md section 0) and the chunk size.
+Group attributes carry the layer convention (docs/method.md section 0) and the chunk size.
 A chunk whose `committed` flag is set is complete; resume skips it.
 """
 from __future__ import annotations

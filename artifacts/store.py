@@ -191,6 +191,16 @@ class ArtifactStore:
     def __init__(self, root: str | os.PathLike | None = None):
         self.root = resolve_root(root)
 
+    def make_root(self) -> Path:
+        """Create the root (a one-line error where it cannot be written)."""
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            if not os.access(self.root, os.W_OK):  # a read-only file system says so even to root
+                raise OSError(errno.EROFS if os.statvfs(self.root).f_flag & os.ST_RDONLY else errno.EACCES, "")
+        except OSError as exc:
+            raise DihalError(f"cannot write under {self.root} ({_reason(exc)}); choose a writable --root") from None
+        return self.root
+
     # -- lookup ---------------------------------------------------------------------------
     def load(self, stage: str, art_id: str) -> Artifact:
         art = Artifact(self.root, stage, art_id)

@@ -136,6 +136,11 @@ def user_errors(fn: Callable) -> Callable:
         except DihalError as exc:
             err_console.print(f"[red]error:[/red] {exc}", highlight=False, soft_wrap=True)
             raise typer.Exit(2) from None
+        except OSError as exc:  # a last resort: stages turn the ones they expect into DihalError
+            where = f" ({exc.filename})" if exc.filename else ""
+            err_console.print(f"[red]error:[/red] {exc.strerror or exc}{where}; check the path, its permissions and "
+                              "free space, then rerun", highlight=False, soft_wrap=True)
+            raise typer.Exit(2) from None
         except KeyboardInterrupt:
             err_console.print("interrupted: completed chunks/checkpoints are kept; rerun the same command to resume")
             raise typer.Exit(130) from None

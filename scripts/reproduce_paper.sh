@@ -4,9 +4,10 @@
 # arguments offline without loading weights or data.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-[ "${DRY_RUN:-0}" = 1 ] && export DIHAL_DRY_RUN=1 HF_HUB_OFFLINE=1
-DEV="--device ${DEVICE:-cuda} --dtype ${DTYPE:-bfloat16}"
-dry() { [ "${DIHAL_DRY_RUN:-0}" = 1 ]; }
+[ "${DRY_RUN:-0}" = 1 ] && export HF_HUB_OFFLINE=1
+dry() { [ "${DRY_RUN:-0}" = 1 ]; }
+DRY=$(dry && echo --dry-run || true)
+DEV="--device ${DEVICE:-cuda} --dtype ${DTYPE:-bfloat16} $DRY"
 latest() { if dry; then echo latest; else dihal runs latest "$1"; fi; }
 
 for spec in "meta-llama/Llama-3.1-8B-Instruct 1-31" "Qwen/Qwen3-8B 1-35"; do
@@ -17,7 +18,7 @@ for spec in "meta-llama/Llama-3.1-8B-Instruct 1-31" "Qwen/Qwen3-8B 1-35"; do
   dihal extract --model "$MODEL" --dataset allenai/dolma --dataset-config v1_7 --text-field text \
     --layers all --max-sequences 20000 --seq-len 128 --batch-size 32 $DEV
   EXTRACT=$(latest extract)
-  dihal score --extract "$EXTRACT" --tokens 4096 --device cuda
+  dihal score --extract "$EXTRACT" --tokens 4096 --device cuda $DRY
   SCORE=$(latest score)
   if dry; then LSTAR=3; else
     LSTAR=$(dihal score --extract "$EXTRACT" --tokens 4096 --device cuda --json | python3 -c "import json,sys; print(json.load(sys.stdin)['l_star'])")
@@ -25,8 +26,8 @@ for spec in "meta-llama/Llama-3.1-8B-Instruct 1-31" "Qwen/Qwen3-8B 1-35"; do
   dihal sweep --layers "$LAYERS" --protocol paper --extract "$EXTRACT" --score "$SCORE" --eval-limit 256 $DEV
   BRIDGE=$(latest bridge)
   dry || BRIDGE=$(python3 -c "import json; print(__import__('pandas').read_csv('$DIHAL_ROOT/sweep/'+'$(latest sweep)'+'/sweep.csv').set_index('layer').loc[$LSTAR,'bridge'])")
-  dihal evaluate --bridge "$BRIDGE" --steps 4,8,16,32 --limit 512 $DEV
-  dihal generate --bridge "$BRIDGE" --num-samples 1000 --max-new-tokens 128 --steps 16 --top-p 0.95 \
+  dihal evaluate --bridge "$BRIDGE" --sample-steps 4,8,16,32 --limit 512 $DEV
+  dihal generate --bridge "$BRIDGE" --num-samples 1000 --max-new-tokens 128 --sample-steps 16 --top-p 0.95 \
     --batch-size 50 --baseline original $DEV
   GENERATE=$(latest generate)
   dihal evaluate --samples "$GENERATE" --limit 1000 $DEV

@@ -1,4 +1,4 @@
-"""`dihal train-bridge`: METHOD.md section 2 (replace: the conditional diffusion bridge).
+"""`dihal train-bridge`: docs/method.md section 2 (replace: the conditional diffusion bridge).
 
 The bridge models h_l (positions 1..T-1, normalized per dimension) given c = h_0 (normalized
 with its own statistics); position 0 (BOS, the attention sink) is one stored constant vector.
@@ -27,7 +27,7 @@ from stages.runtime.progress import NullProgress, Progress
 STAGE = "bridge"
 
 PROTOCOLS: dict[str, dict] = {
-    # the METHOD.md measurement setting with 1000 steps instead of 600 (about 7 minutes on two
+    # the measurement setting of docs/method.md section 2 with 1000 steps instead of 600 (about 7 minutes on two
     # CPU cores for smollm2-135m): at layer 3, 600 steps gave top-1 0.642 at 8 steps, 1000 gave 0.659
     "cpu-small": dict(steps=1000, epochs=None, batch_size=32, lr=1e-3, warmup=30, schedule="cosine", ema=0.995,
                       width=256, depth=4, heads=4, eval_every=100, checkpoint_every=50, val_sequences=64),

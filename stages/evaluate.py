@@ -1,4 +1,4 @@
-"""`dihal evaluate`: bridge fidelity (--bridge) or generation quality (--samples), METHOD.md section 3."""
+"""`dihal evaluate`: bridge fidelity (--bridge) or generation quality (--samples), docs/method.md section 3."""
 from __future__ import annotations
 
 import json

@@ -167,6 +167,7 @@ def run(cfg: ExtractConfig, store: ArtifactStore, *, force: bool = False, check_
     config = resolved_config(cfg)
     if cached := store.cached(STAGE, config, {}, force=force):
         return cached
+    store.make_root()
     plan(cfg) if loaded is None else data_mod.check(cfg.data)
     rank, world = _dist_info()
     loaded = loaded or load_model(cfg.model, cfg.device, cfg.dtype, cfg.revision, cfg.trust_remote_code)
@@ -177,8 +178,7 @@ def run(cfg: ExtractConfig, store: ArtifactStore, *, force: bool = False, check_
     progress.log(f"plan: {n_seq} sequences x {seq_len} tokens, {len(layers)} layers, "
                  f"about {est / 2**20:.1f} MiB on disk under {store.root}")
     if check_disk and not force:
-        store.root.mkdir(parents=True, exist_ok=True)
-        free = shutil.disk_usage(store.root).free
+        free = shutil.disk_usage(store.make_root()).free
         if est > free:
             raise DihalError(f"extraction needs about {est / 2**30:.2f} GiB but {store.root} has {free / 2**30:.2f} GiB free; "
                              "lower --max-sequences or pass --force")

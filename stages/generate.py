@@ -1,4 +1,4 @@
-"""`dihal generate`: autoregressive hybrid generation (METHOD.md section 3, --mode ar).
+"""`dihal generate`: autoregressive hybrid generation (docs/method.md section 3, --mode ar).
 
 Each step: the bridge samples h_l for the new position from its embedding (noise drawn once
 per position; with the causal denoiser, earlier positions are cached per sampling step), the

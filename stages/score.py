@@ -1,4 +1,4 @@
-"""`dihal score`: METHOD.md section 1 as code (locate: geometry proxies per layer).
+"""`dihal score`: docs/method.md section 1 as code (locate: geometry proxies per layer).
 
 For every candidate layer l, X (n x D, float64) holds the states at the SAME n sampled token
 positions. Proxies:

@@ -1,4 +1,4 @@
-"""`dihal sweep`: one bridge per layer under one fixed protocol, then METHOD.md section 4 claim 1:
+"""`dihal sweep`: one bridge per layer under one fixed protocol, then docs/method.md section 4 claim 1:
 Spearman rho between the geometry score S_l and the negated validation bridge loss."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""dihal score: METHOD.md section 1 against closed forms and an independent plain implementation."""
+"""dihal score: docs/method.md section 1 against closed forms and an independent plain implementation."""
 from __future__ import annotations
 
 import json

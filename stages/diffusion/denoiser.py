@@ -1,4 +1,4 @@
-"""The bridge's denoiser, in one readable file (METHOD.md section 2).
+"""The bridge's denoiser, in one readable file (docs/method.md section 2).
 
 A small pre-norm transformer over positions with causal attention:
     input  = W_x x_t + W_c c + position embedding

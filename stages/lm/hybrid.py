@@ -1,4 +1,4 @@
-"""The hybrid model of METHOD.md section 3: bridge -> original blocks l+1..L -> final norm -> LM head.
+"""The hybrid model of docs/method.md section 3: bridge -> original blocks l+1..L -> final norm -> LM head.
 
 The upper part is a *suffix model*: an instance of the backbone's own class whose blocks are
 the backbone's block objects l+1..L (shallow copies that share every parameter, renumbered
@@ -56,7 +56,7 @@ def suffix_logits(suffix: nn.Module, states: torch.Tensor) -> torch.Tensor:
 
 
 def original_forward(model: nn.Module, input_ids: torch.Tensor, layers: list[int]) -> tuple[torch.Tensor, dict]:
-    """Full-stack logits plus the residual states at `layers` (METHOD.md section 0)."""
+    """Full-stack logits plus the residual states at `layers` (docs/method.md section 0)."""
     from stages.lm.capture import capture_layers
 
     with torch.no_grad(), capture_layers(model, layers, stop_early=False) as captured:

@@ -1,4 +1,4 @@
-"""Text sources and packing (METHOD.md section 0).
+"""Text sources and packing (docs/method.md section 0).
 
 `--dataset` is the builtin `pydoc`, local .txt/.jsonl/.json/.parquet files or globs, or a hub
 id (streamed). Documents go to train or validation by a hash of their index (deterministic,
@@ -122,15 +122,18 @@ def _open_local(spec: str, text_field: str):
             except UnicodeDecodeError as exc:
                 raise DihalError(f"dataset file '{path}' is not UTF-8 text (byte 0x{exc.object[exc.start]:02x} at "
                                  f"offset {exc.start}); re-encode it as UTF-8") from None
+    import logging
+
     import datasets
 
     datasets.disable_progress_bars()
+    datasets.utils.logging.set_verbosity(logging.CRITICAL)  # its parse failures come back as our one line
     kwargs = {"sample_by": "paragraph"} if builder == "text" else {}
     try:
         dataset = datasets.load_dataset(builder, data_files=[str(p) for p in files], split="train", **kwargs)
-    except Exception as exc:  # noqa: BLE001 - datasets wraps every parse failure; report its root cause
+    except Exception as exc:  # noqa: BLE001 - datasets wraps every parse failure; report the parser's words
         cause = exc
-        while cause.__cause__ is not None or cause.__context__ is not None:
+        while isinstance(cause, datasets.exceptions.DatasetsError) and (cause.__cause__ or cause.__context__):
             cause = cause.__cause__ or cause.__context__
         reason = (str(cause).splitlines() or [type(cause).__name__])[0][:200]
         raise DihalError(f"cannot read dataset '{spec}' as {builder} ({reason}); fix the file") from None
