@@ -1,5 +1,6 @@
 """Where every byte lives: the artifact store (store.py), hidden-state Zarr groups
 (hidden_states.py), weights and tables (files.py)."""
+
 from artifacts.errors import DihalError
 from artifacts.store import Artifact, ArtifactStore, artifact_id
 

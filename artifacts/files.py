@@ -11,6 +11,7 @@ Nothing here unpickles: an artifact store is shared and untrusted (docs/security
 pickle can run code when loaded. A `state.pt` (pickle) found where a checkpoint should be is
 refused, never opened.
 """
+
 from __future__ import annotations
 
 import json
@@ -30,8 +31,11 @@ _STATE_KEY = "dihal_state"
 
 def save_tensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict | None = None) -> None:
     tmp = path.with_name(path.name + ".tmp")
-    save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(tmp),
-              metadata={k: str(v) for k, v in (metadata or {}).items()})
+    save_file(
+        {k: v.detach().contiguous().cpu() for k, v in tensors.items()},
+        str(tmp),
+        metadata={k: str(v) for k, v in (metadata or {}).items()},
+    )
     os.replace(tmp, path)
 
 
@@ -50,8 +54,10 @@ def save_state(directory: Path, state: dict) -> None:
 def load_state(directory: Path) -> dict | None:
     """The resume state written by save_state, or None when there is none. Reads no pickle."""
     if (directory / PICKLE_STATE_FILE).exists():
-        raise DihalError(f"{directory / PICKLE_STATE_FILE} is a pickled checkpoint, which dihal never loads (it could "
-                         "run code); delete it to restart this training from step 0")
+        raise DihalError(
+            f"{directory / PICKLE_STATE_FILE} is a pickled checkpoint, which dihal never loads (it could "
+            "run code); delete it to restart this training from step 0"
+        )
     path = directory / STATE_FILE
     if not path.exists():
         return None
@@ -63,8 +69,10 @@ def load_state(directory: Path) -> dict | None:
             tensors = {k: fh.get_tensor(k) for k in fh.keys()}
         return _join(json.loads(meta[_STATE_KEY]), tensors)
     except (SafetensorError, OSError, KeyError, ValueError, TypeError) as exc:
-        raise DihalError(f"resume checkpoint {path} is unreadable ({type(exc).__name__}); delete it to restart "
-                         "this training from step 0") from None
+        raise DihalError(
+            f"resume checkpoint {path} is unreadable ({type(exc).__name__}); delete it to restart "
+            "this training from step 0"
+        ) from None
 
 
 def _split(obj, tensors: dict, key: str):
@@ -72,11 +80,18 @@ def _split(obj, tensors: dict, key: str):
         tensors[key] = obj
         return {"__tensor__": key}
     if isinstance(obj, dict):
-        return {"__items__": [[_split(k, tensors, f"{key}/k{i}"), _split(v, tensors, f"{key}/{i}")]
-                              for i, (k, v) in enumerate(obj.items())]}
+        return {
+            "__items__": [
+                [_split(k, tensors, f"{key}/k{i}"), _split(v, tensors, f"{key}/{i}")]
+                for i, (k, v) in enumerate(obj.items())
+            ]
+        }
     if isinstance(obj, (list, tuple)):
-        return {"__tuple__" if isinstance(obj, tuple) else "__list__": [_split(v, tensors, f"{key}/{i}")
-                                                                         for i, v in enumerate(obj)]}
+        return {
+            "__tuple__" if isinstance(obj, tuple) else "__list__": [
+                _split(v, tensors, f"{key}/{i}") for i, v in enumerate(obj)
+            ]
+        }
     if obj is None or isinstance(obj, (str, int, float, bool)):
         return obj
     raise TypeError(f"resume state holds a {type(obj).__name__} at '{key}'; only plain types and tensors are saved")

@@ -9,6 +9,7 @@
 Group attributes carry the layer convention (docs/method.md section 0) and the chunk size.
 A chunk whose `committed` flag is set is complete; resume skips it.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -23,17 +24,33 @@ LAYER_CONVENTION = (
 SPLITS = {"train": 0, "validation": 1}
 
 
-def create(path: Path, layers: list[int], n_seq: int, seq_len: int, width: int, dtypes: dict[int, str],
-           chunk_seqs: int, attrs: dict) -> zarr.Group:
+def create(
+    path: Path,
+    layers: list[int],
+    n_seq: int,
+    seq_len: int,
+    width: int,
+    dtypes: dict[int, str],
+    chunk_seqs: int,
+    attrs: dict,
+) -> zarr.Group:
     """Create the group (or reopen it unchanged when it already exists, for resume)."""
     if (path / "zarr.json").exists():
         return zarr.open_group(str(path), mode="r+")
     group = zarr.open_group(str(path), mode="w")
     for layer in layers:  # uncompressed: float16 states shrink ~10% under zstd at twice the write time
-        group.create_array(f"layers/{layer}", shape=(n_seq, seq_len, width), chunks=(chunk_seqs, seq_len, width),
-                           dtype=dtypes[layer], fill_value=0, compressors=None)
+        group.create_array(
+            f"layers/{layer}",
+            shape=(n_seq, seq_len, width),
+            chunks=(chunk_seqs, seq_len, width),
+            dtype=dtypes[layer],
+            fill_value=0,
+            compressors=None,
+        )
     group.create_array("input_ids", shape=(n_seq, seq_len), chunks=(chunk_seqs, seq_len), dtype="int32", fill_value=0)
-    group.create_array("attention_mask", shape=(n_seq, seq_len), chunks=(chunk_seqs, seq_len), dtype="int8", fill_value=0)
+    group.create_array(
+        "attention_mask", shape=(n_seq, seq_len), chunks=(chunk_seqs, seq_len), dtype="int8", fill_value=0
+    )
     group.create_array("split", shape=(n_seq,), chunks=(max(n_seq, 1),), dtype="int8", fill_value=0)
     n_chunks = -(-n_seq // chunk_seqs)
     group.create_array("committed", shape=(n_chunks,), chunks=(1,), dtype="bool", fill_value=False)
@@ -53,8 +70,14 @@ def chunk_ranges(n_seq: int, chunk_seqs: int) -> list[tuple[int, int]]:
     return [(s, min(s + chunk_seqs, n_seq)) for s in range(0, n_seq, chunk_seqs)]
 
 
-def write_chunk(group: zarr.Group, chunk_index: int, start: int, states: dict[int, np.ndarray],
-                input_ids: np.ndarray, attention_mask: np.ndarray) -> None:
+def write_chunk(
+    group: zarr.Group,
+    chunk_index: int,
+    start: int,
+    states: dict[int, np.ndarray],
+    input_ids: np.ndarray,
+    attention_mask: np.ndarray,
+) -> None:
     stop = start + input_ids.shape[0]
     for layer, values in states.items():
         group[f"layers/{layer}"][start:stop] = values
@@ -79,8 +102,9 @@ def split_indices(group: zarr.Group, split: str) -> np.ndarray:
     return np.flatnonzero(np.asarray(group["split"][:]) == SPLITS[split])
 
 
-def read_positions(group: zarr.Group, layer: int, seq_idx: np.ndarray, pos_idx: np.ndarray,
-                   max_bytes: int = 256 << 20) -> np.ndarray:
+def read_positions(
+    group: zarr.Group, layer: int, seq_idx: np.ndarray, pos_idx: np.ndarray, max_bytes: int = 256 << 20
+) -> np.ndarray:
     """Hidden states at (seq, pos) pairs: (len(seq_idx), width). Reads only the chunks that hold
     them, as contiguous slices of at most max_bytes (slices read twice as fast as fancy indexing)."""
     array = group[f"layers/{layer}"]
@@ -102,7 +126,7 @@ def _chunk_runs(sorted_seqs: np.ndarray, chunk_seqs: int, n_seqs: int, max_seqs:
     runs = []
     for run in np.split(chunks, np.flatnonzero(np.diff(chunks) != 1) + 1):
         for first in range(0, run.size, per_run):
-            piece = run[first:first + per_run]
+            piece = run[first : first + per_run]
             runs.append((int(piece[0]) * chunk_seqs, min((int(piece[-1]) + 1) * chunk_seqs, n_seqs)))
     return runs
 

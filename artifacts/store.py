@@ -14,6 +14,7 @@ last thing written; a complete artifact is never modified again. `verify` recomp
 checksums; `remove` and `collect_garbage` delete artifacts (never one that has children, unless
 asked, and never one a live process holds the lock of).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -26,9 +27,10 @@ import os
 import platform
 import shutil
 import subprocess
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from artifacts.errors import DihalError
 
@@ -105,7 +107,9 @@ def file_sha256(path: Path) -> str:
 
 
 def _payload_files(path: Path) -> list[Path]:
-    return [p for p in sorted(path.rglob("*")) if p.is_file() and p.name != "manifest.json" and not p.name.endswith(".tmp")]
+    return [
+        p for p in sorted(path.rglob("*")) if p.is_file() and p.name != "manifest.json" and not p.name.endswith(".tmp")
+    ]
 
 
 @dataclass
@@ -152,8 +156,10 @@ class Artifact:
 
     def finish(self) -> None:
         """Record every file's size and sha256, then mark complete: the last write of an artifact."""
-        files = {str(p.relative_to(self.path)): {"bytes": p.stat().st_size, "sha256": file_sha256(p)}
-                 for p in _payload_files(self.path)}
+        files = {
+            str(p.relative_to(self.path)): {"bytes": p.stat().st_size, "sha256": file_sha256(p)}
+            for p in _payload_files(self.path)
+        }
         self.manifest["files"] = files
         self.manifest["size_bytes"] = sum(f["bytes"] for f in files.values())
         self.manifest["finished"] = _now()
@@ -182,8 +188,11 @@ class Artifact:
                 problems.append(f"missing {name}")
             elif path.stat().st_size != entry["bytes"] or file_sha256(path) != entry["sha256"]:
                 problems.append(f"altered {name}")
-        problems += [f"unrecorded {p.relative_to(self.path)}" for p in _payload_files(self.path)
-                     if str(p.relative_to(self.path)) not in recorded]
+        problems += [
+            f"unrecorded {p.relative_to(self.path)}"
+            for p in _payload_files(self.path)
+            if str(p.relative_to(self.path)) not in recorded
+        ]
         return problems
 
 
@@ -232,7 +241,9 @@ class ArtifactStore:
             kind = f"{stage} artifact" if stage else "artifact"
             raise DihalError(f"no {kind} '{ref}' under {self.root}; `dihal runs list` shows what exists")
         if len(matches) > 1:
-            raise DihalError(f"'{ref}' matches {len(matches)} artifacts ({', '.join(a.id for a in matches)}); give more of the id")
+            raise DihalError(
+                f"'{ref}' matches {len(matches)} artifacts ({', '.join(a.id for a in matches)}); give more of the id"
+            )
         return matches[0]
 
     def lineage(self, art: Artifact) -> list[Artifact]:
@@ -252,8 +263,10 @@ class ArtifactStore:
         """Delete art (and, with recursive, everything made from it); returns what was removed."""
         kids = self.children(art)
         if kids and not recursive:
-            raise DihalError(f"{art.stage}/{art.id} has {len(kids)} children ({', '.join(f'{k.stage}/{k.id}' for k in kids[:3])}"
-                             f"{', ...' if len(kids) > 3 else ''}); pass --recursive to remove them too")
+            raise DihalError(
+                f"{art.stage}/{art.id} has {len(kids)} children ({', '.join(f'{k.stage}/{k.id}' for k in kids[:3])}"
+                f"{', ...' if len(kids) > 3 else ''}); pass --recursive to remove them too"
+            )
         removed = []
         for kid in kids:
             removed += self.remove(kid, recursive=True)
@@ -303,8 +316,17 @@ class ArtifactStore:
             finally:
                 fcntl.flock(fh, fcntl.LOCK_UN)
 
-    def begin(self, stage: str, config: dict, parents: dict[str, str], *, seed: int | None = None,
-              device: str | None = None, extra: dict | None = None, force: bool = False) -> Artifact:
+    def begin(
+        self,
+        stage: str,
+        config: dict,
+        parents: dict[str, str],
+        *,
+        seed: int | None = None,
+        device: str | None = None,
+        extra: dict | None = None,
+        force: bool = False,
+    ) -> Artifact:
         """Open (or reopen, to resume) the artifact for this config; status 'running'.
 
         Callers check `cached` first; a complete artifact is only replaced with force=True.
@@ -339,8 +361,17 @@ class ArtifactStore:
         return art
 
     @contextlib.contextmanager
-    def writing(self, stage: str, config: dict, parents: dict[str, str], *, force: bool = False,
-                seed: int | None = None, device: str | None = None, extra: dict | None = None) -> Iterator[Artifact]:
+    def writing(
+        self,
+        stage: str,
+        config: dict,
+        parents: dict[str, str],
+        *,
+        force: bool = False,
+        seed: int | None = None,
+        device: str | None = None,
+        extra: dict | None = None,
+    ) -> Iterator[Artifact]:
         """Lock, open (status running), yield, then mark complete; a DihalError marks it failed."""
         with self.lock(stage, artifact_id(stage, config, parents)):
             try:
@@ -354,8 +385,10 @@ class ArtifactStore:
                 art.fail(str(exc))
                 raise
             except OSError as exc:  # out of disk, a read-only or vanished directory: keep what is complete
-                message = (f"writing {stage}/{art.id} failed ({_reason(exc)}); free space or fix {self.root}, "
-                           "then rerun the same command to resume")
+                message = (
+                    f"writing {stage}/{art.id} failed ({_reason(exc)}); free space or fix {self.root}, "
+                    "then rerun the same command to resume"
+                )
                 art.fail(message)
                 raise DihalError(message) from None
 
@@ -369,8 +402,12 @@ class ArtifactStore:
 
 
 def _reason(exc: OSError) -> str:
-    name = {errno.ENOSPC: "no space left on device", errno.EROFS: "read-only file system",
-            errno.EACCES: "permission denied", errno.EDQUOT: "disk quota exceeded"}.get(exc.errno)
+    name = {
+        errno.ENOSPC: "no space left on device",
+        errno.EROFS: "read-only file system",
+        errno.EACCES: "permission denied",
+        errno.EDQUOT: "disk quota exceeded",
+    }.get(exc.errno)
     return name or exc.strerror or type(exc).__name__
 
 

@@ -1,7 +1,8 @@
 """Extraction throughput against a bare forward, and peak memory at three sizes (issue 2).
 
-    python benchmarks/bench_extract.py            # writes benchmarks/results/extract.json
+python benchmarks/bench_extract.py            # writes benchmarks/results/extract.json
 """
+
 from __future__ import annotations
 
 import subprocess
@@ -12,11 +13,11 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1]))
-from benchmarks.common import Timer, peak_rss_mib, save  # noqa: E402
 from artifacts.store import ArtifactStore  # noqa: E402
-from stages.text import data as data_mod  # noqa: E402
+from benchmarks.common import Timer, peak_rss_mib, save  # noqa: E402
 from stages import extract as ex  # noqa: E402
 from stages.lm.models import load_model  # noqa: E402
+from stages.text import data as data_mod  # noqa: E402
 
 N_SEQ, SEQ_LEN, BATCH = 256, 64, 8
 
@@ -24,7 +25,11 @@ N_SEQ, SEQ_LEN, BATCH = 256, 64, 8
 def bare_forward_tps(model, ids: np.ndarray) -> float:
     with torch.no_grad(), Timer() as t:
         for s in range(0, ids.shape[0], BATCH):
-            model(input_ids=torch.from_numpy(ids[s:s + BATCH].astype(np.int64)), output_hidden_states=True, use_cache=False)
+            model(
+                input_ids=torch.from_numpy(ids[s : s + BATCH].astype(np.int64)),
+                output_hidden_states=True,
+                use_cache=False,
+            )
     return ids.size / t.seconds
 
 
@@ -59,8 +64,17 @@ def main() -> None:
         out = subprocess.run([sys.executable, __file__, "--memory", str(n)], capture_output=True, text=True, check=True)
         base, peak = (float(x) for x in out.stdout.split()[-2:])
         memory[n] = {"peak_rss_mib": peak, "after_model_and_corpus_load_mib": base}
-    save("extract", {"model": "smollm2-135m", "sequences": N_SEQ, "seq_len": SEQ_LEN, "batch": BATCH,
-                     "throughput": rows, "peak_memory_by_max_sequences": memory})
+    save(
+        "extract",
+        {
+            "model": "smollm2-135m",
+            "sequences": N_SEQ,
+            "seq_len": SEQ_LEN,
+            "batch": BATCH,
+            "throughput": rows,
+            "peak_memory_by_max_sequences": memory,
+        },
+    )
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ and bridge training tokens/s (issue 4), smollm2-135m on CPU, one run.
 Without BRIDGE_ID a 3-step bridge of the cpu-small architecture at layer 3 is trained first
 (latency does not depend on what the weights learned).
 """
+
 from __future__ import annotations
 
 import sys
@@ -47,18 +48,35 @@ def main() -> None:
         return 1000 * best / NEW_TOKENS
 
     g = lambda: torch.Generator().manual_seed(0)  # noqa: E731
-    result = {"backbone_loop_ms": per_token_ms(lambda: gen.generate_original(loaded, prefix, cfg, g())),
-              "backbone_hf_generate_ms": per_token_ms(lambda: loaded.model.generate(
-                  prefix, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=True, top_p=0.95))}
+    result = {
+        "backbone_loop_ms": per_token_ms(lambda: gen.generate_original(loaded, prefix, cfg, g())),
+        "backbone_hf_generate_ms": per_token_ms(
+            lambda: loaded.model.generate(
+                prefix, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=True, top_p=0.95
+            )
+        ),
+    }
     for steps in (4, 8, 16):
         c = replace(cfg, steps=steps)
-        result[f"hybrid_{steps}_steps_ms"] = per_token_ms(lambda: gen.generate_hybrid(loaded, bridge, suffix, prefix, c, g()))
+        result[f"hybrid_{steps}_steps_ms"] = per_token_ms(
+            lambda c=c: gen.generate_hybrid(loaded, bridge, suffix, prefix, c, g())
+        )
     result["hybrid_8_steps_uncached_ms"] = per_token_ms(
-        lambda: gen.generate_hybrid(loaded, bridge, suffix, prefix, replace(cfg, steps=8, cache=False), g()))
+        lambda: gen.generate_hybrid(loaded, bridge, suffix, prefix, replace(cfg, steps=8, cache=False), g())
+    )
     result["ratio_8_steps_vs_backbone_hf_generate"] = result["hybrid_8_steps_ms"] / result["backbone_hf_generate_ms"]
     result["bridge_train_tokens_per_s"] = art.manifest["metrics"]["train_tokens_per_s"]
-    save("generate", {"model": "smollm2-135m", "layer": bridge.layer, "bridge": art.id, "batch": BATCH,
-                      "new_tokens": NEW_TOKENS, "per_token_latency": result})
+    save(
+        "generate",
+        {
+            "model": "smollm2-135m",
+            "layer": bridge.layer,
+            "bridge": art.id,
+            "batch": BATCH,
+            "new_tokens": NEW_TOKENS,
+            "per_token_latency": result,
+        },
+    )
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ in a fresh process (start-up, reads, every layer, tables and plot). The plain re
 REF_LAYERS layer(s) in the same run and compared per layer. Peak memory and time of the
 neighbourhood search are measured in child processes at n = 4096, 16,384 and 50,000.
 """
+
 from __future__ import annotations
 
 import subprocess
@@ -19,8 +20,8 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.common import HERE, Timer, peak_rss_mib, save, store  # noqa: E402
 from artifacts import hidden_states as hs  # noqa: E402
+from benchmarks.common import HERE, Timer, peak_rss_mib, save, store  # noqa: E402
 from stages import extract as ex  # noqa: E402
 from stages import score as sc  # noqa: E402
 from stages.runtime.allocator import keep_freed_memory  # noqa: E402
@@ -44,16 +45,37 @@ def memory_by_n() -> dict:
     for n in MEMORY_SIZES:
         res = subprocess.run([sys.executable, __file__, "--memory", str(n)], capture_output=True, text=True, check=True)
         seconds, before, peak = res.stdout.split()
-        out[n] = {"seconds": float(seconds), "input_mib": n * 576 * 8 / 2**20,
-                  "peak_rss_mib": float(peak), "rss_before_mib": float(before)}
+        out[n] = {
+            "seconds": float(seconds),
+            "input_mib": n * 576 * 8 / 2**20,
+            "peak_rss_mib": float(peak),
+            "rss_before_mib": float(before),
+        }
     return out
 
 
 def whole_command(extract_id: str) -> float:
     """`dihal score` over layers 0..30 in a fresh process, as a user runs it."""
     start = time.perf_counter()
-    subprocess.run([sys.executable, "-m", "dihal_cli", "score", "--root", str(HERE / ".runs"), "--extract", extract_id,
-                    "--candidates", "0-30", "--force", "--json"], check=True, capture_output=True, cwd=HERE.parent)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "dihal_cli",
+            "score",
+            "--root",
+            str(HERE / ".runs"),
+            "--extract",
+            extract_id,
+            "--candidates",
+            "0-30",
+            "--force",
+            "--json",
+        ],
+        check=True,
+        capture_output=True,
+        cwd=HERE.parent,
+    )
     return time.perf_counter() - start
 
 
@@ -67,20 +89,32 @@ def reference_layer(x: np.ndarray, k: int, eps_rel: float, pairs) -> dict:
     v = x[pairs[0]] - x[pairs[1]]
     v = v[(v * v).sum(1) > 0]
     eig = np.linalg.eigvalsh(sigma)
-    return {"m_curv": float(np.median(inv)), "m_mono": float(np.median(np.einsum("ij,jk,ik->i", v, p, v) / (v * v).sum(1))),
-            "k_hat": float(eig.sum() / eig[-1])}
+    return {
+        "m_curv": float(np.median(inv)),
+        "m_mono": float(np.median(np.einsum("ij,jk,ik->i", v, p, v) / (v * v).sum(1))),
+        "k_hat": float(eig.sum() / eig[-1]),
+    }
 
 
 def ranked(model: str, normalize: str) -> dict:
     store_dtype = "float32" if model.startswith("gemma") else "float16"  # gemma3's stream exceeds float16
-    art = ex.run(ex.ExtractConfig(model=model, layers="all", max_sequences=1200, seq_len=64, store_dtype=store_dtype), store())
+    art = ex.run(
+        ex.ExtractConfig(model=model, layers="all", max_sequences=1200, seq_len=64, store_dtype=store_dtype), store()
+    )
     group = hs.open_group(art.path / "hidden.zarr")
     layers = list(range(1, int(group.attrs["num_blocks"])))
     cfg = sc.ScoreConfig(normalize=normalize)
     with Timer() as t:
         table, seq, pos = sc.score_layers(group, cfg, layers, NullProgress())
-    return {"seconds": t.seconds, "n_layers": len(layers), "table": table, "group": group, "seq": seq, "pos": pos,
-            "extract_id": art.id}
+    return {
+        "seconds": t.seconds,
+        "n_layers": len(layers),
+        "table": table,
+        "group": group,
+        "seq": seq,
+        "pos": pos,
+        "extract_id": art.id,
+    }
 
 
 def main() -> None:
@@ -108,8 +142,11 @@ def main() -> None:
         for normalize in ("none", "rms"):
             r = ranked(model, normalize)
             t = r["table"].sort_values("rank")
-            tables[f"{model}/{normalize}"] = {"l_star": int(t.iloc[0]["layer"]), "seconds": r["seconds"],
-                                              "top5": t.head(5)[["layer", "S", "m_curv", "m_mono", "k_hat"]].to_dict("records")}
+            tables[f"{model}/{normalize}"] = {
+                "l_star": int(t.iloc[0]["layer"]),
+                "seconds": r["seconds"],
+                "top5": t.head(5)[["layer", "S", "m_curv", "m_mono", "k_hat"]].to_dict("records"),
+            }
     out["ranked"] = tables
     out["neighbourhood_search_by_n"] = memory_by_n()
     save("score", out)

@@ -1,4 +1,5 @@
 """Helpers shared by the benchmark scripts: a store under benchmarks/.runs and result files."""
+
 from __future__ import annotations
 
 import json
@@ -20,9 +21,16 @@ def store():
 
 def save(name: str, result: dict) -> None:
     RESULTS.mkdir(exist_ok=True)
-    result = {"machine": {"python": platform.python_version(), "torch": torch.__version__,
-                          "threads": torch.get_num_threads(), "processor": platform.processor() or platform.machine()},
-              "date": time.strftime("%Y-%m-%d %H:%M"), **result}
+    result = {
+        "machine": {
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "threads": torch.get_num_threads(),
+            "processor": platform.processor() or platform.machine(),
+        },
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+        **result,
+    }
     (RESULTS / f"{name}.json").write_text(json.dumps(result, indent=2))
     print(json.dumps(result, indent=2))
 

@@ -4,13 +4,13 @@ Every command builds its stage's config with keyword arguments (the config valid
 prints it and stops under --dry-run, or calls the stage's run() and reports what it made or
 reused. Defaults come from the config classes, so each is written once.
 """
+
 from __future__ import annotations
 
 import json
 import os
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
-from typing import Optional
 
 import typer
 
@@ -24,9 +24,12 @@ from stages.score import ScoreConfig
 from stages.sweep import SweepConfig
 from stages.text.data import DataConfig
 
-app = typer.Typer(help="dihal: locate where diffusion should enter a language model, then put it there. "
-                       "The method: docs/method.md.",
-                  no_args_is_help=True, pretty_exceptions_enable=False, add_completion=False)
+app = typer.Typer(
+    help="dihal: locate where diffusion should enter a language model, then put it there. The method: docs/method.md.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    add_completion=False,
+)
 runs_app = typer.Typer(help="Inspect, verify and clean the artifact store.", no_args_is_help=True)
 app.add_typer(runs_app, name="runs")
 
@@ -66,8 +69,9 @@ def _version(value: bool) -> None:
 @app.callback()
 def main(
     _: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="Show the version."),
-    cache_dir: Optional[str] = typer.Option(None, "--cache-dir", envvar="DIHAL_CACHE",
-                                            help="Converted models (default ~/.cache/dihal)."),
+    cache_dir: str | None = typer.Option(
+        None, "--cache-dir", envvar="DIHAL_CACHE", help="Converted models (default ~/.cache/dihal)."
+    ),
     log_every: float = typer.Option(10.0, "--log-every", help="Seconds between progress lines in a piped log."),
 ) -> None:
     """Stages: extract -> score -> train-bridge -> evaluate / generate; sweep trains one bridge per layer."""
@@ -115,14 +119,21 @@ def _report(art) -> None:
     console.print(f"[green]{state}[/green]: {art.stage} {art.id} -> {art.path}", highlight=False, soft_wrap=True)
 
 
-def _extract_config(model, dataset, seq_len, max_sequences, layers, store_dtype, device, dtype, seed,
-                    trust_remote_code, **data) -> ExtractConfig:
-    return ExtractConfig(model=model, layers=layers, store_dtype=store_dtype, device=device, dtype=dtype,
-                         trust_remote_code=trust_remote_code,
-                         data=DataConfig(dataset=dataset, seq_len=seq_len, max_sequences=max_sequences, seed=seed, **data))
+def _extract_config(
+    model, dataset, seq_len, max_sequences, layers, store_dtype, device, dtype, seed, trust_remote_code, **data
+) -> ExtractConfig:
+    return ExtractConfig(
+        model=model,
+        layers=layers,
+        store_dtype=store_dtype,
+        device=device,
+        dtype=dtype,
+        trust_remote_code=trust_remote_code,
+        data=DataConfig(dataset=dataset, seq_len=seq_len, max_sequences=max_sequences, seed=seed, **data),
+    )
 
 
-def _extract_parent(store, ref: Optional[str], cfg: ExtractConfig):
+def _extract_parent(store, ref: str | None, cfg: ExtractConfig):
     """The named extract, or run the extract stage now so the lineage stays explicit."""
     from stages import extract as ex
 
@@ -133,33 +144,60 @@ def _extract_parent(store, ref: Optional[str], cfg: ExtractConfig):
 @app.command()
 @user_errors
 def extract(
-    model: str = Model, dataset: str = Dataset,
-    dataset_config: Optional[str] = opt(DataConfig, "dataset_config"),
+    model: str = Model,
+    dataset: str = Dataset,
+    dataset_config: str | None = opt(DataConfig, "dataset_config"),
     split: str = opt(DataConfig, "split", help="Hub split to stream."),
-    text_field: str = opt(DataConfig, "text_field"), seq_len: int = SeqLen,
-    val_fraction: float = opt(DataConfig, "val_fraction"), max_sequences: Optional[int] = MaxSeq,
+    text_field: str = opt(DataConfig, "text_field"),
+    seq_len: int = SeqLen,
+    val_fraction: float = opt(DataConfig, "val_fraction"),
+    max_sequences: int | None = MaxSeq,
     layers: str = opt(ExtractConfig, "layers", help="all, a range 0-4, or a list 0,3,7."),
     store_dtype: str = StoreDtype,
     batch_size: int = opt(ExtractConfig, "batch_size", help="Sequences per forward pass and per Zarr chunk."),
-    revision: Optional[str] = opt(ExtractConfig, "revision"),
-    device: str = Device, dtype: str = Dtype, seed: int = Seed, force: bool = Force, dry_run: bool = DryRun,
-    trust_remote_code: bool = Trust, root: str = Root,
+    revision: str | None = opt(ExtractConfig, "revision"),
+    device: str = Device,
+    dtype: str = Dtype,
+    seed: int = Seed,
+    force: bool = Force,
+    dry_run: bool = DryRun,
+    trust_remote_code: bool = Trust,
+    root: str = Root,
 ) -> None:
     """Per-layer hidden states -> chunked Zarr (docs/method.md, layer convention)."""
     from stages import extract as stage
 
     device = _device(device, dry_run)
-    cfg = ExtractConfig(model=model, revision=revision, layers=layers, store_dtype=store_dtype, batch_size=batch_size,
-                        device=device, dtype=_dtype(dtype, device), trust_remote_code=trust_remote_code,
-                        data=DataConfig(dataset=dataset, dataset_config=dataset_config, split=split, text_field=text_field,
-                                        seq_len=seq_len, val_fraction=val_fraction, max_sequences=max_sequences,
-                                        seed=seed))
+    cfg = ExtractConfig(
+        model=model,
+        revision=revision,
+        layers=layers,
+        store_dtype=store_dtype,
+        batch_size=batch_size,
+        device=device,
+        dtype=_dtype(dtype, device),
+        trust_remote_code=trust_remote_code,
+        data=DataConfig(
+            dataset=dataset,
+            dataset_config=dataset_config,
+            split=split,
+            text_field=text_field,
+            seq_len=seq_len,
+            val_fraction=val_fraction,
+            max_sequences=max_sequences,
+            seed=seed,
+        ),
+    )
     if dry_run:
         plan = stage.plan(cfg)
         span = f"{plan.layers[0]}..{plan.layers[-1]} ({len(plan.layers)})" if plan.layers else f"'{layers}' (unchecked)"
-        console.print(f"model {plan.identity['name']}: {plan.num_blocks} blocks, width {plan.width}; layers {span}; "
-                      f"sequences {plan.n_sequences or 'all'}; estimated size {human_size(plan.bytes_estimate)}; "
-                      f"artifact {stage.STAGE}/{stage.artifact_id_for(cfg)}", highlight=False, soft_wrap=True)
+        console.print(
+            f"model {plan.identity['name']}: {plan.num_blocks} blocks, width {plan.width}; layers {span}; "
+            f"sequences {plan.n_sequences or 'all'}; estimated size {human_size(plan.bytes_estimate)}; "
+            f"artifact {stage.STAGE}/{stage.artifact_id_for(cfg)}",
+            highlight=False,
+            soft_wrap=True,
+        )
         return
     art = stage.run(cfg, ArtifactStore(root), force=force, progress=make_progress())
     if _rank0():
@@ -172,28 +210,46 @@ def score(
     extract: str = typer.Option("latest", "--extract", help="Extract artifact: id, unique prefix or 'latest'."),
     tokens: int = opt(ScoreConfig, "tokens", help="n sampled token positions (same for every layer)."),
     k: int = opt(ScoreConfig, "k", help="Neighbours per point for m_curv (self included)."),
-    eps_rel: float = opt(ScoreConfig, "eps_rel"), pairs: int = opt(ScoreConfig, "pairs", help="Random pairs for m_mono."),
+    eps_rel: float = opt(ScoreConfig, "eps_rel"),
+    pairs: int = opt(ScoreConfig, "pairs", help="Random pairs for m_mono."),
     normalize: str = opt(ScoreConfig, "normalize", help="none, rms or standardize."),
     exclude_positions: str = opt(ScoreConfig, "exclude_positions", help="Comma list; '' keeps all."),
-    candidates: Optional[str] = opt(ScoreConfig, "candidates", help="Layers to rank (default 1..L-1)."),
-    split: str = opt(ScoreConfig, "split"), seed: int = Seed, device: str = typer.Option("cpu", "--device"),
-    force: bool = Force, dry_run: bool = DryRun, as_json: bool = typer.Option(False, "--json", help="Print JSON."),
+    candidates: str | None = opt(ScoreConfig, "candidates", help="Layers to rank (default 1..L-1)."),
+    split: str = opt(ScoreConfig, "split"),
+    seed: int = Seed,
+    device: str = typer.Option("cpu", "--device"),
+    force: bool = Force,
+    dry_run: bool = DryRun,
+    as_json: bool = typer.Option(False, "--json", help="Print JSON."),
     root: str = Root,
 ) -> None:
     """Geometry proxies per layer -> ranked table, scores.json and a plot (docs/method.md, locate)."""
     from stages import score as stage
 
     device = _device(device, dry_run)
-    cfg = ScoreConfig(tokens=tokens, k=k, eps_rel=eps_rel, pairs=pairs, normalize=normalize,
-                      exclude_positions=exclude_positions, candidates=candidates, split=split, seed=seed, device=device)
+    cfg = ScoreConfig(
+        tokens=tokens,
+        k=k,
+        eps_rel=eps_rel,
+        pairs=pairs,
+        normalize=normalize,
+        exclude_positions=exclude_positions,
+        candidates=candidates,
+        split=split,
+        seed=seed,
+        device=device,
+    )
     if dry_run:
         return _dry("score", cfg)
     store = ArtifactStore(root)
-    art = stage.run(cfg, store.resolve(extract, "extract"), store, force=force,
-                    progress=None if as_json else make_progress())
+    art = stage.run(
+        cfg, store.resolve(extract, "extract"), store, force=force, progress=None if as_json else make_progress()
+    )
     result = stage.load_table(art).sort_values("rank")
     if as_json:
-        return print_json({"id": art.id, "path": str(art.path), **art.manifest["metrics"], "table": result.to_dict("records")})
+        return print_json(
+            {"id": art.id, "path": str(art.path), **art.manifest["metrics"], "table": result.to_dict("records")}
+        )
     cols = ["rank", "layer", "S", "m_curv", "m_mono", "k_hat", "participation_ratio", "entropy_rank", "mean_token_norm"]
     names = ["rank", "layer", "S", "m_curv", "m_mono", "k_hat", "PR", "erank", "|h|"]
     rows = [[r[c] for c in cols] for r in result.to_dict("records")]
@@ -205,22 +261,37 @@ def score(
 @user_errors
 def train_bridge(
     layer: int = typer.Option(..., "--layer", help="Replace embeddings + blocks 1..layer."),
-    protocol: str = typer.Option("cpu-small", "--protocol", help="cpu-small, sweep-tiny or paper (every field overridable)."),
-    extract: Optional[str] = typer.Option(None, "--extract", help="Extract holding layers 0 and --layer; "
-                                                                    "omitted: run the extract stage now."),
-    model: str = Model, dataset: str = Dataset, max_sequences: Optional[int] = MaxSeq, seq_len: int = SeqLen,
+    protocol: str = typer.Option(
+        "cpu-small", "--protocol", help="cpu-small, sweep-tiny or paper (every field overridable)."
+    ),
+    extract: str | None = typer.Option(
+        None, "--extract", help="Extract holding layers 0 and --layer; omitted: run the extract stage now."
+    ),
+    model: str = Model,
+    dataset: str = Dataset,
+    max_sequences: int | None = MaxSeq,
+    seq_len: int = SeqLen,
     store_dtype: str = StoreDtype,
-    train_steps: Optional[int] = typer.Option(None, "--train-steps", help="Optimizer steps (protocol's if omitted)."),
-    epochs: Optional[int] = typer.Option(None, "--epochs"), batch_size: Optional[int] = typer.Option(None, "--batch-size"),
-    lr: Optional[float] = typer.Option(None, "--lr"), warmup: Optional[int] = typer.Option(None, "--warmup"),
-    ema: Optional[float] = typer.Option(None, "--ema"), width: Optional[int] = typer.Option(None, "--width"),
-    depth: Optional[int] = typer.Option(None, "--depth"), heads: Optional[int] = typer.Option(None, "--heads"),
-    eval_every: Optional[int] = typer.Option(None, "--eval-every"),
-    checkpoint_every: Optional[int] = typer.Option(None, "--checkpoint-every"),
-    prediction: Optional[str] = typer.Option(None, "--prediction", help="x0 (default) or velocity."),
-    skip_init: Optional[str] = typer.Option(None, "--skip-init", help="ridge (default) or zero."),
-    device: str = Device, dtype: str = Dtype, seed: int = Seed, force: bool = Force, dry_run: bool = DryRun,
-    trust_remote_code: bool = Trust, root: str = Root,
+    train_steps: int | None = typer.Option(None, "--train-steps", help="Optimizer steps (protocol's if omitted)."),
+    epochs: int | None = typer.Option(None, "--epochs"),
+    batch_size: int | None = typer.Option(None, "--batch-size"),
+    lr: float | None = typer.Option(None, "--lr"),
+    warmup: int | None = typer.Option(None, "--warmup"),
+    ema: float | None = typer.Option(None, "--ema"),
+    width: int | None = typer.Option(None, "--width"),
+    depth: int | None = typer.Option(None, "--depth"),
+    heads: int | None = typer.Option(None, "--heads"),
+    eval_every: int | None = typer.Option(None, "--eval-every"),
+    checkpoint_every: int | None = typer.Option(None, "--checkpoint-every"),
+    prediction: str | None = typer.Option(None, "--prediction", help="x0 (default) or velocity."),
+    skip_init: str | None = typer.Option(None, "--skip-init", help="ridge (default) or zero."),
+    device: str = Device,
+    dtype: str = Dtype,
+    seed: int = Seed,
+    force: bool = Force,
+    dry_run: bool = DryRun,
+    trust_remote_code: bool = Trust,
+    root: str = Root,
 ) -> None:
     """Train the conditional flow-matching bridge h_0 -> h_layer (docs/method.md, replace)."""
     from stages import bridge as stage
@@ -228,11 +299,36 @@ def train_bridge(
 
     device = _device(device, dry_run)
     cfg = stage.BridgeConfig.from_protocol(
-        layer, protocol, steps=train_steps, epochs=epochs, batch_size=batch_size, lr=lr, warmup=warmup, ema=ema,
-        width=width, depth=depth, heads=heads, eval_every=eval_every, checkpoint_every=checkpoint_every,
-        prediction=prediction, skip_init=skip_init, seed=seed, device=device)
-    ecfg = _extract_config(model, dataset, seq_len, max_sequences, f"0,{layer}", store_dtype, device,
-                           _dtype(dtype, device), seed, trust_remote_code)
+        layer,
+        protocol,
+        steps=train_steps,
+        epochs=epochs,
+        batch_size=batch_size,
+        lr=lr,
+        warmup=warmup,
+        ema=ema,
+        width=width,
+        depth=depth,
+        heads=heads,
+        eval_every=eval_every,
+        checkpoint_every=checkpoint_every,
+        prediction=prediction,
+        skip_init=skip_init,
+        seed=seed,
+        device=device,
+    )
+    ecfg = _extract_config(
+        model,
+        dataset,
+        seq_len,
+        max_sequences,
+        f"0,{layer}",
+        store_dtype,
+        device,
+        _dtype(dtype, device),
+        seed,
+        trust_remote_code,
+    )
     if dry_run:
         if extract is None:
             ex.plan(ecfg)
@@ -240,23 +336,34 @@ def train_bridge(
     store = ArtifactStore(root)
     art = stage.run(cfg, _extract_parent(store, extract, ecfg), store, force=force, progress=make_progress())
     m = art.manifest["metrics"]
-    console.print(f"layer {layer}: validation bridge loss {m['val_loss']:.4f} after {m['steps']} steps "
-                  f"({m['train_tokens_per_s']:,.0f} tokens/s)")
+    console.print(
+        f"layer {layer}: validation bridge loss {m['val_loss']:.4f} after {m['steps']} steps "
+        f"({m['train_tokens_per_s']:,.0f} tokens/s)"
+    )
     _report(art)
 
 
 @app.command()
 @user_errors
 def evaluate(
-    bridge: Optional[str] = typer.Option(None, "--bridge", help="Bridge artifact: fidelity, teacher forced."),
-    samples: Optional[str] = typer.Option(None, "--samples", help="Generate artifact: Gen.PPL and diversity."),
-    sample_steps: str = typer.Option(",".join(map(str, default(FidelityConfig, "sample_steps"))), "--sample-steps",
-                                     help="Bridge Euler steps to compare (fidelity)."),
+    bridge: str | None = typer.Option(None, "--bridge", help="Bridge artifact: fidelity, teacher forced."),
+    samples: str | None = typer.Option(None, "--samples", help="Generate artifact: Gen.PPL and diversity."),
+    sample_steps: str = typer.Option(
+        ",".join(map(str, default(FidelityConfig, "sample_steps"))),
+        "--sample-steps",
+        help="Bridge Euler steps to compare (fidelity).",
+    ),
     limit: int = opt(FidelityConfig, "limit", help="Held-out sequences (fidelity) or samples to score."),
-    evaluator: Optional[str] = opt(SamplesConfig, "evaluator", help="Model for Gen.PPL (default: the backbone)."),
+    evaluator: str | None = opt(SamplesConfig, "evaluator", help="Model for Gen.PPL (default: the backbone)."),
     batch_size: int = opt(FidelityConfig, "batch_size"),
-    device: str = Device, dtype: str = Dtype, seed: int = Seed, force: bool = Force, dry_run: bool = DryRun,
-    trust_remote_code: bool = Trust, as_json: bool = typer.Option(False, "--json"), root: str = Root,
+    device: str = Device,
+    dtype: str = Dtype,
+    seed: int = Seed,
+    force: bool = Force,
+    dry_run: bool = DryRun,
+    trust_remote_code: bool = Trust,
+    as_json: bool = typer.Option(False, "--json"),
+    root: str = Root,
 ) -> None:
     """Bridge fidelity (--bridge) or generation quality (--samples); results JSON + table."""
     from stages import evaluate as stage
@@ -265,21 +372,30 @@ def evaluate(
         raise DihalError("give exactly one of --bridge ID (fidelity) or --samples ID (generation quality)")
     device = _device(device, dry_run)
     if bridge is not None:
-        cfg = FidelityConfig(sample_steps=stage.parse_steps(sample_steps), limit=limit, batch_size=batch_size,
-                             seed=seed, device=device, dtype=_dtype(dtype, device))
+        cfg = FidelityConfig(
+            sample_steps=stage.parse_steps(sample_steps),
+            limit=limit,
+            batch_size=batch_size,
+            seed=seed,
+            device=device,
+            dtype=_dtype(dtype, device),
+        )
     else:
-        cfg = SamplesConfig(evaluator=evaluator, limit=limit, batch_size=batch_size, device=device,
-                            dtype=_dtype(dtype, device))
+        cfg = SamplesConfig(
+            evaluator=evaluator, limit=limit, batch_size=batch_size, device=device, dtype=_dtype(dtype, device)
+        )
     if dry_run:
         return _dry("evaluate", cfg)
     store = ArtifactStore(root)
     if bridge is not None:
-        art = stage.run_fidelity(cfg, store.resolve(bridge, "bridge"), store, force=force,
-                                 trust_remote_code=trust_remote_code)
+        art = stage.run_fidelity(
+            cfg, store.resolve(bridge, "bridge"), store, force=force, trust_remote_code=trust_remote_code
+        )
         rows, title = art.manifest["metrics"]["fidelity"], f"bridge fidelity, layer {art.manifest['metrics']['layer']}"
     else:
-        art = stage.run_samples(cfg, store.resolve(samples, "generate"), store, force=force,
-                                trust_remote_code=trust_remote_code)
+        art = stage.run_samples(
+            cfg, store.resolve(samples, "generate"), store, force=force, trust_remote_code=trust_remote_code
+        )
         rows, title = art.manifest["metrics"]["rows"], "generation quality"
     if as_json:
         return print_json({"id": art.id, "path": str(art.path), "results": rows})
@@ -293,18 +409,29 @@ def evaluate(
 def sweep(
     layers: str = typer.Option("1-29", "--layers", help="Layers to bridge, e.g. 1-29 or 1,3,5."),
     protocol: str = opt(SweepConfig, "protocol"),
-    train_steps: Optional[int] = typer.Option(None, "--train-steps", help="Override the protocol's steps for every layer."),
-    width: Optional[int] = typer.Option(None, "--width"), depth: Optional[int] = typer.Option(None, "--depth"),
-    batch_size: Optional[int] = typer.Option(None, "--batch-size"),
-    extract: Optional[str] = typer.Option(None, "--extract", help="Extract holding layer 0 and the swept layers."),
-    score: Optional[str] = typer.Option(None, "--score", help="Score artifact (default: score the extract now)."),
+    train_steps: int | None = typer.Option(
+        None, "--train-steps", help="Override the protocol's steps for every layer."
+    ),
+    width: int | None = typer.Option(None, "--width"),
+    depth: int | None = typer.Option(None, "--depth"),
+    batch_size: int | None = typer.Option(None, "--batch-size"),
+    extract: str | None = typer.Option(None, "--extract", help="Extract holding layer 0 and the swept layers."),
+    score: str | None = typer.Option(None, "--score", help="Score artifact (default: score the extract now)."),
     tokens: int = opt(ScoreConfig, "tokens", help="Score sample size when scoring now."),
-    model: str = Model, dataset: str = Dataset, max_sequences: Optional[int] = MaxSeq, seq_len: int = SeqLen,
+    model: str = Model,
+    dataset: str = Dataset,
+    max_sequences: int | None = MaxSeq,
+    seq_len: int = SeqLen,
     store_dtype: str = StoreDtype,
     sample_steps: int = opt(SweepConfig, "sample_steps", help="Bridge Euler steps for each layer's fidelity."),
     eval_limit: int = opt(SweepConfig, "eval_limit"),
-    device: str = Device, dtype: str = Dtype, seed: int = Seed, force: bool = Force, dry_run: bool = DryRun,
-    trust_remote_code: bool = Trust, root: str = Root,
+    device: str = Device,
+    dtype: str = Dtype,
+    seed: int = Seed,
+    force: bool = Force,
+    dry_run: bool = DryRun,
+    trust_remote_code: bool = Trust,
+    root: str = Root,
 ) -> None:
     """A bridge per layer under one protocol; Spearman rho between S and -validation loss."""
     from stages import extract as ex
@@ -313,12 +440,33 @@ def sweep(
 
     device = _device(device, dry_run)
     layer_list = ex.parse_layers(layers, None)
-    overrides = tuple((k, v) for k, v in (("steps", train_steps), ("width", width), ("depth", depth),
-                                          ("batch_size", batch_size)) if v is not None)
-    cfg = SweepConfig(layers=tuple(layer_list), protocol=protocol, overrides=overrides, sample_steps=sample_steps,
-                      eval_limit=eval_limit, seed=seed, device=device, dtype=_dtype(dtype, device))
-    ecfg = _extract_config(model, dataset, seq_len, max_sequences, "0," + ",".join(map(str, layer_list)), store_dtype,
-                           device, cfg.dtype, seed, trust_remote_code)
+    overrides = tuple(
+        (k, v)
+        for k, v in (("steps", train_steps), ("width", width), ("depth", depth), ("batch_size", batch_size))
+        if v is not None
+    )
+    cfg = SweepConfig(
+        layers=tuple(layer_list),
+        protocol=protocol,
+        overrides=overrides,
+        sample_steps=sample_steps,
+        eval_limit=eval_limit,
+        seed=seed,
+        device=device,
+        dtype=_dtype(dtype, device),
+    )
+    ecfg = _extract_config(
+        model,
+        dataset,
+        seq_len,
+        max_sequences,
+        "0," + ",".join(map(str, layer_list)),
+        store_dtype,
+        device,
+        cfg.dtype,
+        seed,
+        trust_remote_code,
+    )
     scfg = ScoreConfig(tokens=tokens, candidates=",".join(map(str, layer_list)), seed=seed, device=device)
     if dry_run:
         if extract is None:
@@ -326,16 +474,24 @@ def sweep(
         return _dry("sweep", cfg, *([] if extract else [ecfg]), *([] if score else [scfg]))
     store = ArtifactStore(root)
     parent = _extract_parent(store, extract, ecfg)
-    score_art = store.resolve(score, "score") if score else score_stage.run(scfg, parent, store, progress=make_progress())
-    art = stage.run(cfg, parent, score_art, store, force=force, progress=make_progress(),
-                    trust_remote_code=trust_remote_code)
+    score_art = (
+        store.resolve(score, "score") if score else score_stage.run(scfg, parent, store, progress=make_progress())
+    )
+    art = stage.run(
+        cfg, parent, score_art, store, force=force, progress=make_progress(), trust_remote_code=trust_remote_code
+    )
     result = stage.pd.read_csv(art.file("sweep.csv"))
     cols = ["layer", "S", "score_rank", "val_loss", "top1_agreement", "kl", "ppl_ratio", "rel_recon_error"]
     names = ["layer", "S", "S rank", "val loss", "top-1", "KL", "ppl ratio", "rel err"]
     m = art.manifest["metrics"]
-    console.print(table(f"sweep ({protocol}): rho = {m['spearman_rho']:.3f} (p = {m['p_value']:.2g}), "
-                        f"l* = {m['l_star']}, oracle = {m['oracle_layer']}, worst = {m['worst_layer']}",
-                        names, [[r[c] for c in cols] for r in result.to_dict("records")]))
+    console.print(
+        table(
+            f"sweep ({protocol}): rho = {m['spearman_rho']:.3f} (p = {m['p_value']:.2g}), "
+            f"l* = {m['l_star']}, oracle = {m['oracle_layer']}, worst = {m['worst_layer']}",
+            names,
+            [[r[c] for c in cols] for r in result.to_dict("records")],
+        )
+    )
     _report(art)
 
 
@@ -345,17 +501,23 @@ def generate(
     bridge: str = typer.Option("latest", "--bridge", help="Bridge artifact: id, prefix or latest."),
     mode: str = opt(GenerateConfig, "mode", help="ar: autoregressive hybrid generation."),
     prompt: list[str] = typer.Option([], "--prompt", help="A prompt (repeatable); none: start from the start token."),
-    prompts_file: Optional[str] = typer.Option(None, "--prompts-file", help="One prompt per line."),
+    prompts_file: str | None = typer.Option(None, "--prompts-file", help="One prompt per line."),
     num_samples: int = opt(GenerateConfig, "num_samples", help="Samples per prompt."),
     max_new_tokens: int = opt(GenerateConfig, "max_new_tokens"),
-    temperature: float = opt(GenerateConfig, "temperature"), top_k: int = opt(GenerateConfig, "top_k"),
+    temperature: float = opt(GenerateConfig, "temperature"),
+    top_k: int = opt(GenerateConfig, "top_k"),
     top_p: float = opt(GenerateConfig, "top_p"),
     sample_steps: int = opt(GenerateConfig, "sample_steps", help="Bridge Euler steps per position."),
     batch_size: int = opt(GenerateConfig, "batch_size"),
     baseline: str = opt(GenerateConfig, "baseline", help="original: also sample the unmodified backbone."),
     no_cache: bool = typer.Option(False, "--no-cache", help="Recompute every position each step (reference path)."),
-    device: str = Device, dtype: str = Dtype, seed: int = Seed, force: bool = Force, dry_run: bool = DryRun,
-    trust_remote_code: bool = Trust, root: str = Root,
+    device: str = Device,
+    dtype: str = Dtype,
+    seed: int = Seed,
+    force: bool = Force,
+    dry_run: bool = DryRun,
+    trust_remote_code: bool = Trust,
+    root: str = Root,
 ) -> None:
     """Hybrid generation: bridge -> upper blocks -> LM head (docs/method.md, use)."""
     from stages import generate as stage
@@ -371,16 +533,34 @@ def generate(
             raise DihalError(f"prompts file '{prompts_file}' is empty; put one prompt per line")
         prompts += lines
     device = _device(device, dry_run)
-    cfg = GenerateConfig(prompts=tuple(prompts), num_samples=num_samples, max_new_tokens=max_new_tokens,
-                         temperature=temperature, top_k=top_k, top_p=top_p, sample_steps=sample_steps,
-                         batch_size=batch_size, mode=mode, baseline=baseline, cache=not no_cache, seed=seed,
-                         device=device, dtype=_dtype(dtype, device))
+    cfg = GenerateConfig(
+        prompts=tuple(prompts),
+        num_samples=num_samples,
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        sample_steps=sample_steps,
+        batch_size=batch_size,
+        mode=mode,
+        baseline=baseline,
+        cache=not no_cache,
+        seed=seed,
+        device=device,
+        dtype=_dtype(dtype, device),
+    )
     if dry_run:
         return _dry("generate", cfg)
     store = ArtifactStore(root)
     bridge_art = store.resolve(bridge, "bridge")
-    art = stage.run(cfg, bridge_art, store, lambda: backbone_for(bridge_art, device, cfg.dtype, trust_remote_code),
-                    force=force, progress=make_progress())
+    art = stage.run(
+        cfg,
+        bridge_art,
+        store,
+        lambda: backbone_for(bridge_art, device, cfg.dtype, trust_remote_code),
+        force=force,
+        progress=make_progress(),
+    )
     for line in art.file("samples.jsonl").read_text().splitlines()[:3]:
         row = json.loads(line)
         console.print(f"[bold]hybrid[/bold] {row['prompt']!r} -> {row['text'][:200]!r}", highlight=False)
@@ -392,16 +572,26 @@ def generate(
 # -- the store --------------------------------------------------------------------------------------------
 @runs_app.command("list")
 @user_errors
-def runs_list(stage: Optional[str] = typer.Option(None, "--stage"), root: str = Root) -> None:
+def runs_list(stage: str | None = typer.Option(None, "--stage"), root: str = Root) -> None:
     """Every artifact: stage, id, status, key parameters, created, size."""
     store = ArtifactStore(root)
     rows = []
     for art in store.all(stage):
         cfg = art.config
         keys = [f"{k}={cfg[k]}" for k in ("model", "layer", "layers", "protocol", "mode") if cfg.get(k) is not None]
-        rows.append([art.stage, art.id, art.status, " ".join(keys), art.manifest.get("created", "")[:16].replace("T", " "),
-                     human_size(art.manifest.get("size_bytes"))])
-    console.print(table(f"artifacts under {store.root}", ["stage", "id", "status", "parameters", "created", "size"], rows))
+        rows.append(
+            [
+                art.stage,
+                art.id,
+                art.status,
+                " ".join(keys),
+                art.manifest.get("created", "")[:16].replace("T", " "),
+                human_size(art.manifest.get("size_bytes")),
+            ]
+        )
+    console.print(
+        table(f"artifacts under {store.root}", ["stage", "id", "status", "parameters", "created", "size"], rows)
+    )
 
 
 @runs_app.command("show")
@@ -424,8 +614,9 @@ def runs_latest(stage: str, root: str = Root) -> None:
 
 @runs_app.command("verify")
 @user_errors
-def runs_verify(ref: Optional[str] = typer.Argument(None), all_: bool = typer.Option(False, "--all"),
-                root: str = Root) -> None:
+def runs_verify(
+    ref: str | None = typer.Argument(None), all_: bool = typer.Option(False, "--all"), root: str = Root
+) -> None:
     """Recompute every file's checksum against the manifest; exit 1 when anything is missing or altered."""
     store = ArtifactStore(root)
     if (ref is None) == (not all_):
@@ -444,8 +635,9 @@ def runs_verify(ref: Optional[str] = typer.Argument(None), all_: bool = typer.Op
 
 @runs_app.command("rm")
 @user_errors
-def runs_rm(ref: str, recursive: bool = typer.Option(False, "--recursive", help="Also remove its children."),
-            root: str = Root) -> None:
+def runs_rm(
+    ref: str, recursive: bool = typer.Option(False, "--recursive", help="Also remove its children."), root: str = Root
+) -> None:
     """Remove one artifact (refused while others were made from it, unless --recursive)."""
     store = ArtifactStore(root)
     for art in store.remove(store.resolve(ref), recursive=recursive):
@@ -454,8 +646,11 @@ def runs_rm(ref: str, recursive: bool = typer.Option(False, "--recursive", help=
 
 @runs_app.command("gc")
 @user_errors
-def runs_gc(older_than: str = typer.Option("24h", "--older-than", help="Age such as 30m, 24h or 7d."),
-            dry_run: bool = typer.Option(False, "--dry-run", help="List what would be removed."), root: str = Root) -> None:
+def runs_gc(
+    older_than: str = typer.Option("24h", "--older-than", help="Age such as 30m, 24h or 7d."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="List what would be removed."),
+    root: str = Root,
+) -> None:
     """Remove failed and incomplete artifacts older than --older-than (never one being written)."""
     units = {"s": 1, "m": 60, "h": 3600, "d": 86400}
     try:

@@ -1,17 +1,26 @@
 """Terminal side of the CLI: progress (a rich bar on a terminal, plain lines in a piped log),
 tables that fit 80 columns, and the one-line error rule."""
+
 from __future__ import annotations
 
 import functools
 import json
 import sys
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import typer
-from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskProgressColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich import box
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TaskProgressColumn,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
 from rich.table import Table
 
 from artifacts.errors import DihalError
@@ -32,9 +41,17 @@ class RichProgress:
         self.stop()
         self._unit = unit
         self._bar = Progress(
-            TextColumn("[bold]{task.description}"), BarColumn(), TaskProgressColumn(), MofNCompleteColumn(),
-            TextColumn("{task.fields[rate]}"), TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(),
-            TextColumn("{task.fields[info]}"), console=err_console, transient=False,
+            TextColumn("[bold]{task.description}"),
+            BarColumn(),
+            TaskProgressColumn(),
+            MofNCompleteColumn(),
+            TextColumn("{task.fields[rate]}"),
+            TimeElapsedColumn(),
+            TextColumn("ETA"),
+            TimeRemainingColumn(),
+            TextColumn("{task.fields[info]}"),
+            console=err_console,
+            transient=False,
         )
         self._bar.start()
         self._task = self._bar.add_task(description, total=total, rate="", info="")
@@ -86,8 +103,11 @@ class PlainProgress:
 
     def stop(self) -> None:
         if self._desc:
-            self._line(self._status(time.monotonic()) + " (finished)" if self._done >= self._total else
-                       self._status(time.monotonic()))
+            self._line(
+                self._status(time.monotonic()) + " (finished)"
+                if self._done >= self._total
+                else self._status(time.monotonic())
+            )
             self._desc = ""
 
     def _status(self, now: float) -> str:
@@ -115,7 +135,9 @@ def _duration(seconds: float) -> str:
     if seconds != seconds:  # nan
         return "-"
     seconds = int(round(seconds))
-    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m" if seconds >= 3600 else f"{seconds // 60}m{seconds % 60:02d}s"
+    return (
+        f"{seconds // 3600}h{seconds % 3600 // 60:02d}m" if seconds >= 3600 else f"{seconds // 60}m{seconds % 60:02d}s"
+    )
 
 
 LOG_EVERY = {"seconds": 10.0}  # set by `dihal --log-every`
@@ -138,8 +160,12 @@ def user_errors(fn: Callable) -> Callable:
             raise typer.Exit(2) from None
         except OSError as exc:  # a last resort: stages turn the ones they expect into DihalError
             where = f" ({exc.filename})" if exc.filename else ""
-            err_console.print(f"[red]error:[/red] {exc.strerror or exc}{where}; check the path, its permissions and "
-                              "free space, then rerun", highlight=False, soft_wrap=True)
+            err_console.print(
+                f"[red]error:[/red] {exc.strerror or exc}{where}; check the path, its permissions and "
+                "free space, then rerun",
+                highlight=False,
+                soft_wrap=True,
+            )
             raise typer.Exit(2) from None
         except KeyboardInterrupt:
             err_console.print("interrupted: completed chunks/checkpoints are kept; rerun the same command to resume")

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# The test command of README.md: set-up, then the whole suite.
+# The test command of README.md: set-up, lint and format check, then the whole suite.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
+python3 -m ruff check .
+python3 -m ruff format --check .
 python3 -m pytest -q "$@"

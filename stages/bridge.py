@@ -5,6 +5,7 @@ with its own statistics); position 0 (BOS, the attention sink) is one stored con
 Training randomness is drawn per step from (seed, step), so a resumed run replays exactly
 what an uninterrupted one would have done.
 """
+
 from __future__ import annotations
 
 import json
@@ -20,8 +21,8 @@ from artifacts import hidden_states as hs
 from artifacts.errors import DihalError
 from artifacts.store import Artifact, ArtifactStore
 from stages.diffusion import flow
-from stages.runtime import plotting
 from stages.diffusion.denoiser import Denoiser, DenoiserConfig
+from stages.runtime import plotting
 from stages.runtime.progress import NullProgress, Progress
 
 STAGE = "bridge"
@@ -29,14 +30,53 @@ STAGE = "bridge"
 PROTOCOLS: dict[str, dict] = {
     # the measurement setting of docs/method.md section 2 with 1000 steps instead of 600 (about 7 minutes on two
     # CPU cores for smollm2-135m): at layer 3, 600 steps gave top-1 0.642 at 8 steps, 1000 gave 0.659
-    "cpu-small": dict(steps=1000, epochs=None, batch_size=32, lr=1e-3, warmup=30, schedule="cosine", ema=0.995,
-                      width=256, depth=4, heads=4, eval_every=100, checkpoint_every=50, val_sequences=64),
+    "cpu-small": dict(
+        steps=1000,
+        epochs=None,
+        batch_size=32,
+        lr=1e-3,
+        warmup=30,
+        schedule="cosine",
+        ema=0.995,
+        width=256,
+        depth=4,
+        heads=4,
+        eval_every=100,
+        checkpoint_every=50,
+        val_sequences=64,
+    ),
     # one fixed short budget per layer for sweeps (under 2 minutes a layer on CPU)
-    "sweep-tiny": dict(steps=150, epochs=None, batch_size=32, lr=2e-3, warmup=15, schedule="cosine", ema=0.99,
-                       width=256, depth=4, heads=4, eval_every=75, checkpoint_every=50, val_sequences=64),
+    "sweep-tiny": dict(
+        steps=150,
+        epochs=None,
+        batch_size=32,
+        lr=2e-3,
+        warmup=15,
+        schedule="cosine",
+        ema=0.99,
+        width=256,
+        depth=4,
+        heads=4,
+        eval_every=75,
+        checkpoint_every=50,
+        val_sequences=64,
+    ),
     # GPU scale, as in the paper: one epoch over the train split
-    "paper": dict(steps=None, epochs=1, batch_size=64, lr=3e-4, warmup=500, schedule="cosine", ema=0.9999,
-                  width=1024, depth=8, heads=16, eval_every=1000, checkpoint_every=1000, val_sequences=512),
+    "paper": dict(
+        steps=None,
+        epochs=1,
+        batch_size=64,
+        lr=3e-4,
+        warmup=500,
+        schedule="cosine",
+        ema=0.9999,
+        width=1024,
+        depth=8,
+        heads=16,
+        eval_every=1000,
+        checkpoint_every=1000,
+        val_sequences=512,
+    ),
 }
 
 
@@ -72,7 +112,7 @@ class BridgeConfig:
     device: str = "cpu"
 
     @staticmethod
-    def from_protocol(layer: int, protocol: str, **overrides) -> "BridgeConfig":
+    def from_protocol(layer: int, protocol: str, **overrides) -> BridgeConfig:
         """PROTOCOLS[protocol] with the given fields replaced; None leaves a field as the protocol has it,
         and a name that is not a field is refused (never dropped)."""
         if protocol not in PROTOCOLS:
@@ -127,7 +167,9 @@ def load_split(group, layer: int, split: str, limit: int | None = None) -> Bridg
     if limit is not None:
         seqs = seqs[:limit]
     if seqs.size == 0:
-        raise DihalError(f"the extract has no {split} sequences; extract with --val-fraction > 0 and more --max-sequences")
+        raise DihalError(
+            f"the extract has no {split} sequences; extract with --val-fraction > 0 and more --max-sequences"
+        )
     read = lambda l: torch.from_numpy(hs.read_sequences(group, l, seqs).astype(np.float32))  # noqa: E731
     return BridgeData(read(0), read(layer))
 
@@ -147,7 +189,7 @@ class Normalizer:
     pos0: torch.Tensor  # (D,) the constant layer-l state at position 0 (zeros when start == 0)
 
     @staticmethod
-    def fit(data: BridgeData, start: int) -> "Normalizer":
+    def fit(data: BridgeData, start: int) -> Normalizer:
         y = data.target[:, start:].reshape(-1, data.target.shape[-1]).double()
         c = data.cond[:, start:].reshape(-1, data.cond.shape[-1]).double()
         pos0 = data.target[:, 0].double().mean(0) if start == 1 else torch.zeros(data.target.shape[-1])
@@ -164,9 +206,15 @@ class Normalizer:
         return y * self.sigma_y + self.mu_y
 
     def tensors(self) -> dict[str, torch.Tensor]:
-        return {"mu_y": self.mu_y, "sigma_y": self.sigma_y, "mu_c": self.mu_c, "sigma_c": self.sigma_c, "pos0": self.pos0}
+        return {
+            "mu_y": self.mu_y,
+            "sigma_y": self.sigma_y,
+            "mu_c": self.mu_c,
+            "sigma_c": self.sigma_c,
+            "pos0": self.pos0,
+        }
 
-    def to(self, device) -> "Normalizer":
+    def to(self, device) -> Normalizer:
         return Normalizer(**{k: v.to(device) for k, v in self.tensors().items()})
 
 
@@ -182,14 +230,18 @@ class Bridge:
         return next(self.net.parameters()).device
 
     @staticmethod
-    def load(art: Artifact, device: str = "cpu", weights: str = "ema") -> "Bridge":
+    def load(art: Artifact, device: str = "cpu", weights: str = "ema") -> Bridge:
         meta = json.loads(art.file("bridge.json").read_text())
         net = Denoiser(DenoiserConfig(**meta["denoiser"]))
-        net.load_state_dict(files.load_tensors(art.file(f"weights_{weights}.safetensors" if weights == "ema" else "weights.safetensors")))
+        net.load_state_dict(
+            files.load_tensors(
+                art.file(f"weights_{weights}.safetensors" if weights == "ema" else "weights.safetensors")
+            )
+        )
         norm = Normalizer(**files.load_tensors(art.file("stats.safetensors")))
         return Bridge(net.to(device), norm.to(device), meta["layer"], meta["start"], meta["prediction"])
 
-    def cached_sampler(self, steps: int, batch: int) -> "CachedSampler":
+    def cached_sampler(self, steps: int, batch: int) -> CachedSampler:
         return CachedSampler(self, steps, batch)
 
     def noise(self, batch: int, length: int, generator: torch.Generator) -> torch.Tensor:
@@ -199,7 +251,7 @@ class Bridge:
     @torch.no_grad()
     def sample(self, h0: torch.Tensor, steps: int, noise: torch.Tensor) -> torch.Tensor:
         """h0: (B, T, D) raw layer-0 states -> (B, T, D) raw layer-l states."""
-        c = self.norm.c(h0[:, self.start:].float())
+        c = self.norm.c(h0[:, self.start :].float())
         y = flow.sample(lambda x, t, i: self.net(x, t, c), noise[:, : c.shape[1]], steps, self.prediction)
         return self._assemble(y, h0.shape[0])
 
@@ -231,8 +283,12 @@ class CachedSampler:
         if h0_new.shape[1]:
             c = b.norm.c(h0_new.float())
             start = self.done
-            y = flow.sample(lambda x, t, i: b.net(x, t, c, start, self.caches[i]), noise_new[:, : c.shape[1]],
-                            self.steps, b.prediction)
+            y = flow.sample(
+                lambda x, t, i: b.net(x, t, c, start, self.caches[i]),
+                noise_new[:, : c.shape[1]],
+                self.steps,
+                b.prediction,
+            )
             self.done += c.shape[1]
             out.append(b.norm.unnormalize(y))
         if first is not None:
@@ -275,7 +331,7 @@ def validation_loss(net: Denoiser, y: torch.Tensor, c: torch.Tensor, prediction:
     for t_value in flow.VALIDATION_TIMES:
         eps_all = torch.randn(y.shape, generator=gen)
         for s in range(0, y.shape[0], batch):
-            yb, cb, eb = y[s:s + batch].to(device), c[s:s + batch].to(device), eps_all[s:s + batch].to(device)
+            yb, cb, eb = y[s : s + batch].to(device), c[s : s + batch].to(device), eps_all[s : s + batch].to(device)
             t = torch.full((yb.shape[0],), t_value, device=device)
             x_t = flow.noisy(yb, eb, t)
             y_hat = flow.clean_estimate(net(x_t, t, cb).float(), x_t, t, prediction)
@@ -312,8 +368,9 @@ def train(cfg: BridgeConfig, group, art: Artifact, progress: Progress) -> dict:
     y_train, c_train = norm.y(train_data.target[:, start:]), norm.c(train_data.cond[:, start:])
     y_val, c_val = norm.y(val_data.target[:, start:]), norm.c(val_data.cond[:, start:])
     del train_data, val_data
-    den_cfg = DenoiserConfig(dim=y_train.shape[-1], width=cfg.width, depth=cfg.depth, heads=cfg.heads,
-                             max_len=y_train.shape[1])
+    den_cfg = DenoiserConfig(
+        dim=y_train.shape[-1], width=cfg.width, depth=cfg.depth, heads=cfg.heads, max_len=y_train.shape[1]
+    )
     torch.manual_seed(cfg.seed)
     net = Denoiser(den_cfg)
     if cfg.skip_init == "ridge":
@@ -355,8 +412,10 @@ def train(cfg: BridgeConfig, group, art: Artifact, progress: Progress) -> dict:
         if not torch.isfinite(loss):
             kept = files.load_state(art.path)
             where = f"step {kept['step']}" if kept else "none yet"
-            raise DihalError(f"bridge loss became {loss.item()} at step {step} (last good checkpoint: {where}); "
-                             "lower --lr or raise --warmup, then rerun to resume")
+            raise DihalError(
+                f"bridge loss became {loss.item()} at step {step} (last good checkpoint: {where}); "
+                "lower --lr or raise --warmup, then rerun to resume"
+            )
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         if cfg.grad_clip:
@@ -371,10 +430,22 @@ def train(cfg: BridgeConfig, group, art: Artifact, progress: Progress) -> dict:
         log.append(row)
         files.append_jsonl(metrics_path, row)
         if (step + 1) % cfg.checkpoint_every == 0 and step + 1 < steps:
-            files.save_state(art.path, {"step": step + 1, "model": net.state_dict(), "optimizer": optimizer.state_dict(),
-                                        "ema": ema.params, "log": log})
-        progress.advance(1, loss=row["train_loss"], tokens_per_s=row["tokens_per_s"],
-                         **({"val_loss": row["val_loss"]} if "val_loss" in row else {}))
+            files.save_state(
+                art.path,
+                {
+                    "step": step + 1,
+                    "model": net.state_dict(),
+                    "optimizer": optimizer.state_dict(),
+                    "ema": ema.params,
+                    "log": log,
+                },
+            )
+        progress.advance(
+            1,
+            loss=row["train_loss"],
+            tokens_per_s=row["tokens_per_s"],
+            **({"val_loss": row["val_loss"]} if "val_loss" in row else {}),
+        )
     progress.stop()
     files.save_tensors(art.file("weights.safetensors"), net.state_dict())
     files.save_tensors(art.file("weights_ema.safetensors"), ema.params)
@@ -382,9 +453,15 @@ def train(cfg: BridgeConfig, group, art: Artifact, progress: Progress) -> dict:
     plot_losses(log, art.file("loss_curve.png"), cfg)
     if state_path.exists():
         state_path.unlink()
-    return {"val_loss": final_val, "steps": steps, "train_tokens_per_s": log[-1]["tokens_per_s"],
-            "final_train_loss": log[-1]["train_loss"], "n_train_sequences": int(y_train.shape[0]),
-            "n_val_sequences": int(y_val.shape[0]), "covered_start": start}
+    return {
+        "val_loss": final_val,
+        "steps": steps,
+        "train_tokens_per_s": log[-1]["tokens_per_s"],
+        "final_train_loss": log[-1]["train_loss"],
+        "n_train_sequences": int(y_train.shape[0]),
+        "n_val_sequences": int(y_val.shape[0]),
+        "covered_start": start,
+    }
 
 
 def _ema_val_loss(net: Denoiser, ema: EMA, y_val, c_val, prediction: str) -> float:
@@ -423,19 +500,28 @@ def config_dict(cfg: BridgeConfig) -> dict:
     return asdict(cfg)
 
 
-def run(cfg: BridgeConfig, extract: Artifact, store: ArtifactStore, *, force: bool = False,
-        progress: Progress | None = None) -> Artifact:
+def run(
+    cfg: BridgeConfig, extract: Artifact, store: ArtifactStore, *, force: bool = False, progress: Progress | None = None
+) -> Artifact:
     progress = progress or NullProgress()
     group = hs.open_group(extract.path / "hidden.zarr")
     stored = hs.stored_layers(group)
     if 0 not in stored or cfg.layer not in stored:
-        raise DihalError(f"extract {extract.id} lacks layer {0 if 0 not in stored else cfg.layer} "
-                         f"(it holds {stored}); extract with --layers 0,{cfg.layer}")
+        raise DihalError(
+            f"extract {extract.id} lacks layer {0 if 0 not in stored else cfg.layer} "
+            f"(it holds {stored}); extract with --layers 0,{cfg.layer}"
+        )
     config, parents = config_dict(cfg), {"extract": extract.id}
     if cached := store.cached(STAGE, config, parents, force=force):
         return cached
-    with store.writing(STAGE, config, parents, force=force, seed=cfg.seed, device=cfg.device,
-                       extra={"model": extract.manifest.get("model"), "extract_config": extract.config}) as art:
+    with store.writing(
+        STAGE,
+        config,
+        parents,
+        force=force,
+        seed=cfg.seed,
+        device=cfg.device,
+        extra={"model": extract.manifest.get("model"), "extract_config": extract.config},
+    ) as art:
         art.manifest["metrics"] = train(cfg, group, art, progress)
     return art
-

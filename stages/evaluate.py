@@ -1,4 +1,5 @@
 """`dihal evaluate`: bridge fidelity (--bridge) or generation quality (--samples), docs/method.md section 3."""
+
 from __future__ import annotations
 
 import json
@@ -65,21 +66,36 @@ def validation_ids(store: ArtifactStore, bridge_art: Artifact, limit: int) -> to
     return torch.from_numpy(np.asarray(group["input_ids"].oindex[seqs]).astype(np.int64))
 
 
-def run_fidelity(cfg: FidelityConfig, bridge_art: Artifact, store: ArtifactStore, *, force: bool = False,
-                 loaded: LoadedModel | None = None, trust_remote_code: bool = False) -> Artifact:
+def run_fidelity(
+    cfg: FidelityConfig,
+    bridge_art: Artifact,
+    store: ArtifactStore,
+    *,
+    force: bool = False,
+    loaded: LoadedModel | None = None,
+    trust_remote_code: bool = False,
+) -> Artifact:
     config, parents = {"kind": "fidelity", **asdict(cfg)}, {"bridge": bridge_art.id}
     if cached := store.cached(STAGE, config, parents, force=force):
         return cached
-    with store.writing(STAGE, config, parents, force=force, seed=cfg.seed, device=cfg.device,
-                       extra={"model": bridge_art.manifest.get("model")}) as art:
+    with store.writing(
+        STAGE,
+        config,
+        parents,
+        force=force,
+        seed=cfg.seed,
+        device=cfg.device,
+        extra={"model": bridge_art.manifest.get("model")},
+    ) as art:
         loaded = loaded or backbone_for(bridge_art, cfg.device, cfg.dtype, trust_remote_code)
         bridge = Bridge.load(bridge_art, cfg.device)
         ids = validation_ids(store, bridge_art, cfg.limit)
         results = evaluate_fidelity(loaded.model, bridge, ids, list(cfg.sample_steps), cfg.batch_size, cfg.seed)
         rows = [{"steps": s, **m} for s, m in results.items()]
         pd.DataFrame(rows).to_csv(art.file("fidelity.csv"), index=False)
-        art.file("results.json").write_text(json.dumps({"layer": bridge.layer, "n_sequences": int(ids.shape[0]),
-                                                        "fidelity": rows}, indent=2))
+        art.file("results.json").write_text(
+            json.dumps({"layer": bridge.layer, "n_sequences": int(ids.shape[0]), "fidelity": rows}, indent=2)
+        )
         art.manifest["metrics"] = {"layer": bridge.layer, "fidelity": rows}
     return art
 
@@ -122,19 +138,29 @@ def gen_ppl(nlls: list[tuple[float, int]]) -> dict[str, float]:
     scored = [(s, n) for s, n in nlls if n > 0]
     if not scored:
         return {"gen_ppl_token": float("nan"), "gen_ppl_mean": float("nan")}
-    return {"gen_ppl_token": float(np.exp(sum(s for s, _ in scored) / sum(n for _, n in scored))),
-            "gen_ppl_mean": float(np.mean([np.exp(s / n) for s, n in scored]))}
+    return {
+        "gen_ppl_token": float(np.exp(sum(s for s, _ in scored) / sum(n for _, n in scored))),
+        "gen_ppl_mean": float(np.mean([np.exp(s / n) for s, n in scored])),
+    }
 
 
-def run_samples(cfg: SamplesConfig, gen_art: Artifact, store: ArtifactStore, *, force: bool = False,
-                loaded: LoadedModel | None = None, trust_remote_code: bool = False) -> Artifact:
+def run_samples(
+    cfg: SamplesConfig,
+    gen_art: Artifact,
+    store: ArtifactStore,
+    *,
+    force: bool = False,
+    loaded: LoadedModel | None = None,
+    trust_remote_code: bool = False,
+) -> Artifact:
     from stages.text.text_metrics import text_metrics
 
     config, parents = {"kind": "samples", **asdict(cfg)}, {"generate": gen_art.id}
     if cached := store.cached(STAGE, config, parents, force=force):
         return cached
-    with store.writing(STAGE, config, parents, force=force, device=cfg.device,
-                       extra={"model": gen_art.manifest.get("model")}) as art:
+    with store.writing(
+        STAGE, config, parents, force=force, device=cfg.device, extra={"model": gen_art.manifest.get("model")}
+    ) as art:
         spec = cfg.evaluator or gen_art.manifest["extract_config"]["model"]
         loaded = loaded or load_model(spec, cfg.device, cfg.dtype, trust_remote_code=trust_remote_code)
         rows = []
@@ -144,8 +170,15 @@ def run_samples(cfg: SamplesConfig, gen_art: Artifact, store: ArtifactStore, *, 
             samples = [json.loads(l) for l in gen_art.file(name).read_text().splitlines()][: cfg.limit]
             texts = [s["text"] for s in samples]
             nlls = sample_nlls(loaded, [s["prompt"] for s in samples], texts)
-            rows.append({"model": samples[0]["model"], "n_samples": len(samples), **gen_ppl(nlls),
-                         **text_metrics(texts), "mean_tokens": float(np.mean([s["n_tokens"] for s in samples]))})
+            rows.append(
+                {
+                    "model": samples[0]["model"],
+                    "n_samples": len(samples),
+                    **gen_ppl(nlls),
+                    **text_metrics(texts),
+                    "mean_tokens": float(np.mean([s["n_tokens"] for s in samples])),
+                }
+            )
         pd.DataFrame(rows).to_csv(art.file("generation.csv"), index=False)
         art.file("results.json").write_text(json.dumps({"evaluator": spec, "rows": rows}, indent=2))
         art.manifest["metrics"] = {"evaluator": spec, "rows": rows}

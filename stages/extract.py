@@ -4,12 +4,12 @@ Work is split into chunks of `batch_size` sequences; each chunk is one forward p
 committed write, so an interrupted run resumes at the first uncommitted chunk and ends with
 the same bytes as an uninterrupted one. Under torchrun, rank r takes chunks r, r+W, r+2W, ...
 """
+
 from __future__ import annotations
 
 import contextlib
-import os
-from concurrent.futures import ThreadPoolExecutor
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -18,10 +18,10 @@ import torch
 from artifacts import hidden_states as hs
 from artifacts.errors import DihalError
 from artifacts.store import Artifact, ArtifactStore, artifact_id
-from stages.text import data as data_mod
 from stages.lm.capture import capture_layers, run_capture
 from stages.lm.models import LoadedModel, check_remote_code, load_model, locate
 from stages.runtime.progress import NullProgress, Progress
+from stages.text import data as data_mod
 
 STAGE = "extract"
 FLOAT16_MAX = 65504.0
@@ -43,7 +43,9 @@ class ExtractConfig:
 
     def __post_init__(self) -> None:
         if self.store_dtype not in STORE_DTYPES:
-            raise DihalError(f"--store-dtype {self.store_dtype} would not keep the states; use {', '.join(STORE_DTYPES)}")
+            raise DihalError(
+                f"--store-dtype {self.store_dtype} would not keep the states; use {', '.join(STORE_DTYPES)}"
+            )
         if self.batch_size < 1:
             raise DihalError(f"--batch-size must be at least 1, got {self.batch_size}")
         parse_layers(self.layers, None)  # syntax and order now; the range once the model is known
@@ -69,8 +71,10 @@ def parse_layers(spec: str, num_blocks: int | None) -> list[int]:
         return sorted(layers)
     bad = sorted(x for x in layers if not 0 <= x <= num_blocks)
     if bad or not layers:
-        raise DihalError(f"layer {bad[0] if bad else spec} is out of range: this model has layers 0..{num_blocks} "
-                         f"({num_blocks} blocks)")
+        raise DihalError(
+            f"layer {bad[0] if bad else spec} is out of range: this model has layers 0..{num_blocks} "
+            f"({num_blocks} blocks)"
+        )
     return sorted(layers)
 
 
@@ -90,10 +94,14 @@ def model_config(spec: str, trust_remote_code: bool = False):
     check_remote_code(spec, where, trust_remote_code)
     if identity["source"] == "hub":
         try:
-            return AutoConfig.from_pretrained(where, local_files_only=True, trust_remote_code=trust_remote_code), identity
+            return AutoConfig.from_pretrained(
+                where, local_files_only=True, trust_remote_code=trust_remote_code
+            ), identity
         except OSError:
-            raise DihalError(f"model '{spec}' is not in the local Hugging Face cache; the dry run checks hub models "
-                             "only once they are cached") from None
+            raise DihalError(
+                f"model '{spec}' is not in the local Hugging Face cache; the dry run checks hub models "
+                "only once they are cached"
+            ) from None
     return AutoConfig.from_pretrained(str(where), trust_remote_code=trust_remote_code), identity
 
 
@@ -121,8 +129,9 @@ def plan(cfg: ExtractConfig) -> Plan:
     layers = parse_layers(cfg.layers, num_blocks)
     max_pos = getattr(config, "max_position_embeddings", None)
     if max_pos and cfg.data.seq_len > max_pos:
-        raise DihalError(f"--seq-len {cfg.data.seq_len} exceeds the model's context of {max_pos} tokens; "
-                         "use a smaller --seq-len")
+        raise DihalError(
+            f"--seq-len {cfg.data.seq_len} exceeds the model's context of {max_pos} tokens; use a smaller --seq-len"
+        )
     n = cfg.data.max_sequences
     est = estimate_bytes(n, cfg.data.seq_len, config.hidden_size, len(layers), cfg.store_dtype) if n else None
     return Plan(layers, num_blocks, config.hidden_size, n, est, identity)
@@ -147,8 +156,10 @@ def check_float16(layer: int, values: torch.Tensor, chosen: str) -> None:
     peak = float(values.abs().max())
     if not np.isfinite(peak) or peak > FLOAT16_MAX:
         why = " (auto chose float16 from the first batch)" if chosen == "auto" else ""
-        raise DihalError(f"layer {layer} holds values up to {peak:.3g}, beyond float16's range{why}; "
-                         "rerun with --store-dtype float32")
+        raise DihalError(
+            f"layer {layer} holds values up to {peak:.3g}, beyond float16's range{why}; "
+            "rerun with --store-dtype float32"
+        )
 
 
 def choose_dtypes(states: dict[int, torch.Tensor], store_dtype: str) -> dict[int, str]:
@@ -156,12 +167,21 @@ def choose_dtypes(states: dict[int, torch.Tensor], store_dtype: str) -> dict[int
     if store_dtype != "auto":
         return {layer: store_dtype for layer in states}
     peaks = {layer: float(v.abs().max()) for layer, v in states.items()}
-    return {layer: "float16" if np.isfinite(p) and p * AUTO_HEADROOM <= FLOAT16_MAX else "float32"
-            for layer, p in peaks.items()}
+    return {
+        layer: "float16" if np.isfinite(p) and p * AUTO_HEADROOM <= FLOAT16_MAX else "float32"
+        for layer, p in peaks.items()
+    }
 
 
-def run(cfg: ExtractConfig, store: ArtifactStore, *, force: bool = False, check_disk: bool = True,
-        progress: Progress | None = None, loaded: LoadedModel | None = None) -> Artifact:
+def run(
+    cfg: ExtractConfig,
+    store: ArtifactStore,
+    *,
+    force: bool = False,
+    check_disk: bool = True,
+    progress: Progress | None = None,
+    loaded: LoadedModel | None = None,
+) -> Artifact:
     """Extract, resuming a partial artifact of the same config; returns the complete artifact."""
     progress = progress or NullProgress()
     config = resolved_config(cfg)
@@ -175,28 +195,55 @@ def run(cfg: ExtractConfig, store: ArtifactStore, *, force: bool = False, check_
     packed = data_mod.pack(cfg.data, loaded.tokenizer, loaded.max_positions)
     n_seq, seq_len = packed.input_ids.shape[0], cfg.data.seq_len
     est = estimate_bytes(n_seq, seq_len, loaded.width, len(layers), cfg.store_dtype)
-    progress.log(f"plan: {n_seq} sequences x {seq_len} tokens, {len(layers)} layers, "
-                 f"about {est / 2**20:.1f} MiB on disk under {store.root}")
+    progress.log(
+        f"plan: {n_seq} sequences x {seq_len} tokens, {len(layers)} layers, "
+        f"about {est / 2**20:.1f} MiB on disk under {store.root}"
+    )
     if check_disk and not force:
         free = shutil.disk_usage(store.make_root()).free
         if est > free:
-            raise DihalError(f"extraction needs about {est / 2**30:.2f} GiB but {store.root} has {free / 2**30:.2f} GiB free; "
-                             "lower --max-sequences or pass --force")
+            raise DihalError(
+                f"extraction needs about {est / 2**30:.2f} GiB but {store.root} has {free / 2**30:.2f} GiB free; "
+                "lower --max-sequences or pass --force"
+            )
     art_id = artifact_id(STAGE, config, {})
     zarr_path = store.root / STAGE / art_id / "hidden.zarr"
     with contextlib.ExitStack() as held:
         if rank == 0:  # rank 0 owns the artifact (and its lock) for the whole extraction
-            art = held.enter_context(store.writing(
-                STAGE, config, {}, seed=cfg.data.seed, device=str(loaded.device), force=force,
-                extra={"model": loaded.identity, "dataset_fingerprint": packed.fingerprint,
-                       "n_documents": packed.n_documents, "world_size": world}))
+            art = held.enter_context(
+                store.writing(
+                    STAGE,
+                    config,
+                    {},
+                    seed=cfg.data.seed,
+                    device=str(loaded.device),
+                    force=force,
+                    extra={
+                        "model": loaded.identity,
+                        "dataset_fingerprint": packed.fingerprint,
+                        "n_documents": packed.n_documents,
+                        "world_size": world,
+                    },
+                )
+            )
             if not (zarr_path / "zarr.json").exists():
                 first = torch.from_numpy(packed.input_ids[: cfg.batch_size].astype(np.int64)).to(loaded.device)
                 with torch.no_grad(), capture_layers(loaded.model, layers) as captured:
                     dtypes = choose_dtypes(run_capture(loaded.model, captured, first), cfg.store_dtype)
-                hs.create(zarr_path, layers, n_seq, seq_len, loaded.width, dtypes, cfg.batch_size,
-                          {"num_blocks": loaded.num_blocks, "model": loaded.identity["name"],
-                           "start_token": packed.start_token})
+                hs.create(
+                    zarr_path,
+                    layers,
+                    n_seq,
+                    seq_len,
+                    loaded.width,
+                    dtypes,
+                    cfg.batch_size,
+                    {
+                        "num_blocks": loaded.num_blocks,
+                        "model": loaded.identity["name"],
+                        "start_token": packed.start_token,
+                    },
+                )
                 hs.open_for_writing(zarr_path)["split"][:] = packed.split
         _barrier(world)
         group = hs.open_for_writing(zarr_path)
@@ -206,10 +253,16 @@ def run(cfg: ExtractConfig, store: ArtifactStore, *, force: bool = False, check_
             _barrier(world)
         if rank == 0:
             art.manifest["metrics"] = {
-                "n_sequences": int(n_seq), "n_train": int((packed.split == 0).sum()),
-                "n_validation": int((packed.split == 1).sum()), "layers": layers, "seq_len": seq_len,
-                "width": loaded.width, "num_blocks": loaded.num_blocks, "store_dtypes": hs.layer_dtypes(group),
-                "start_token": packed.start_token}
+                "n_sequences": int(n_seq),
+                "n_train": int((packed.split == 0).sum()),
+                "n_validation": int((packed.split == 1).sum()),
+                "layers": layers,
+                "seq_len": seq_len,
+                "width": loaded.width,
+                "num_blocks": loaded.num_blocks,
+                "store_dtypes": hs.layer_dtypes(group),
+                "start_token": packed.start_token,
+            }
     return store.load(STAGE, art_id)
 
 
@@ -217,8 +270,16 @@ def artifact_id_for(cfg: ExtractConfig) -> str:
     return artifact_id(STAGE, resolved_config(cfg), {})
 
 
-def _extract_chunks(loaded: LoadedModel, group, input_ids: np.ndarray, layers: list[int], cfg: ExtractConfig,
-                    rank: int, world: int, progress: Progress) -> None:
+def _extract_chunks(
+    loaded: LoadedModel,
+    group,
+    input_ids: np.ndarray,
+    layers: list[int],
+    cfg: ExtractConfig,
+    rank: int,
+    world: int,
+    progress: Progress,
+) -> None:
     seq_len = cfg.data.seq_len
     chunks = hs.chunk_ranges(input_ids.shape[0], cfg.batch_size)
     done = hs.committed_chunks(group)
@@ -245,8 +306,16 @@ def _extract_chunks(loaded: LoadedModel, group, input_ids: np.ndarray, layers: l
                 arrays[layer] = states[layer].to("cpu", torch.float32).numpy().astype(dtypes[layer])
             if pending is not None:
                 progress.advance(pending.result())
-            pending = writer.submit(_write, group, index, start, arrays, input_ids[start:stop],
-                                    mask.cpu().numpy().astype(np.int8), (stop - start) * seq_len)
+            pending = writer.submit(
+                _write,
+                group,
+                index,
+                start,
+                arrays,
+                input_ids[start:stop],
+                mask.cpu().numpy().astype(np.int8),
+                (stop - start) * seq_len,
+            )
         if pending is not None:
             progress.advance(pending.result())
     progress.stop()

@@ -5,6 +5,7 @@ mean cosine similarity, KL(original || hybrid) of next-token distributions, top-
 and the perplexity of the hybrid and of the original, all over positions 1..T-1 (position 0
 is the exact BOS state in both).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -47,14 +48,26 @@ class FidelityTotals:
     def metrics(self) -> dict[str, float]:
         ppl_h = float(np.exp(self.nll_hybrid / self.targets))
         ppl_o = float(np.exp(self.nll_original / self.targets))
-        return {"rel_recon_error": self.sq_err / self.sq_dev, "cosine": self.cos_sum / self.positions,
-                "kl": self.kl_sum / self.positions, "top1_agreement": self.agree / self.positions,
-                "ppl_hybrid": ppl_h, "ppl_original": ppl_o, "ppl_ratio": ppl_h / ppl_o}
+        return {
+            "rel_recon_error": self.sq_err / self.sq_dev,
+            "cosine": self.cos_sum / self.positions,
+            "kl": self.kl_sum / self.positions,
+            "top1_agreement": self.agree / self.positions,
+            "ppl_hybrid": ppl_h,
+            "ppl_original": ppl_o,
+            "ppl_ratio": ppl_h / ppl_o,
+        }
 
 
 @torch.no_grad()
-def evaluate_fidelity(model: torch.nn.Module, bridge: Bridge, input_ids: torch.Tensor, steps_list: list[int],
-                      batch_size: int = 16, seed: int = 0) -> dict[int, dict[str, float]]:
+def evaluate_fidelity(
+    model: torch.nn.Module,
+    bridge: Bridge,
+    input_ids: torch.Tensor,
+    steps_list: list[int],
+    batch_size: int = 16,
+    seed: int = 0,
+) -> dict[int, dict[str, float]]:
     """{steps: metrics} over input_ids (N, T), the same noise for every steps value."""
     suffix = suffix_model(model, bridge.layer)
     device = next(model.parameters()).device
@@ -62,7 +75,7 @@ def evaluate_fidelity(model: torch.nn.Module, bridge: Bridge, input_ids: torch.T
     gen = torch.Generator().manual_seed(seed)
     mu = bridge.norm.mu_y
     for start in range(0, input_ids.shape[0], batch_size):
-        ids = input_ids[start:start + batch_size].to(device)
+        ids = input_ids[start : start + batch_size].to(device)
         logits_o, states = original_forward(model, ids, [0, bridge.layer])
         noise = bridge.noise(ids.shape[0], ids.shape[1], gen)
         for steps in steps_list:

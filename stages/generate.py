@@ -5,11 +5,12 @@ per position; with the causal denoiser, earlier positions are cached per samplin
 backbone's upper blocks continue with their KV cache, and a token is drawn (temperature,
 top-k, top-p). `--baseline original` runs the unmodified backbone through the same loop.
 """
+
 from __future__ import annotations
 
 import json
 import time
-from typing import Callable
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import torch
@@ -94,8 +95,9 @@ def _layer0(model, ids: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def generate_hybrid(loaded: LoadedModel, bridge: Bridge, suffix, prefix: torch.Tensor, cfg: GenerateConfig,
-                    gen: torch.Generator) -> torch.Tensor:
+def generate_hybrid(
+    loaded: LoadedModel, bridge: Bridge, suffix, prefix: torch.Tensor, cfg: GenerateConfig, gen: torch.Generator
+) -> torch.Tensor:
     """prefix (B, P) -> (B, max_new_tokens) new ids, hybrid model."""
     model, batch = loaded.model, prefix.shape[0]
     noise = bridge.noise(batch, prefix.shape[1] + cfg.max_new_tokens, gen)
@@ -114,12 +116,14 @@ def generate_hybrid(loaded: LoadedModel, bridge: Bridge, suffix, prefix: torch.T
         ids = torch.cat([ids, token[:, None]], dim=1)
         if cfg.cache:
             p = ids.shape[1] - 1 - bridge.start
-            h = sampler.extend(_layer0(model, token[:, None]), noise[:, p:p + 1])
+            h = sampler.extend(_layer0(model, token[:, None]), noise[:, p : p + 1])
     return torch.stack(new, dim=1)
 
 
 @torch.no_grad()
-def generate_original(loaded: LoadedModel, prefix: torch.Tensor, cfg: GenerateConfig, gen: torch.Generator) -> torch.Tensor:
+def generate_original(
+    loaded: LoadedModel, prefix: torch.Tensor, cfg: GenerateConfig, gen: torch.Generator
+) -> torch.Tensor:
     model, new = loaded.model, []
     kv = DynamicCache(config=model.config)
     logits = model(input_ids=prefix, cache=kv, use_cache=True).logits[:, -1]
@@ -166,24 +170,44 @@ def generate_all(loaded: LoadedModel, bridge: Bridge | None, cfg: GenerateConfig
         seconds = time.perf_counter() - clock
         for row_ids in new.tolist():
             kept = _truncate_at_eos(row_ids, tok.eos_token_id)
-            rows.append({"prompt": prompt, "text": tok.decode(kept, skip_special_tokens=True), "token_ids": kept,
-                         "model": "hybrid" if bridge is not None else "original", "n_tokens": len(kept),
-                         "batch_seconds": seconds, "ms_per_token": 1000 * seconds / cfg.max_new_tokens})
+            rows.append(
+                {
+                    "prompt": prompt,
+                    "text": tok.decode(kept, skip_special_tokens=True),
+                    "token_ids": kept,
+                    "model": "hybrid" if bridge is not None else "original",
+                    "n_tokens": len(kept),
+                    "batch_seconds": seconds,
+                    "ms_per_token": 1000 * seconds / cfg.max_new_tokens,
+                }
+            )
         progress.advance(count)
     return rows
 
 
-def run(cfg: GenerateConfig, bridge_art: Artifact, store: ArtifactStore,
-        loaded: LoadedModel | Callable[[], LoadedModel], *, force: bool = False,
-        progress: Progress | None = None) -> Artifact:
+def run(
+    cfg: GenerateConfig,
+    bridge_art: Artifact,
+    store: ArtifactStore,
+    loaded: LoadedModel | Callable[[], LoadedModel],
+    *,
+    force: bool = False,
+    progress: Progress | None = None,
+) -> Artifact:
     """loaded: the backbone, or a function that loads it (called only when there is work to do)."""
     progress = progress or NullProgress()
     config, parents = asdict(cfg), {"bridge": bridge_art.id}
     if cached := store.cached(STAGE, config, parents, force=force):
         return cached
-    with store.writing(STAGE, config, parents, force=force, seed=cfg.seed, device=cfg.device,
-                       extra={"model": bridge_art.manifest.get("model"),
-                              "extract_config": bridge_art.manifest.get("extract_config")}) as art:
+    with store.writing(
+        STAGE,
+        config,
+        parents,
+        force=force,
+        seed=cfg.seed,
+        device=cfg.device,
+        extra={"model": bridge_art.manifest.get("model"), "extract_config": bridge_art.manifest.get("extract_config")},
+    ) as art:
         loaded = loaded() if callable(loaded) else loaded
         bridge = Bridge.load(bridge_art, cfg.device)
         total = len(cfg.prompts or [""]) * cfg.num_samples * (2 if cfg.baseline == "original" else 1)
@@ -195,7 +219,9 @@ def run(cfg: GenerateConfig, bridge_art: Artifact, store: ArtifactStore,
         metrics = {}
         for name, rows in outputs.items():
             art.file(name).write_text("".join(json.dumps(r) + "\n" for r in rows))
-            metrics[rows[0]["model"]] = {"ms_per_token": sum(r["ms_per_token"] for r in rows) / len(rows),
-                                         "mean_tokens": sum(r["n_tokens"] for r in rows) / len(rows)}
+            metrics[rows[0]["model"]] = {
+                "ms_per_token": sum(r["ms_per_token"] for r in rows) / len(rows),
+                "mean_tokens": sum(r["n_tokens"] for r in rows) / len(rows),
+            }
         art.manifest["metrics"] = metrics
     return art

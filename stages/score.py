@@ -12,6 +12,7 @@ a top-k over its row of K, and lambda_max(C_i) from the k x k Gram matrix K[N_i,
 which has the same nonzero spectrum as (k-1) C_i. Beyond FULL_PRODUCTS_MAX_BYTES the rows of K
 are computed per block and the Gram matrices from the gathered neighbourhoods instead.
 """
+
 from __future__ import annotations
 
 import json
@@ -60,8 +61,10 @@ def sample_positions(group, split: str, n: int, exclude: list[int], seed: int) -
     mask[:, [p for p in exclude if p < mask.shape[1]]] = False
     rows, cols = np.nonzero(mask)
     if n > rows.size:
-        raise DihalError(f"--tokens {n} asked for, but the {split} split has only {rows.size} valid positions; "
-                         f"lower --tokens or extract more sequences")
+        raise DihalError(
+            f"--tokens {n} asked for, but the {split} split has only {rows.size} valid positions; "
+            f"lower --tokens or extract more sequences"
+        )
     pick = np.sort(np.random.default_rng([seed, 0]).choice(rows.size, size=n, replace=False))
     return seqs[rows[pick]], cols[pick]
 
@@ -89,7 +92,7 @@ def inner_products(x: torch.Tensor, chunk: int) -> torch.Tensor:
         stop = min(start + chunk, n)
         block = x[start:stop] @ x[start:].T
         products[start:stop, start:] = block
-        products[stop:, start:stop] = block[:, stop - start:].T
+        products[stop:, start:stop] = block[:, stop - start :].T
     return products
 
 
@@ -119,8 +122,9 @@ def grams_from_points(x: torch.Tensor, neighbours: torch.Tensor) -> torch.Tensor
     return torch.bmm(hood, hood.transpose(1, 2))
 
 
-def local_lambda_max(x: torch.Tensor, k: int, chunk: int = 512,
-                     max_product_bytes: int = FULL_PRODUCTS_MAX_BYTES) -> torch.Tensor:
+def local_lambda_max(
+    x: torch.Tensor, k: int, chunk: int = 512, max_product_bytes: int = FULL_PRODUCTS_MAX_BYTES
+) -> torch.Tensor:
     """lambda_max(C_i) for every point: the centered neighbourhood's k x k Gram matrix has the same
     nonzero spectrum as (k-1) C_i. Memory is O(n^2) while K fits in max_product_bytes, else
     O(chunk * (n + k * D)); blocks of points run on a thread pool (torch frees the GIL)."""
@@ -166,8 +170,9 @@ def sample_pairs(n: int, m: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
     return a, b + (b >= a)
 
 
-def global_monotonicity(x: torch.Tensor, eig: torch.Tensor, vecs: torch.Tensor, eps_rel: float,
-                        pairs: tuple[np.ndarray, np.ndarray]) -> float:
+def global_monotonicity(
+    x: torch.Tensor, eig: torch.Tensor, vecs: torch.Tensor, eps_rel: float, pairs: tuple[np.ndarray, np.ndarray]
+) -> float:
     """median (v^T P v)/(v^T v), P = (Sigma + eps I)^-1 = U diag(1/(lambda + eps)) U^T."""
     eps = eps_rel * float(eig.sum()) / x.shape[1]
     a, b = (torch.as_tensor(i, device=x.device) for i in pairs)
@@ -185,7 +190,7 @@ def spectrum_stats(eig: torch.Tensor) -> dict[str, float]:
     p = p[p > 0]
     return {
         "k_hat": total / float(eig[-1]) if float(eig[-1]) > 0 else float("nan"),
-        "participation_ratio": total ** 2 / float((eig ** 2).sum()) if total > 0 else float("nan"),
+        "participation_ratio": total**2 / float((eig**2).sum()) if total > 0 else float("nan"),
         "entropy_rank": float(torch.exp(-(p * p.log()).sum())),
     }
 
@@ -225,15 +230,19 @@ def parse_candidates(spec: str | None, stored: list[int], num_blocks: int) -> li
     layers = list(range(1, num_blocks)) if spec is None else parse_layers(spec, num_blocks)
     missing = [l for l in layers if l not in stored]
     if missing:
-        raise DihalError(f"candidate layer {missing[0]} is not in the extract (it holds {_ranges(stored)}); "
-                         "pass --candidates within those or extract the layer")
+        raise DihalError(
+            f"candidate layer {missing[0]} is not in the extract (it holds {_ranges(stored)}); "
+            "pass --candidates within those or extract the layer"
+        )
     if len(layers) < 2:
         raise DihalError("--candidates needs at least two layers to z-score across")
     return layers
 
 
 def _ranges(layers: list[int]) -> str:
-    return f"layers {layers[0]}..{layers[-1]}" if layers == list(range(layers[0], layers[-1] + 1)) else f"layers {layers}"
+    return (
+        f"layers {layers[0]}..{layers[-1]}" if layers == list(range(layers[0], layers[-1] + 1)) else f"layers {layers}"
+    )
 
 
 def excluded_positions(spec: str) -> list[int]:
@@ -270,13 +279,16 @@ def validate(cfg: ScoreConfig) -> None:
         raise DihalError("--split must be train or validation")
 
 
-def score_layers(group, cfg: ScoreConfig, layers: list[int], progress: Progress) -> tuple[pd.DataFrame, np.ndarray, np.ndarray]:
+def score_layers(
+    group, cfg: ScoreConfig, layers: list[int], progress: Progress
+) -> tuple[pd.DataFrame, np.ndarray, np.ndarray]:
     exclude = excluded_positions(cfg.exclude_positions)
     seq_idx, pos_idx = sample_positions(group, cfg.split, cfg.tokens, exclude, cfg.seed)
     pairs = sample_pairs(cfg.tokens, cfg.pairs, cfg.seed)
     rows = []
     progress.start("score", len(layers), "layer")
     with ThreadPoolExecutor(max_workers=1) as reader:  # reads layer l+1 while layer l is scored
+
         def read(layer: int):
             return reader.submit(hs.read_positions, group, layer, seq_idx, pos_idx)
 
@@ -293,8 +305,9 @@ def score_layers(group, cfg: ScoreConfig, layers: list[int], progress: Progress)
     return combine(pd.DataFrame(rows)), seq_idx, pos_idx
 
 
-def run(cfg: ScoreConfig, extract: Artifact, store: ArtifactStore, *, force: bool = False,
-        progress: Progress | None = None) -> Artifact:
+def run(
+    cfg: ScoreConfig, extract: Artifact, store: ArtifactStore, *, force: bool = False, progress: Progress | None = None
+) -> Artifact:
     progress = progress or NullProgress()
     keep_freed_memory()  # first, before zarr or a progress bar start threads; see stages/allocator.py
     group = hs.open_group(extract.path / "hidden.zarr")
@@ -303,8 +316,15 @@ def run(cfg: ScoreConfig, extract: Artifact, store: ArtifactStore, *, force: boo
     config, parents = {**asdict(cfg), "candidates": layers, "device": None}, {"extract": extract.id}
     if cached := store.cached(STAGE, config, parents, force=force):
         return cached
-    with store.writing(STAGE, config, parents, force=force, seed=cfg.seed, device=cfg.device,
-                       extra={"model": extract.manifest.get("model")}) as art:
+    with store.writing(
+        STAGE,
+        config,
+        parents,
+        force=force,
+        seed=cfg.seed,
+        device=cfg.device,
+        extra={"model": extract.manifest.get("model")},
+    ) as art:
         table, seq_idx, pos_idx = score_layers(group, cfg, layers, progress)
         write_outputs(art, table, seq_idx, pos_idx)
         best = int(table.loc[table["S"].idxmax(), "layer"])
@@ -316,8 +336,11 @@ def write_outputs(art: Artifact, table: pd.DataFrame, seq_idx: np.ndarray, pos_i
     table.to_parquet(art.file("table.parquet"), index=False)
     table.to_csv(art.file("table.csv"), index=False)
     best = table.loc[table["S"].idxmax()]
-    summary = {"l_star": int(best["layer"]), "S": float(best["S"]),
-               "ranking": table.sort_values("rank")["layer"].astype(int).tolist()}
+    summary = {
+        "l_star": int(best["layer"]),
+        "S": float(best["S"]),
+        "ranking": table.sort_values("rank")["layer"].astype(int).tolist(),
+    }
     art.file("scores.json").write_text(json.dumps(summary, indent=2))
     np.savez(art.file("positions.npz"), sequence=seq_idx, position=pos_idx)
     plot(table, summary["l_star"], art.file("scores.png"), art.config.get("normalize", "none"))

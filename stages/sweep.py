@@ -1,5 +1,6 @@
 """`dihal sweep`: one bridge per layer under one fixed protocol, then docs/method.md section 4 claim 1:
 Spearman rho between the geometry score S_l and the negated validation bridge loss."""
+
 from __future__ import annotations
 
 import json
@@ -12,8 +13,8 @@ from artifacts.errors import DihalError
 from artifacts.store import Artifact, ArtifactStore
 from stages import bridge as bridge_stage
 from stages import evaluate as eval_stage
-from stages.runtime import plotting
 from stages import score as score_stage
+from stages.runtime import plotting
 from stages.runtime.progress import NullProgress, Progress
 
 STAGE = "sweep"
@@ -39,8 +40,16 @@ class SweepConfig:
             bridge_stage.BridgeConfig.from_protocol(layer, self.protocol, **dict(self.overrides))
 
 
-def run(cfg: SweepConfig, extract: Artifact, score_art: Artifact, store: ArtifactStore, *, force: bool = False,
-        progress: Progress | None = None, trust_remote_code: bool = False) -> Artifact:
+def run(
+    cfg: SweepConfig,
+    extract: Artifact,
+    score_art: Artifact,
+    store: ArtifactStore,
+    *,
+    force: bool = False,
+    progress: Progress | None = None,
+    trust_remote_code: bool = False,
+) -> Artifact:
     progress = progress or NullProgress()
     config = {**asdict(cfg), "overrides": dict(cfg.overrides)}
     parents = {"extract": extract.id, "score": score_art.id}
@@ -51,22 +60,38 @@ def run(cfg: SweepConfig, extract: Artifact, score_art: Artifact, store: Artifac
     rows = []
     for layer in cfg.layers:
         progress.log(f"layer {layer}: bridge under protocol {cfg.protocol}")
-        bcfg = bridge_stage.BridgeConfig.from_protocol(layer, cfg.protocol, **dict(cfg.overrides), seed=cfg.seed,
-                                                       device=cfg.device)
+        bcfg = bridge_stage.BridgeConfig.from_protocol(
+            layer, cfg.protocol, **dict(cfg.overrides), seed=cfg.seed, device=cfg.device
+        )
         bridge_art = bridge_stage.run(bcfg, extract, store, progress=progress)
-        fcfg = eval_stage.FidelityConfig(sample_steps=(cfg.sample_steps,), limit=cfg.eval_limit, seed=cfg.seed,
-                                         device=cfg.device, dtype=cfg.dtype)
+        fcfg = eval_stage.FidelityConfig(
+            sample_steps=(cfg.sample_steps,), limit=cfg.eval_limit, seed=cfg.seed, device=cfg.device, dtype=cfg.dtype
+        )
         if store.cached(eval_stage.STAGE, {"kind": "fidelity", **asdict(fcfg)}, {"bridge": bridge_art.id}) is None:
             loaded = loaded or eval_stage.backbone_for(bridge_art, cfg.device, cfg.dtype, trust_remote_code)
         fid_art = eval_stage.run_fidelity(fcfg, bridge_art, store, loaded=loaded)
         fid = fid_art.manifest["metrics"]["fidelity"][0]
-        rows.append({"layer": layer, "S": float(scores.loc[layer, "S"]), "score_rank": int(scores.loc[layer, "rank"]),
-                     "val_loss": bridge_art.manifest["metrics"]["val_loss"], "bridge": bridge_art.id,
-                     **{k: v for k, v in fid.items() if k != "steps"}})
+        rows.append(
+            {
+                "layer": layer,
+                "S": float(scores.loc[layer, "S"]),
+                "score_rank": int(scores.loc[layer, "rank"]),
+                "val_loss": bridge_art.manifest["metrics"]["val_loss"],
+                "bridge": bridge_art.id,
+                **{k: v for k, v in fid.items() if k != "steps"},
+            }
+        )
     table = pd.DataFrame(rows)
     summary = summarize(table, int(score_stage.load_table(score_art).set_index("layer")["S"].idxmax()))
-    with store.writing(STAGE, config, parents, force=force, seed=cfg.seed, device=cfg.device,
-                       extra={"model": extract.manifest.get("model")}) as art:
+    with store.writing(
+        STAGE,
+        config,
+        parents,
+        force=force,
+        seed=cfg.seed,
+        device=cfg.device,
+        extra={"model": extract.manifest.get("model")},
+    ) as art:
         table.to_csv(art.file("sweep.csv"), index=False)
         table.to_parquet(art.file("sweep.parquet"), index=False)
         art.file("summary.json").write_text(json.dumps(summary, indent=2))
@@ -80,9 +105,17 @@ def summarize(table: pd.DataFrame, l_star: int) -> dict:
     oracle = int(table.loc[table["val_loss"].idxmin(), "layer"])
     worst = int(table.loc[table["val_loss"].idxmax(), "layer"])
     loss = table.set_index("layer")["val_loss"]
-    return {"spearman_rho": float(rho), "p_value": float(p_value), "oracle_layer": oracle, "worst_layer": worst,
-            "l_star": l_star, "l_star_val_loss": float(loss.get(l_star, float("nan"))),
-            "oracle_val_loss": float(loss[oracle]), "worst_val_loss": float(loss[worst]), "layers": table["layer"].tolist()}
+    return {
+        "spearman_rho": float(rho),
+        "p_value": float(p_value),
+        "oracle_layer": oracle,
+        "worst_layer": worst,
+        "l_star": l_star,
+        "l_star_val_loss": float(loss.get(l_star, float("nan"))),
+        "oracle_val_loss": float(loss[oracle]),
+        "worst_val_loss": float(loss[worst]),
+        "layers": table["layer"].tolist(),
+    }
 
 
 def plot(table: pd.DataFrame, summary: dict, path) -> None:
@@ -96,5 +129,10 @@ def plot(table: pd.DataFrame, summary: dict, path) -> None:
     ax.axvline(summary["l_star"], color="black", linestyle="--", alpha=0.6)
     ax.axvline(summary["oracle_layer"], color="tab:red", linestyle=":", alpha=0.6)
     fig.legend(loc="upper right")
-    plotting.save(fig, ax, path, f"Spearman rho(S, -loss) = {summary['spearman_rho']:.3f} (p = {summary['p_value']:.2g}); "
-                                 f"l* = {summary['l_star']}, oracle = {summary['oracle_layer']}")
+    plotting.save(
+        fig,
+        ax,
+        path,
+        f"Spearman rho(S, -loss) = {summary['spearman_rho']:.3f} (p = {summary['p_value']:.2g}); "
+        f"l* = {summary['l_star']}, oracle = {summary['oracle_layer']}",
+    )

@@ -1,5 +1,6 @@
 """Shared fixtures: tiny random backbones built from configs in-process, saved as local model
 directories so the CLI can load them like any user model, plus a tiny trained BPE tokenizer."""
+
 from __future__ import annotations
 
 import os
@@ -16,22 +17,36 @@ os.environ.setdefault("COLUMNS", "240")  # rich wraps long lines at the terminal
 
 def tiny_tokenizer():
     from pydoc_data.topics import topics
+
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=["<unk>", "<bos>", "<eos>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=320,
+        special_tokens=["<unk>", "<bos>", "<eos>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tok.train_from_iterator([topics[k] for k in sorted(topics)[:40]], trainer)
     return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>", unk_token="<unk>")
 
 
 def tiny_config(kind: str, vocab: int, layers: int = 4):
-    common = dict(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, bos_token_id=1,
-                  eos_token_id=2, pad_token_id=0)
+    common = dict(
+        vocab_size=vocab,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
     if kind == "llama":
         from transformers import LlamaConfig
 
@@ -39,8 +54,9 @@ def tiny_config(kind: str, vocab: int, layers: int = 4):
     if kind == "gemma3":
         from transformers import Gemma3TextConfig
 
-        return Gemma3TextConfig(**common, head_dim=8, sliding_window=8,
-                                layer_types=["sliding_attention", "full_attention"] * (layers // 2))
+        return Gemma3TextConfig(
+            **common, head_dim=8, sliding_window=8, layer_types=["sliding_attention", "full_attention"] * (layers // 2)
+        )
     if kind == "qwen3":
         from transformers import Qwen3Config
 
@@ -80,8 +96,9 @@ def root(tmp_path, monkeypatch) -> Path:
     return path
 
 
-def run_cli(*args: str, env: dict | None = None, check: bool = False, kill_after: int | None = None
-            ) -> subprocess.CompletedProcess:
+def run_cli(
+    *args: str, env: dict | None = None, check: bool = False, kill_after: int | None = None
+) -> subprocess.CompletedProcess:
     """`dihal ARGS` in a fresh process, as a user runs it; kill_after=N: SIGKILL after N units of work."""
     full_env = {**os.environ, **(env or {})}
     entry = ["-m", "dihal_cli"] if kill_after is None else ["-m", "tests.kill_after", str(kill_after)]

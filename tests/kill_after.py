@@ -4,6 +4,7 @@ it instead of any fault switch inside the library.
 
     python -m tests.kill_after N ARGS...
 """
+
 from __future__ import annotations
 
 import os

@@ -1,4 +1,5 @@
 """The bridge: flow loss and sampler on toys, causality, caching, resume, NaN, and the CLI."""
+
 from __future__ import annotations
 
 import signal
@@ -49,7 +50,7 @@ def test_flow_matching_learns_a_2d_gaussian():
 
 
 def test_conditional_toy_with_deterministic_map_is_reconstructed():
-    w = torch.randn(6, 6, generator=torch.Generator().manual_seed(3)) / 6 ** 0.5
+    w = torch.randn(6, 6, generator=torch.Generator().manual_seed(3)) / 6**0.5
     cond = lambda b, g: torch.randn(b, 8, 6, generator=g)  # noqa: E731
     target = lambda c, g: torch.tanh(c @ w) * 1.5  # noqa: E731
     net = _train_toy(target, cond, dim=6, length=8, steps=400, batch=64)
@@ -75,7 +76,9 @@ def test_denoiser_is_causal_and_cache_matches_full_pass():
         assert torch.equal(base[:, :9], changed[:, :9])
         assert not torch.allclose(base[:, 9:], changed[:, 9:])
         caches = net.new_caches()
-        pieces = [net(x[:, :5], t, c[:, :5], 0, caches)] + [net(x[:, p:p + 1], t, c[:, p:p + 1], p, caches) for p in range(5, 16)]
+        pieces = [net(x[:, :5], t, c[:, :5], 0, caches)] + [
+            net(x[:, p : p + 1], t, c[:, p : p + 1], p, caches) for p in range(5, 16)
+        ]
     torch.testing.assert_close(torch.cat(pieces, 1), base, atol=1e-5, rtol=1e-5)
 
 
@@ -89,8 +92,19 @@ def test_lr_schedule_warmup_then_cosine_to_zero():
 
 @pytest.fixture()
 def tiny_bridge_extract(tiny_dirs, root):
-    res = invoke("extract", "--model", str(tiny_dirs["llama"]), "--max-sequences", "40", "--seq-len", "16",
-                 "--val-fraction", "0.2", "--device", "cpu")
+    res = invoke(
+        "extract",
+        "--model",
+        str(tiny_dirs["llama"]),
+        "--max-sequences",
+        "40",
+        "--seq-len",
+        "16",
+        "--val-fraction",
+        "0.2",
+        "--device",
+        "cpu",
+    )
     assert res.exit_code == 0, res.output
     return root
 
@@ -99,21 +113,31 @@ TINY = ["--protocol", "sweep-tiny", "--width", "32", "--depth", "2", "--heads", 
 
 
 def test_train_bridge_writes_weights_metrics_plot(tiny_bridge_extract):
-    from artifacts.store import ArtifactStore
     from artifacts import files
+    from artifacts.store import ArtifactStore
 
-    res = invoke("train-bridge", "--layer", "2", "--extract", "latest", *TINY, "--train-steps", "12", "--eval-every", "6")
+    res = invoke(
+        "train-bridge", "--layer", "2", "--extract", "latest", *TINY, "--train-steps", "12", "--eval-every", "6"
+    )
     assert res.exit_code == 0, res.output
     art = ArtifactStore(tiny_bridge_extract).resolve("latest", "bridge")
     rows = files.read_jsonl(art.file("metrics.jsonl"))
     assert [r["step"] for r in rows] == list(range(1, 13))
     assert [r["step"] for r in rows if "val_loss" in r] == [6, 12]
     assert art.manifest["metrics"]["val_loss"] == rows[-1]["val_loss"]
-    for name in ("weights.safetensors", "weights_ema.safetensors", "stats.safetensors", "loss_curve.png", "bridge.json"):
+    for name in (
+        "weights.safetensors",
+        "weights_ema.safetensors",
+        "stats.safetensors",
+        "loss_curve.png",
+        "bridge.json",
+    ):
         assert art.file(name).exists(), name
     assert not art.file("state.safetensors").exists()
     assert art.manifest["config"]["protocol"] == "sweep-tiny" and art.manifest["config"]["steps"] == 12
-    again = invoke("train-bridge", "--layer", "2", "--extract", "latest", *TINY, "--train-steps", "12", "--eval-every", "6")
+    again = invoke(
+        "train-bridge", "--layer", "2", "--extract", "latest", *TINY, "--train-steps", "12", "--eval-every", "6"
+    )
     assert "cache hit" in again.output
     fid = invoke("evaluate", "--bridge", art.id, "--sample-steps", "1,4", "--limit", "8", "--json")
     assert fid.exit_code == 0, fid.output
@@ -126,11 +150,25 @@ def test_train_bridge_writes_weights_metrics_plot(tiny_bridge_extract):
 
 
 def test_resume_after_kill_gives_identical_weights(tiny_bridge_extract, tmp_path):
-    from artifacts.store import ArtifactStore
     from artifacts import files
+    from artifacts.store import ArtifactStore
 
-    args = ["train-bridge", "--layer", "2", "--extract", "latest", *TINY, "--train-steps", "30", "--eval-every", "10",
-            "--checkpoint-every", "10", "--root", str(tiny_bridge_extract)]
+    args = [
+        "train-bridge",
+        "--layer",
+        "2",
+        "--extract",
+        "latest",
+        *TINY,
+        "--train-steps",
+        "30",
+        "--eval-every",
+        "10",
+        "--checkpoint-every",
+        "10",
+        "--root",
+        str(tiny_bridge_extract),
+    ]
     killed = run_cli(*args, kill_after=25)
     assert killed.returncode == -signal.SIGKILL, killed.stderr
     store = ArtifactStore(tiny_bridge_extract)
@@ -150,8 +188,20 @@ def test_resume_after_kill_gives_identical_weights(tiny_bridge_extract, tmp_path
 
 
 def test_nan_loss_stops_with_clear_message(tiny_bridge_extract):
-    res = invoke("train-bridge", "--layer", "2", "--extract", "latest", *TINY, "--train-steps", "30", "--lr", "1e30",
-                 "--warmup", "1")
+    res = invoke(
+        "train-bridge",
+        "--layer",
+        "2",
+        "--extract",
+        "latest",
+        *TINY,
+        "--train-steps",
+        "30",
+        "--lr",
+        "1e30",
+        "--warmup",
+        "1",
+    )
     assert res.exit_code == 2 and "bridge loss became" in res.output, res.output
     from artifacts.store import ArtifactStore
 
@@ -173,11 +223,41 @@ def test_sweep_over_tiny_model_writes_table_rho_plot(tiny_dirs, root):
 
     from artifacts.store import ArtifactStore
 
-    ok = invoke("extract", "--model", str(tiny_dirs["gemma3"]), "--max-sequences", "40", "--seq-len", "16",
-                "--val-fraction", "0.2", "--device", "cpu")
+    ok = invoke(
+        "extract",
+        "--model",
+        str(tiny_dirs["gemma3"]),
+        "--max-sequences",
+        "40",
+        "--seq-len",
+        "16",
+        "--val-fraction",
+        "0.2",
+        "--device",
+        "cpu",
+    )
     assert ok.exit_code == 0, ok.output
-    res = invoke("sweep", "--layers", "1,2,3", "--extract", "latest", "--tokens", "200", "--train-steps", "6", "--width", "32",
-                 "--depth", "1", "--batch-size", "8", "--eval-limit", "4", "--device", "cpu")
+    res = invoke(
+        "sweep",
+        "--layers",
+        "1,2,3",
+        "--extract",
+        "latest",
+        "--tokens",
+        "200",
+        "--train-steps",
+        "6",
+        "--width",
+        "32",
+        "--depth",
+        "1",
+        "--batch-size",
+        "8",
+        "--eval-limit",
+        "4",
+        "--device",
+        "cpu",
+    )
     assert res.exit_code == 0, res.output
     store = ArtifactStore(root)
     art = store.resolve("latest", "sweep")
@@ -189,6 +269,25 @@ def test_sweep_over_tiny_model_writes_table_rho_plot(tiny_dirs, root):
     assert summary["spearman_rho"] == pytest.approx(rho) and summary["p_value"] == pytest.approx(p)
     assert summary["oracle_layer"] == int(table.loc[table.val_loss.idxmin(), "layer"])
     assert summary["worst_layer"] == int(table.loc[table.val_loss.idxmax(), "layer"])
-    again = invoke("sweep", "--layers", "1,2,3", "--extract", "latest", "--tokens", "200", "--train-steps", "6", "--width",
-                   "32", "--depth", "1", "--batch-size", "8", "--eval-limit", "4", "--device", "cpu")
+    again = invoke(
+        "sweep",
+        "--layers",
+        "1,2,3",
+        "--extract",
+        "latest",
+        "--tokens",
+        "200",
+        "--train-steps",
+        "6",
+        "--width",
+        "32",
+        "--depth",
+        "1",
+        "--batch-size",
+        "8",
+        "--eval-limit",
+        "4",
+        "--device",
+        "cpu",
+    )
     assert again.exit_code == 0 and len(store.all("bridge")) == 3  # bridges reused through the cache

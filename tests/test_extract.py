@@ -1,4 +1,5 @@
 """dihal extract: stored layers equal the reference forward; resume; errors; the builtin default."""
+
 from __future__ import annotations
 
 import json
@@ -24,8 +25,21 @@ def _only_artifact(root, stage="extract"):
 def test_stored_layers_equal_reference_forward(kind, tiny_dirs, root):
     from transformers import AutoModelForCausalLM
 
-    res = invoke("extract", "--model", str(tiny_dirs[kind]), "--max-sequences", "12", "--seq-len", "32",
-                 "--batch-size", "5", "--device", "cpu", "--dtype", "float32")
+    res = invoke(
+        "extract",
+        "--model",
+        str(tiny_dirs[kind]),
+        "--max-sequences",
+        "12",
+        "--seq-len",
+        "32",
+        "--batch-size",
+        "5",
+        "--device",
+        "cpu",
+        "--dtype",
+        "float32",
+    )
     assert res.exit_code == 0, res.output
     art = _only_artifact(root)
     group = hs.open_group(art.path / "hidden.zarr")
@@ -45,7 +59,7 @@ def test_stored_layers_equal_reference_forward(kind, tiny_dirs, root):
     with torch.no_grad():
         torch.testing.assert_close(model.model.norm(last), ref[L], atol=5e-3, rtol=5e-3)
     if kind == "gemma3":  # layer 0 = token embeddings times sqrt(d)
-        emb0 = model.model.embed_tokens.weight[ids] * (model.config.hidden_size ** 0.5)
+        emb0 = model.model.embed_tokens.weight[ids] * (model.config.hidden_size**0.5)
         stored0 = torch.from_numpy(np.asarray(group["layers/0"][:]).astype(np.float32))
         torch.testing.assert_close(stored0, emb0, atol=5e-3, rtol=2e-3)
     manifest = art.manifest
@@ -56,8 +70,19 @@ def test_stored_layers_equal_reference_forward(kind, tiny_dirs, root):
 
 
 def test_layer_subset_stops_early_and_names_convention(tiny_dirs, root):
-    res = invoke("extract", "--model", str(tiny_dirs["llama"]), "--max-sequences", "4", "--seq-len", "16",
-                 "--layers", "0,2", "--device", "cpu")
+    res = invoke(
+        "extract",
+        "--model",
+        str(tiny_dirs["llama"]),
+        "--max-sequences",
+        "4",
+        "--seq-len",
+        "16",
+        "--layers",
+        "0,2",
+        "--device",
+        "cpu",
+    )
     assert res.exit_code == 0, res.output
     group = hs.open_group(_only_artifact(root).path / "hidden.zarr")
     assert hs.stored_layers(group) == [0, 2]
@@ -81,8 +106,19 @@ def _store_arrays(path):
 
 
 def test_killed_extraction_resumes_to_identical_store(tiny_dirs, tmp_path):
-    args = ("extract", "--model", str(tiny_dirs["gemma3"]), "--max-sequences", "24", "--seq-len", "32",
-            "--batch-size", "4", "--device", "cpu")
+    args = (
+        "extract",
+        "--model",
+        str(tiny_dirs["gemma3"]),
+        "--max-sequences",
+        "24",
+        "--seq-len",
+        "32",
+        "--batch-size",
+        "4",
+        "--device",
+        "cpu",
+    )
     killed = run_cli(*args, "--root", str(tmp_path / "a"), kill_after=2)
     assert killed.returncode == -signal.SIGKILL
     art = _only_artifact(tmp_path / "a")
@@ -103,11 +139,38 @@ def test_two_processes_shard_to_the_same_store(tiny_dirs, tmp_path):
     import subprocess
     import sys
 
-    args = ["extract", "--model", str(tiny_dirs["llama"]), "--max-sequences", "20", "--seq-len", "16",
-            "--batch-size", "3", "--device", "cpu"]
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                           "29533", "-m", "dihal_cli", *args, "--root", str(tmp_path / "dist")],
-                          capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    args = [
+        "extract",
+        "--model",
+        str(tiny_dirs["llama"]),
+        "--max-sequences",
+        "20",
+        "--seq-len",
+        "16",
+        "--batch-size",
+        "3",
+        "--device",
+        "cpu",
+    ]
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            "2",
+            "--master_port",
+            "29533",
+            "-m",
+            "dihal_cli",
+            *args,
+            "--root",
+            str(tmp_path / "dist"),
+        ],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     run_cli(*args, "--root", str(tmp_path / "single"), check=True)
     dist_art = _only_artifact(tmp_path / "dist")
@@ -117,12 +180,15 @@ def test_two_processes_shard_to_the_same_store(tiny_dirs, tmp_path):
         np.testing.assert_allclose(a[name], b[name], atol=1e-3, err_msg=name)
 
 
-@pytest.mark.parametrize("args, needle", [
-    (["--model", "no-such-model"], "unknown model 'no-such-model'"),
-    (["--layers", "0-99"], "out of range"),
-    (["--seq-len", "100000"], "exceeds the model's context"),
-    (["--dataset", "missing/file.jsonl"], "does not exist"),
-])
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["--model", "no-such-model"], "unknown model 'no-such-model'"),
+        (["--layers", "0-99"], "out of range"),
+        (["--seq-len", "100000"], "exceeds the model's context"),
+        (["--dataset", "missing/file.jsonl"], "does not exist"),
+    ],
+)
 def test_bad_input_is_one_line_exit_2(args, needle, tiny_dirs, root):
     base = ["extract", "--max-sequences", "4", "--seq-len", "16", "--device", "cpu"]
     if "--model" not in args:
@@ -136,11 +202,37 @@ def test_bad_input_is_one_line_exit_2(args, needle, tiny_dirs, root):
 def test_missing_text_field_is_one_line(tiny_dirs, root, tmp_path):
     data = tmp_path / "docs.jsonl"
     data.write_text("\n".join(json.dumps({"body": "some words here " * 20}) for _ in range(5)))
-    res = invoke("extract", "--model", str(tiny_dirs["llama"]), "--dataset", str(data), "--max-sequences", "2",
-                 "--seq-len", "16", "--device", "cpu")
+    res = invoke(
+        "extract",
+        "--model",
+        str(tiny_dirs["llama"]),
+        "--dataset",
+        str(data),
+        "--max-sequences",
+        "2",
+        "--seq-len",
+        "16",
+        "--device",
+        "cpu",
+    )
     assert res.exit_code == 2 and "no text field 'text'" in res.output and "--text-field" in res.output
-    ok = invoke("extract", "--model", str(tiny_dirs["llama"]), "--dataset", str(data), "--text-field", "body",
-                "--max-sequences", "2", "--val-fraction", "0", "--seq-len", "16", "--device", "cpu")
+    ok = invoke(
+        "extract",
+        "--model",
+        str(tiny_dirs["llama"]),
+        "--dataset",
+        str(data),
+        "--text-field",
+        "body",
+        "--max-sequences",
+        "2",
+        "--val-fraction",
+        "0",
+        "--seq-len",
+        "16",
+        "--device",
+        "cpu",
+    )
     assert ok.exit_code == 0, ok.output
 
 
@@ -152,16 +244,39 @@ def test_hub_id_offline_fails_fast_with_builtins_named(root, monkeypatch):
 
 
 def test_dry_run_validates_without_writing(tiny_dirs, root):
-    res = invoke("extract", "--model", str(tiny_dirs["llama"]), "--max-sequences", "8", "--seq-len", "16",
-                 "--layers", "0-2", "--dry-run")
+    res = invoke(
+        "extract",
+        "--model",
+        str(tiny_dirs["llama"]),
+        "--max-sequences",
+        "8",
+        "--seq-len",
+        "16",
+        "--layers",
+        "0-2",
+        "--dry-run",
+    )
     assert res.exit_code == 0 and "estimated size" in res.output
     assert not root.exists() or not any(root.rglob("manifest.json"))
 
 
 @pytest.mark.slow
 def test_builtin_smollm2_all_layers_and_cache_hit(root):
-    args = ("extract", "--model", "smollm2-135m", "--dataset", "pydoc", "--layers", "all", "--max-sequences", "32",
-            "--seq-len", "64", "--device", "cpu")
+    args = (
+        "extract",
+        "--model",
+        "smollm2-135m",
+        "--dataset",
+        "pydoc",
+        "--layers",
+        "all",
+        "--max-sequences",
+        "32",
+        "--seq-len",
+        "64",
+        "--device",
+        "cpu",
+    )
     first = invoke(*args)
     assert first.exit_code == 0, first.output
     group = hs.open_group(_only_artifact(root).path / "hidden.zarr")
@@ -199,7 +314,11 @@ def test_float16_overflow_is_detected_with_the_fix_named(tmp_path, root):
 def test_auto_store_dtype_rule():
     from stages.extract import AUTO_HEADROOM, FLOAT16_MAX, check_float16, choose_dtypes
 
-    fits, near, over = torch.full((2, 3), 100.0), torch.full((2, 3), FLOAT16_MAX / AUTO_HEADROOM * 1.01), torch.full((1,), 7e4)
+    fits, near, over = (
+        torch.full((2, 3), 100.0),
+        torch.full((2, 3), FLOAT16_MAX / AUTO_HEADROOM * 1.01),
+        torch.full((1,), 7e4),
+    )
     assert choose_dtypes({0: fits, 1: near, 2: over}, "auto") == {0: "float16", 1: "float32", 2: "float32"}
     assert choose_dtypes({0: over}, "float16") == {0: "float16"}
     with pytest.raises(Exception, match="auto chose float16 from the first batch"):
@@ -212,5 +331,7 @@ def test_disk_estimate_refuses_when_space_is_short(tiny_dirs, root, monkeypatch)
 
     usage = namedtuple("usage", "total used free")
     monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10**6, 10**6 - 100, 100))
-    res = invoke("extract", "--model", str(tiny_dirs["llama"]), "--max-sequences", "8", "--seq-len", "16", "--device", "cpu")
+    res = invoke(
+        "extract", "--model", str(tiny_dirs["llama"]), "--max-sequences", "8", "--seq-len", "16", "--device", "cpu"
+    )
     assert res.exit_code == 2 and "GiB free" in res.output and "--force" in res.output

@@ -1,4 +1,5 @@
 """Hybrid generation and generation metrics."""
+
 from __future__ import annotations
 
 import json
@@ -8,8 +9,8 @@ import pytest
 import torch
 
 from stages import generate as gen_stage
-from stages.text import text_metrics as tm
 from stages.lm.models import wrap_model
+from stages.text import text_metrics as tm
 from tests.conftest import build_tiny, invoke
 
 
@@ -40,7 +41,7 @@ class OracleBridge:
 
             def extend(self, h0_new, noise_new):
                 self.h0 = h0_new if self.h0 is None else torch.cat([self.h0, h0_new], 1)
-                return oracle.sample(self.h0, steps, None)[:, -h0_new.shape[1]:]
+                return oracle.sample(self.h0, steps, None)[:, -h0_new.shape[1] :]
 
         return History()
 
@@ -54,7 +55,9 @@ def test_oracle_bridge_greedy_hybrid_equals_original(kind, cache):
     prefix = torch.tensor([gen_stage.prompt_ids(tok, "The module")] * 2)
     original = gen_stage.generate_original(loaded, prefix, cfg, torch.Generator().manual_seed(0))
     suffix = gen_stage.suffix_model(model, 2)
-    hybrid = gen_stage.generate_hybrid(loaded, OracleBridge(model, 2), suffix, prefix, cfg, torch.Generator().manual_seed(0))
+    hybrid = gen_stage.generate_hybrid(
+        loaded, OracleBridge(model, 2), suffix, prefix, cfg, torch.Generator().manual_seed(0)
+    )
     assert torch.equal(hybrid, original)
 
 
@@ -67,8 +70,12 @@ def tiny_trained_bridge(tiny_dirs, tmp_path_factory):
     from stages.text.data import DataConfig
 
     store = ArtifactStore(tmp_path_factory.mktemp("gen-runs"))
-    ex = estage.run(estage.ExtractConfig(model=str(tiny_dirs["llama"]), layers="0,2",
-                                          data=DataConfig(max_sequences=24, seq_len=16)), store)
+    ex = estage.run(
+        estage.ExtractConfig(
+            model=str(tiny_dirs["llama"]), layers="0,2", data=DataConfig(max_sequences=24, seq_len=16)
+        ),
+        store,
+    )
     cfg = bstage.BridgeConfig.from_protocol(2, "sweep-tiny", steps=5, width=32, depth=2, batch_size=8)
     art = bstage.run(cfg, ex, store)
     return store, art
@@ -89,23 +96,57 @@ def test_cached_and_uncached_generation_agree_and_are_deterministic(tiny_trained
         outs[cache] = gen_stage.generate_hybrid(loaded, bridge, suffix, prefix, cfg, torch.Generator().manual_seed(5))
     assert torch.equal(outs[True], outs[False])
     cfg = gen_stage.GenerateConfig(max_new_tokens=12, sample_steps=4)
-    again = [gen_stage.generate_hybrid(loaded, bridge, suffix, prefix, cfg, torch.Generator().manual_seed(7)) for _ in range(2)]
+    again = [
+        gen_stage.generate_hybrid(loaded, bridge, suffix, prefix, cfg, torch.Generator().manual_seed(7))
+        for _ in range(2)
+    ]
     assert torch.equal(again[0], again[1])
 
 
 def test_generate_cli_then_evaluate_samples(tiny_trained_bridge, monkeypatch):
     store, art = tiny_trained_bridge
     monkeypatch.setenv("DIHAL_ROOT", str(store.root))
-    res = invoke("generate", "--bridge", art.id, "--prompt", "The", "--num-samples", "3", "--max-new-tokens", "8",
-                 "--baseline", "original", "--seed", "3", "--device", "cpu")
+    res = invoke(
+        "generate",
+        "--bridge",
+        art.id,
+        "--prompt",
+        "The",
+        "--num-samples",
+        "3",
+        "--max-new-tokens",
+        "8",
+        "--baseline",
+        "original",
+        "--seed",
+        "3",
+        "--device",
+        "cpu",
+    )
     assert res.exit_code == 0, res.output
     gen_art = store.resolve("latest", "generate")
     rows = [json.loads(l) for l in gen_art.file("samples.jsonl").read_text().splitlines()]
     base = [json.loads(l) for l in gen_art.file("samples_original.jsonl").read_text().splitlines()]
     assert len(rows) == 3 and len(base) == 3 and all(r["model"] == "hybrid" for r in rows)
     assert all(len(r["token_ids"]) <= 8 and r["prompt"] == "The" for r in rows)
-    again = invoke("generate", "--bridge", art.id, "--prompt", "The", "--num-samples", "3", "--max-new-tokens", "8",
-                   "--baseline", "original", "--seed", "3", "--device", "cpu", "--force")
+    again = invoke(
+        "generate",
+        "--bridge",
+        art.id,
+        "--prompt",
+        "The",
+        "--num-samples",
+        "3",
+        "--max-new-tokens",
+        "8",
+        "--baseline",
+        "original",
+        "--seed",
+        "3",
+        "--device",
+        "cpu",
+        "--force",
+    )
     assert again.exit_code == 0
     rows2 = [json.loads(l) for l in store.resolve("latest", "generate").file("samples.jsonl").read_text().splitlines()]
     assert [r["token_ids"] for r in rows2] == [r["token_ids"] for r in rows]

@@ -1,5 +1,6 @@
 """Bad input gets one `error:` line and exit 2; faults leave completed work intact; piped logs show
 progress; tables fit 80 columns; every stage says when it reused an artifact."""
+
 from __future__ import annotations
 
 import errno
@@ -28,8 +29,18 @@ def _one_error_line(res, needle: str, during_work: bool = False) -> None:
 
 
 def _extract(tiny_dirs, *extra):
-    return ["extract", "--model", str(tiny_dirs["llama"]), "--max-sequences", "8", "--seq-len", "16",
-            "--device", "cpu", *extra]
+    return [
+        "extract",
+        "--model",
+        str(tiny_dirs["llama"]),
+        "--max-sequences",
+        "8",
+        "--seq-len",
+        "16",
+        "--device",
+        "cpu",
+        *extra,
+    ]
 
 
 BAD_FILES = {
@@ -52,15 +63,18 @@ def test_bad_local_data_is_one_line_before_any_work(name, dry_run, tiny_dirs, ro
     assert not any(root.rglob("manifest.json")) if root.exists() else True  # refused before an artifact began
 
 
-@pytest.mark.parametrize("args, needle", [
-    (["--store-dtype", "int8"], "would not keep the states"),
-    (["--seq-len", "0"], "--seq-len must be at least 2"),
-    (["--layers", "5-2"], "range 5-2 is reversed; write 2-5"),
-    (["--layers", "0,x"], "cannot read --layers"),
-    (["--val-fraction", "1.5"], "--val-fraction must be in [0, 1)"),
-    (["--batch-size", "0"], "--batch-size must be at least 1"),
-    (["--max-sequences", "0"], "--max-sequences must be at least 1"),
-])
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["--store-dtype", "int8"], "would not keep the states"),
+        (["--seq-len", "0"], "--seq-len must be at least 2"),
+        (["--layers", "5-2"], "range 5-2 is reversed; write 2-5"),
+        (["--layers", "0,x"], "cannot read --layers"),
+        (["--val-fraction", "1.5"], "--val-fraction must be in [0, 1)"),
+        (["--batch-size", "0"], "--batch-size must be at least 1"),
+        (["--max-sequences", "0"], "--max-sequences must be at least 1"),
+    ],
+)
 def test_extract_flags_are_validated_alike_in_dry_and_real_runs(args, needle, tiny_dirs, root):
     real = invoke(*_extract(tiny_dirs, *args))
     dry = invoke(*_extract(tiny_dirs, *args, "--dry-run"))
@@ -68,19 +82,22 @@ def test_extract_flags_are_validated_alike_in_dry_and_real_runs(args, needle, ti
     assert dry.output == real.output and dry.exit_code == 2
 
 
-@pytest.mark.parametrize("args, needle", [
-    (["train-bridge", "--layer", "2", "--train-steps", "0"], "--train-steps must be at least 1"),
-    (["train-bridge", "--layer", "2", "--width", "30", "--heads", "4"], "must be divisible by --heads"),
-    (["train-bridge", "--layer", "0"], "--layer must be at least 1"),
-    (["train-bridge", "--layer", "2", "--ema", "1.5"], "--ema in [0, 1)"),
-    (["score", "--tokens", "2"], "--tokens must be at least 3"),
-    (["score", "--exclude-positions", "a"], "cannot read --exclude-positions"),
-    (["evaluate", "--bridge", "x", "--sample-steps", "a"], "cannot read --sample-steps"),
-    (["generate", "--sample-steps", "0"], "--sample-steps must be at least 1"),
-    (["generate", "--temperature", "-1"], "--temperature must be >= 0"),
-    (["sweep", "--layers", "3-1"], "range 3-1 is reversed"),
-    (["runs", "gc", "--older-than", "soon"], "cannot read --older-than"),
-])
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["train-bridge", "--layer", "2", "--train-steps", "0"], "--train-steps must be at least 1"),
+        (["train-bridge", "--layer", "2", "--width", "30", "--heads", "4"], "must be divisible by --heads"),
+        (["train-bridge", "--layer", "0"], "--layer must be at least 1"),
+        (["train-bridge", "--layer", "2", "--ema", "1.5"], "--ema in [0, 1)"),
+        (["score", "--tokens", "2"], "--tokens must be at least 3"),
+        (["score", "--exclude-positions", "a"], "cannot read --exclude-positions"),
+        (["evaluate", "--bridge", "x", "--sample-steps", "a"], "cannot read --sample-steps"),
+        (["generate", "--sample-steps", "0"], "--sample-steps must be at least 1"),
+        (["generate", "--temperature", "-1"], "--temperature must be >= 0"),
+        (["sweep", "--layers", "3-1"], "range 3-1 is reversed"),
+        (["runs", "gc", "--older-than", "soon"], "cannot read --older-than"),
+    ],
+)
 def test_numeric_flags_of_every_stage(args, needle, root):
     _one_error_line(invoke(*args), needle)
     if args[0] not in ("runs",):
@@ -95,7 +112,10 @@ def test_empty_store_names_the_command_to_run(root):
 @pytest.fixture()
 def chain(tiny_dirs, root):
     """extract -> train-bridge (4 steps) in a fresh store; returns (store, extract, bridge)."""
-    assert invoke(*_extract(tiny_dirs, "--layers", "0,2", "--max-sequences", "12", "--val-fraction", "0.25")).exit_code == 0
+    assert (
+        invoke(*_extract(tiny_dirs, "--layers", "0,2", "--max-sequences", "12", "--val-fraction", "0.25")).exit_code
+        == 0
+    )
     res = invoke("train-bridge", "--layer", "2", "--extract", "latest", *TINY_BRIDGE, "--train-steps", "4")
     assert res.exit_code == 0, res.output
     store = ArtifactStore(root)
@@ -111,8 +131,21 @@ def test_every_stage_reports_a_cache_hit(chain, tiny_dirs):
         ["evaluate", "--bridge", br.id, "--sample-steps", "2", "--limit", "2", "--device", "cpu"],
         ["generate", "--bridge", br.id, "--num-samples", "2", "--max-new-tokens", "4", "--device", "cpu"],
     ]
-    ex_layers = ["extract", "--model", str(tiny_dirs["llama"]), "--max-sequences", "12", "--seq-len", "16",
-                 "--val-fraction", "0.25", "--layers", "0-2", "--device", "cpu"]
+    ex_layers = [
+        "extract",
+        "--model",
+        str(tiny_dirs["llama"]),
+        "--max-sequences",
+        "12",
+        "--seq-len",
+        "16",
+        "--val-fraction",
+        "0.25",
+        "--layers",
+        "0-2",
+        "--device",
+        "cpu",
+    ]
     assert invoke(*ex_layers).exit_code == 0
     commands[1][2] = store.resolve("latest", "extract").id
     for args in commands:
@@ -193,7 +226,9 @@ def test_out_of_disk_marks_failed_keeps_others_and_resumes(tiny_dirs, root, monk
 
 def _mount_tmpfs(path, options: str) -> bool:
     path.mkdir(parents=True, exist_ok=True)
-    return subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)], capture_output=True).returncode == 0
+    return (
+        subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)], capture_output=True).returncode == 0
+    )
 
 
 def test_real_full_disk_and_read_only_root(tiny_dirs, tmp_path):
@@ -201,8 +236,9 @@ def test_real_full_disk_and_read_only_root(tiny_dirs, tmp_path):
     if not _mount_tmpfs(small, "size=160k"):
         pytest.skip("mounting a tmpfs needs root")
     try:
-        res = invoke(*_extract(tiny_dirs, "--max-sequences", "64", "--store-dtype", "float32", "--force",
-                               "--root", str(small)))
+        res = invoke(
+            *_extract(tiny_dirs, "--max-sequences", "64", "--store-dtype", "float32", "--force", "--root", str(small))
+        )
         _one_error_line(res, "no space left on device", during_work=True)
         assert ArtifactStore(small).all("extract")[0].status in ("failed", "running")
         assert _mount_tmpfs(ro, "ro,size=64k")
@@ -216,7 +252,9 @@ def test_real_full_disk_and_read_only_root(tiny_dirs, tmp_path):
 
 def test_root_under_a_file_is_one_line(tiny_dirs, tmp_path):
     (tmp_path / "afile").write_text("x")
-    _one_error_line(invoke(*_extract(tiny_dirs, "--root", str(tmp_path / "afile" / "runs"))), "choose a writable --root")
+    _one_error_line(
+        invoke(*_extract(tiny_dirs, "--root", str(tmp_path / "afile" / "runs"))), "choose a writable --root"
+    )
 
 
 def test_a_second_identical_extract_refuses_while_the_first_writes(tiny_dirs, root):
@@ -233,9 +271,13 @@ def test_a_second_identical_extract_refuses_while_the_first_writes(tiny_dirs, ro
 
 # -- what a piped log and an 80-column terminal show ------------------------------------------------------
 def test_piped_training_prints_plain_progress_lines(tiny_dirs, root):
-    assert invoke(*_extract(tiny_dirs, "--layers", "0,2", "--max-sequences", "12", "--val-fraction", "0.25")).exit_code == 0
-    res = invoke("--log-every", "0", "train-bridge", "--layer", "2", "--extract", "latest", *TINY_BRIDGE,
-                 "--train-steps", "5")
+    assert (
+        invoke(*_extract(tiny_dirs, "--layers", "0,2", "--max-sequences", "12", "--val-fraction", "0.25")).exit_code
+        == 0
+    )
+    res = invoke(
+        "--log-every", "0", "train-bridge", "--layer", "2", "--extract", "latest", *TINY_BRIDGE, "--train-steps", "5"
+    )
     assert res.exit_code == 0, res.output
     lines = [line for line in res.output.splitlines() if line.startswith("bridge L2: ")]
     assert lines[0] == "bridge L2: started, 5 step to do"
@@ -260,8 +302,14 @@ def test_tables_fit_80_columns_with_whole_numbers(tiny_dirs, root):
 def test_number_format_is_4_significant_digits():
     from dihal_cli.ui import fmt
 
-    assert [fmt(v) for v in (0.005359, 5.359e-5, 123456.7, 42.0, 3, 0.0)] == \
-        ["0.005359", "5.359e-5", "1.235e5", "42", "3", "0"]
+    assert [fmt(v) for v in (0.005359, 5.359e-5, 123456.7, 42.0, 3, 0.0)] == [
+        "0.005359",
+        "5.359e-5",
+        "1.235e5",
+        "42",
+        "3",
+        "0",
+    ]
 
 
 # -- security: nothing runs from the store or a model directory unless asked ---------------------------------
@@ -292,9 +340,15 @@ def test_resume_state_round_trips_plain_types_and_tensors(tmp_path):
 
     from artifacts import files
 
-    state = {"step": 7, "log": [{"loss": 0.5}], "optimizer": {"state": {0: {"exp_avg": torch.ones(3)}},
-                                                                 "param_groups": [{"betas": (0.9, 0.99), "params": [0]}]},
-             "ema": {"w": torch.arange(4.0)}}
+    state = {
+        "step": 7,
+        "log": [{"loss": 0.5}],
+        "optimizer": {
+            "state": {0: {"exp_avg": torch.ones(3)}},
+            "param_groups": [{"betas": (0.9, 0.99), "params": [0]}],
+        },
+        "ema": {"w": torch.arange(4.0)},
+    }
     files.save_state(tmp_path, state)
     back = files.load_state(tmp_path)
     assert back["step"] == 7 and back["log"] == [{"loss": 0.5}]
@@ -305,7 +359,7 @@ def test_resume_state_round_trips_plain_types_and_tensors(tmp_path):
         files.save_state(tmp_path, {"bad": object()})
 
 
-CUSTOM_CODE = '''
+CUSTOM_CODE = """
 import pathlib
 pathlib.Path(__file__).with_name("RAN").write_text("custom code ran")
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -317,7 +371,7 @@ class CustomConfig(LlamaConfig):
 
 class CustomForCausalLM(LlamaForCausalLM):
     config_class = CustomConfig
-'''
+"""
 
 
 def test_model_code_runs_only_with_trust_remote_code(tiny_dirs, tmp_path):
@@ -326,16 +380,25 @@ def test_model_code_runs_only_with_trust_remote_code(tiny_dirs, tmp_path):
     model_dir = tmp_path / "custom"
     shutil.copytree(tiny_dirs["llama"], model_dir)
     config = json.loads((model_dir / "config.json").read_text())
-    config.update(model_type="custom-llama", architectures=["CustomForCausalLM"],
-                  auto_map={"AutoConfig": "modeling_custom.CustomConfig",
-                            "AutoModelForCausalLM": "modeling_custom.CustomForCausalLM"})
+    config.update(
+        model_type="custom-llama",
+        architectures=["CustomForCausalLM"],
+        auto_map={
+            "AutoConfig": "modeling_custom.CustomConfig",
+            "AutoModelForCausalLM": "modeling_custom.CustomForCausalLM",
+        },
+    )
     (model_dir / "config.json").write_text(json.dumps(config))
     (model_dir / "modeling_custom.py").write_text(CUSTOM_CODE)
     env = {"HF_HOME": str(tmp_path / "hf"), "DIHAL_ROOT": str(tmp_path / "runs")}
     args = ["extract", "--model", str(model_dir), "--max-sequences", "4", "--seq-len", "16", "--device", "cpu"]
     for extra in ([], ["--dry-run"]):
         refused = run_cli(*args, *extra, env=env)
-        assert refused.returncode == 2 and refused.stderr.startswith("error: model") and "--trust-remote-code" in refused.stderr
+        assert (
+            refused.returncode == 2
+            and refused.stderr.startswith("error: model")
+            and "--trust-remote-code" in refused.stderr
+        )
         assert "Traceback" not in refused.stderr and len(refused.stderr.strip().splitlines()) == 1
         assert not any(tmp_path.rglob("RAN")), "custom code ran without --trust-remote-code"
     trusted = run_cli(*args, "--trust-remote-code", env=env)

@@ -1,4 +1,5 @@
 """The hybrid reuses the backbone's own upper blocks: exact states in -> the original logits out."""
+
 from __future__ import annotations
 
 import pytest
@@ -37,5 +38,7 @@ def test_suffix_shares_parameters_and_kv_cache_matches_full_pass():
         full = suffix(inputs_embeds=states[2], use_cache=False).logits
         cache = DynamicCache(config=suffix.config)
         first = suffix(inputs_embeds=states[2][:, :12], cache=cache, use_cache=True).logits
-        rest = [suffix(inputs_embeds=states[2][:, p:p + 1], cache=cache, use_cache=True).logits for p in range(12, 20)]
+        rest = [
+            suffix(inputs_embeds=states[2][:, p : p + 1], cache=cache, use_cache=True).logits for p in range(12, 20)
+        ]
     torch.testing.assert_close(torch.cat([first, *rest], dim=1), full, atol=1e-5, rtol=1e-5)

@@ -1,4 +1,5 @@
 """dihal score: docs/method.md section 1 against closed forms and an independent plain implementation."""
+
 from __future__ import annotations
 
 import json
@@ -124,14 +125,17 @@ def test_read_positions_reads_the_right_states(tmp_path):
 
     rng = np.random.default_rng(8)
     states = rng.normal(size=(37, 5, 3)).astype(np.float16)
-    group = hs.create(tmp_path / "h.zarr", layers=[0], n_seq=37, seq_len=5, width=3, dtypes={0: "float16"},
-                      chunk_seqs=4, attrs={})
+    group = hs.create(
+        tmp_path / "h.zarr", layers=[0], n_seq=37, seq_len=5, width=3, dtypes={0: "float16"}, chunk_seqs=4, attrs={}
+    )
     group["layers/0"][:] = states
     dense = (np.repeat(np.arange(37), 5), np.tile(np.arange(5), 37))
     sparse = (np.array([36, 2, 2, 17, 9]), np.array([4, 0, 3, 1, 2]))
     for seqs, pos in (dense, sparse):
         for max_bytes in (1, 100, 1 << 20):
-            np.testing.assert_array_equal(hs.read_positions(group, 0, seqs, pos, max_bytes=max_bytes), states[seqs, pos])
+            np.testing.assert_array_equal(
+                hs.read_positions(group, 0, seqs, pos, max_bytes=max_bytes), states[seqs, pos]
+            )
 
 
 def test_normalize_modes_against_numpy():
@@ -147,8 +151,14 @@ def test_pairs_are_distinct_indices():
 
 
 def test_combination_and_ranking_on_hand_made_table():
-    table = pd.DataFrame({"layer": [1, 2, 3, 4], "m_curv": [1.0, 2.0, 3.0, 4.0], "m_mono": [5.0, 5.0, 5.0, 5.0],
-                          "k_hat": [4.0, 1.0, 1.0, 2.0]})
+    table = pd.DataFrame(
+        {
+            "layer": [1, 2, 3, 4],
+            "m_curv": [1.0, 2.0, 3.0, 4.0],
+            "m_mono": [5.0, 5.0, 5.0, 5.0],
+            "k_hat": [4.0, 1.0, 1.0, 2.0],
+        }
+    )
     out = sc.combine(table)
     z_curv = (table.m_curv - 2.5) / np.std(table.m_curv)
     z_k = (table.k_hat - 2.0) / np.std(table.k_hat)
@@ -161,8 +171,9 @@ def test_combination_and_ranking_on_hand_made_table():
 
 @pytest.fixture()
 def tiny_extract(tiny_dirs, root):
-    res = invoke("extract", "--model", str(tiny_dirs["llama"]), "--max-sequences", "20", "--seq-len", "32",
-                 "--device", "cpu")
+    res = invoke(
+        "extract", "--model", str(tiny_dirs["llama"]), "--max-sequences", "20", "--seq-len", "32", "--device", "cpu"
+    )
     assert res.exit_code == 0, res.output
     return root
 
@@ -176,7 +187,17 @@ def test_score_cli_writes_table_positions_plot(tiny_extract):
     art = ArtifactStore(tiny_extract).resolve(out["id"], "score")
     table = pd.read_parquet(art.file("table.parquet"))
     assert table["layer"].tolist() == [1, 2, 3]
-    for col in ("m_curv", "m_mono", "k_hat", "participation_ratio", "entropy_rank", "mean_token_norm", "z_m_curv", "S", "rank"):
+    for col in (
+        "m_curv",
+        "m_mono",
+        "k_hat",
+        "participation_ratio",
+        "entropy_rank",
+        "mean_token_norm",
+        "z_m_curv",
+        "S",
+        "rank",
+    ):
         assert col in table.columns
     assert pd.read_csv(art.file("table.csv")).shape == table.shape
     scores = json.loads(art.file("scores.json").read_text())
@@ -196,12 +217,15 @@ def test_score_cli_writes_table_positions_plot(tiny_extract):
     assert table_view.exit_code == 0 and "l* =" in table_view.output
 
 
-@pytest.mark.parametrize("args, needle", [
-    (["--tokens", "100000"], "valid positions"),
-    (["--tokens", "50", "--k", "50"], "must be smaller than --tokens"),
-    (["--candidates", "1-9"], "out of range"),
-    (["--normalize", "bogus"], "unknown --normalize"),
-])
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["--tokens", "100000"], "valid positions"),
+        (["--tokens", "50", "--k", "50"], "must be smaller than --tokens"),
+        (["--candidates", "1-9"], "out of range"),
+        (["--normalize", "bogus"], "unknown --normalize"),
+    ],
+)
 def test_score_bad_input(tiny_extract, args, needle):
     res = invoke("score", *args)
     assert res.exit_code == 2 and needle in res.output, res.output

@@ -1,4 +1,5 @@
 """The artifact store: content-hashed ids, manifests, references, locks."""
+
 from __future__ import annotations
 
 import json
@@ -15,8 +16,16 @@ def test_id_is_sha256_prefix_of_canonical_json_and_order_free():
 
     a = artifact_id("score", {"k": 64, "tokens": 4096}, {"extract": "abc"})
     b = artifact_id("score", {"tokens": 4096, "k": 64}, {"extract": "abc"})
-    payload = json.dumps({"stage": "score", "schema": SCHEMA_VERSION, "config": {"k": 64, "tokens": 4096}, "parents": {"extract": "abc"}},
-                         sort_keys=True, separators=(",", ":"))
+    payload = json.dumps(
+        {
+            "stage": "score",
+            "schema": SCHEMA_VERSION,
+            "config": {"k": 64, "tokens": 4096},
+            "parents": {"extract": "abc"},
+        },
+        sort_keys=True,
+        separators=(",", ":"),
+    )
     assert a == b == hashlib.sha256(payload.encode()).hexdigest()[:12]
     assert artifact_id("score", {"k": 65, "tokens": 4096}, {"extract": "abc"}) != a
     assert artifact_id("score", {"k": 64, "tokens": 4096}, {"extract": "abd"}) != a

@@ -8,6 +8,7 @@ A small pre-norm transformer over positions with causal attention:
 With causal attention and noise fixed per position, position p never depends on later
 positions, so generation keeps one key/value cache per sampling step.
 """
+
 from __future__ import annotations
 
 import math
@@ -102,8 +103,9 @@ class Denoiser(nn.Module):
         self.skip = nn.Linear(cfg.dim, cfg.dim)  # A c
         nn.init.normal_(self.pos.weight, std=0.02)
 
-    def forward(self, x_t: torch.Tensor, t: torch.Tensor, c: torch.Tensor, start: int = 0,
-                caches: list[dict] | None = None) -> torch.Tensor:
+    def forward(
+        self, x_t: torch.Tensor, t: torch.Tensor, c: torch.Tensor, start: int = 0, caches: list[dict] | None = None
+    ) -> torch.Tensor:
         """x_t, c: (B, n, D) for positions start..start+n-1 of the covered range; t: (B,)."""
         positions = torch.arange(start, start + x_t.shape[1], device=x_t.device)
         h = self.in_x(x_t) + self.in_c(c) + self.pos(positions)[None]

@@ -4,9 +4,10 @@ Rectified flow: x_t = (1 - t) y + t eps, t ~ U(0, 1). The network output is read
 target y_hat (prediction "x0") or as the velocity eps - y (prediction "velocity"); either way
 the sampler integrates dx/dt = (x_t - y_hat) / t from t = 1 to t = 0 with Euler steps.
 """
+
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -35,8 +36,12 @@ def time_grid(steps: int) -> list[float]:
     return [1 - i / steps for i in range(steps + 1)]
 
 
-def sample(denoise: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor], noise: torch.Tensor, steps: int,
-           prediction: str = "x0") -> torch.Tensor:
+def sample(
+    denoise: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor],
+    noise: torch.Tensor,
+    steps: int,
+    prediction: str = "x0",
+) -> torch.Tensor:
     """Euler integration from pure noise (t = 1) to t = 0.
 
     denoise(x_t, t, step_index) returns the network output; step_index lets a caller keep one

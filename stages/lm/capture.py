@@ -5,10 +5,11 @@ as Gemma's sqrt(d) is included); layer l >= 1 = the output of block l (a forward
 for l = L is the pre-norm output of the last block. The forward pass stops right after the
 deepest requested block, so neither later blocks nor the LM head run.
 """
+
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 
@@ -26,7 +27,9 @@ def _first_tensor(value):
 
 
 @contextlib.contextmanager
-def capture_layers(model: torch.nn.Module, layers: list[int], stop_early: bool = True) -> Iterator[dict[int, torch.Tensor]]:
+def capture_layers(
+    model: torch.nn.Module, layers: list[int], stop_early: bool = True
+) -> Iterator[dict[int, torch.Tensor]]:
     """Yields a dict filled with {layer: (batch, seq, D) tensor} by each forward call."""
     blocks = model.model.layers
     captured: dict[int, torch.Tensor] = {}
@@ -58,8 +61,9 @@ def capture_layers(model: torch.nn.Module, layers: list[int], stop_early: bool =
             handle.remove()
 
 
-def run_capture(model: torch.nn.Module, captured: dict, input_ids: torch.Tensor,
-                attention_mask: torch.Tensor | None = None) -> dict[int, torch.Tensor]:
+def run_capture(
+    model: torch.nn.Module, captured: dict, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None
+) -> dict[int, torch.Tensor]:
     """One forward inside capture_layers; returns a copy of what was captured."""
     captured.clear()
     try:

@@ -6,6 +6,7 @@ so the KV cache and per-layer attention types line up), fed with `inputs_embeds`
 embeddings, masks, Gemma's sliding windows, logit soft-capping and the cache all behave as
 in the original, because they are the original code.
 """
+
 from __future__ import annotations
 
 import copy

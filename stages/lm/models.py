@@ -3,9 +3,9 @@
 A GGUF file is converted once into a safetensors directory under $DIHAL_CACHE (default
 ~/.cache/dihal)/models/<sha256 prefix>, because de-quantizing it on every load takes 25-70 s.
 """
+
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import json
 import os
@@ -167,7 +167,8 @@ def locate(spec: str) -> tuple[Path | str, dict]:
         return path.resolve(), {"name": path.name, "source": "local", "path": str(path.resolve())}
     if spec.count("/") != 1 or spec.startswith((".", "/")):
         raise DihalError(
-            f"unknown model '{spec}': not a builtin ({', '.join(BUILTINS)}), an existing directory, a .gguf file or a hub id"
+            f"unknown model '{spec}': not a builtin ({', '.join(BUILTINS)}), an existing directory, "
+            "a .gguf file or a hub id"
         )
     return spec, {"name": spec, "source": "hub"}
 
@@ -191,13 +192,18 @@ def check_remote_code(spec: str, where, trust_remote_code: bool) -> None:
     """Code shipped with a model runs only when the user said --trust-remote-code."""
     asked = custom_code(where) if isinstance(where, Path) else []
     if asked and not trust_remote_code:
-        raise DihalError(f"model '{spec}' ships its own code ({', '.join(asked)}); dihal runs it only with "
-                         "--trust-remote-code, after you have read it")
+        raise DihalError(
+            f"model '{spec}' ships its own code ({', '.join(asked)}); dihal runs it only with "
+            "--trust-remote-code, after you have read it"
+        )
     if trust_remote_code:
         from rich.console import Console
 
-        Console(stderr=True).print(f"warning: --trust-remote-code: code shipped with model '{spec}' may run "
-                                   "in this process", highlight=False, soft_wrap=True)
+        Console(stderr=True).print(
+            f"warning: --trust-remote-code: code shipped with model '{spec}' may run in this process",
+            highlight=False,
+            soft_wrap=True,
+        )
 
 
 def quiet_transformers() -> None:
@@ -207,9 +213,9 @@ def quiet_transformers() -> None:
     transformers.utils.logging.disable_progress_bar()
 
 
-def load_model(spec: str, device: str = "cpu", dtype: str = "auto", revision: str | None = None,
-               trust_remote_code: bool = False) -> LoadedModel:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def load_model(
+    spec: str, device: str = "cpu", dtype: str = "auto", revision: str | None = None, trust_remote_code: bool = False
+) -> LoadedModel:
 
     quiet_transformers()
     device = resolve_device(device)
@@ -222,7 +228,9 @@ def load_model(spec: str, device: str = "cpu", dtype: str = "auto", revision: st
     except ValueError as exc:  # a hub model whose code was not trusted
         if "trust_remote_code" not in str(exc):
             raise
-        raise DihalError(f"model '{spec}' needs its own code to load; dihal runs it only with --trust-remote-code") from None
+        raise DihalError(
+            f"model '{spec}' needs its own code to load; dihal runs it only with --trust-remote-code"
+        ) from None
     identity["trust_remote_code"] = trust_remote_code
     return wrap_model(model.to(device).eval(), tokenizer, identity)
 
@@ -235,13 +243,15 @@ def _from_pretrained(spec: str, where, identity: dict, kwargs: dict, revision: s
         kwargs["revision"] = revision
         try:  # a model already in the local HF cache loads without the network
             model = AutoModelForCausalLM.from_pretrained(where, local_files_only=True, **kwargs)
-            tokenizer = AutoTokenizer.from_pretrained(where, local_files_only=True, revision=revision,
-                                                      trust_remote_code=trust)
+            tokenizer = AutoTokenizer.from_pretrained(
+                where, local_files_only=True, revision=revision, trust_remote_code=trust
+            )
         except OSError:
             if not _hub_reachable():
                 raise DihalError(
                     f"model '{spec}' is not in the local Hugging Face cache and the hub cannot be reached "
-                    f"(offline or HF_HUB_OFFLINE=1); use a builtin ({', '.join(BUILTINS)}), a local directory or a .gguf file"
+                    f"(offline or HF_HUB_OFFLINE=1); use a builtin ({', '.join(BUILTINS)}), a local directory "
+                    "or a .gguf file"
                 ) from None
             model = AutoModelForCausalLM.from_pretrained(where, **kwargs)
             tokenizer = AutoTokenizer.from_pretrained(where, revision=revision, trust_remote_code=trust)
@@ -255,7 +265,9 @@ def _from_pretrained(spec: str, where, identity: dict, kwargs: dict, revision: s
 def wrap_model(model: torch.nn.Module, tokenizer, identity: dict) -> LoadedModel:
     """Also used by tests for tiny models built in-process from a config."""
     if not hasattr(model, "model") or not hasattr(model.model, "layers"):
-        raise DihalError(f"model '{identity.get('name')}' has no decoder stack model.model.layers; dihal needs a causal LM")
+        raise DihalError(
+            f"model '{identity.get('name')}' has no decoder stack model.model.layers; dihal needs a causal LM"
+        )
     config = model.config
     identity = {
         **identity,

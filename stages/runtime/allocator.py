@@ -6,6 +6,7 @@ pays for freshly zeroed pages each time: before this, `dihal score` over 31 laye
 smollm2-135m spent 18 of its 39 s in the kernel (benchmarks/bench_score.py). mallopt keeps
 up to `limit_bytes` of freed memory for reuse; on other C libraries it is a no-op.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -23,5 +24,6 @@ def keep_freed_memory(limit_bytes: int = 1 << 30) -> bool:
         return False
     if mallopt is None:
         return False
-    return all((mallopt(M_MMAP_THRESHOLD, limit_bytes), mallopt(M_TRIM_THRESHOLD, limit_bytes),
-                mallopt(M_ARENA_MAX, 1)))  # worker threads share one arena, so one pool of kept memory
+    return all(
+        (mallopt(M_MMAP_THRESHOLD, limit_bytes), mallopt(M_TRIM_THRESHOLD, limit_bytes), mallopt(M_ARENA_MAX, 1))
+    )  # worker threads share one arena, so one pool of kept memory

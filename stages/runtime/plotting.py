@@ -1,4 +1,5 @@
 """Matplotlib without a display: one way to open and save a figure for every stage."""
+
 from __future__ import annotations
 
 

@@ -3,6 +3,7 @@
 A stage calls start(description, total, unit), then advance(amount, **info) as work completes
 (info: numbers worth showing, such as loss=0.23), log(message) for one-off lines, and stop().
 """
+
 from __future__ import annotations
 
 from typing import Protocol

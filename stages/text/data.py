@@ -9,6 +9,7 @@ document separator <|endoftext|>, else EOS), documents joined by EOS.
 Local data is checked whole before any work starts (`check`): a missing, empty, malformed or
 undecodable file, a record whose text is not a string, or no text at all is one `error:` line.
 """
+
 from __future__ import annotations
 
 import glob
@@ -16,9 +17,9 @@ import hashlib
 import importlib
 import inspect
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 import numpy as np
 
@@ -84,7 +85,9 @@ def pydoc_documents() -> Iterator[str]:
 def _methods(cls) -> list:
     if not inspect.isclass(cls):
         return []
-    return [member for name, member in sorted(vars(cls).items()) if not name.startswith("_") and inspect.isfunction(member)]
+    return [
+        member for name, member in sorted(vars(cls).items()) if not name.startswith("_") and inspect.isfunction(member)
+    ]
 
 
 def _long_docs(objects: list) -> Iterator[str]:
@@ -107,7 +110,9 @@ def _open_local(spec: str, text_field: str):
     """The local files as one datasets.Dataset and the name of their text field, or a one-line error."""
     files = _local_files(spec)
     if not files:
-        raise DihalError(f"dataset file '{spec}' does not exist; give an existing .txt/.jsonl/.json/.parquet path or glob")
+        raise DihalError(
+            f"dataset file '{spec}' does not exist; give an existing .txt/.jsonl/.json/.parquet path or glob"
+        )
     suffixes = {p.suffix for p in files}
     if len(suffixes) != 1 or next(iter(suffixes)) not in LOCAL_SUFFIXES:
         raise DihalError(f"dataset '{spec}' must match files of one kind: {', '.join(LOCAL_SUFFIXES)}")
@@ -120,8 +125,10 @@ def _open_local(spec: str, text_field: str):
             try:
                 path.read_bytes().decode("utf-8")
             except UnicodeDecodeError as exc:
-                raise DihalError(f"dataset file '{path}' is not UTF-8 text (byte 0x{exc.object[exc.start]:02x} at "
-                                 f"offset {exc.start}); re-encode it as UTF-8") from None
+                raise DihalError(
+                    f"dataset file '{path}' is not UTF-8 text (byte 0x{exc.object[exc.start]:02x} at "
+                    f"offset {exc.start}); re-encode it as UTF-8"
+                ) from None
     import logging
 
     import datasets
@@ -139,8 +146,10 @@ def _open_local(spec: str, text_field: str):
         raise DihalError(f"cannot read dataset '{spec}' as {builder} ({reason}); fix the file") from None
     field = "text" if builder == "text" else text_field
     if field not in dataset.column_names:
-        raise DihalError(f"dataset '{spec}' has no text field '{field}' (fields: {', '.join(dataset.column_names)}); "
-                         "name the right one with --text-field")
+        raise DihalError(
+            f"dataset '{spec}' has no text field '{field}' (fields: {', '.join(dataset.column_names)}); "
+            "name the right one with --text-field"
+        )
     return dataset, field
 
 
@@ -154,8 +163,10 @@ def check(cfg: DataConfig) -> None:
     for index, value in enumerate(dataset[field]):
         if not isinstance(value, str):
             what = "no" if value is None else f"a {type(value).__name__} in"
-            raise DihalError(f"record {index} of dataset '{cfg.dataset}' has {what} field '{field}', not a string; "
-                             "fix the record or name another field with --text-field")
+            raise DihalError(
+                f"record {index} of dataset '{cfg.dataset}' has {what} field '{field}', not a string; "
+                "fix the record or name another field with --text-field"
+            )
         non_empty += bool(value.strip())
     if not non_empty:
         raise DihalError(f"dataset '{cfg.dataset}' holds no non-empty text in field '{field}'; give text to extract")
@@ -181,13 +192,17 @@ def hub_documents(cfg: DataConfig) -> Iterator[str]:
             "or local .txt/.jsonl/.parquet files"
         ) from None
     if cfg.text_field not in first:
-        raise DihalError(f"dataset '{cfg.dataset}' has no text field '{cfg.text_field}' "
-                         f"(fields: {', '.join(first)}); name the right one with --text-field")
+        raise DihalError(
+            f"dataset '{cfg.dataset}' has no text field '{cfg.text_field}' "
+            f"(fields: {', '.join(first)}); name the right one with --text-field"
+        )
     for index, row in enumerate(stream):
         value = row[cfg.text_field]
         if value is not None and not isinstance(value, str):
-            raise DihalError(f"record {index} of dataset '{cfg.dataset}' has a {type(value).__name__} in field "
-                             f"'{cfg.text_field}', not a string; name another field with --text-field")
+            raise DihalError(
+                f"record {index} of dataset '{cfg.dataset}' has a {type(value).__name__} in field "
+                f"'{cfg.text_field}', not a string; name another field with --text-field"
+            )
         if value:
             yield value
 
@@ -227,8 +242,10 @@ def start_token(tokenizer) -> tuple[int, str]:
         return int(separator), "<|endoftext|>"
     if tokenizer.eos_token_id is not None:
         return int(tokenizer.eos_token_id), "eos"
-    raise DihalError("the tokenizer has no BOS, no <|endoftext|> and no EOS token to start sequences with; "
-                     "use a tokenizer that has one")
+    raise DihalError(
+        "the tokenizer has no BOS, no <|endoftext|> and no EOS token to start sequences with; "
+        "use a tokenizer that has one"
+    )
 
 
 class _Packer:
@@ -241,14 +258,16 @@ class _Packer:
     def add(self, ids: list[int]) -> None:
         self.buffer.extend(ids)
         while len(self.buffer) >= self.body:
-            head, self.buffer = self.buffer[: self.body], self.buffer[self.body:]
+            head, self.buffer = self.buffer[: self.body], self.buffer[self.body :]
             self.sequences.append([self.bos] + head)
 
 
 def pack(cfg: DataConfig, tokenizer, max_positions: int | None = None) -> PackedData:
     """Tokenize and pack documents; stops early once max_sequences are filled."""
     if max_positions and cfg.seq_len > max_positions:
-        raise DihalError(f"--seq-len {cfg.seq_len} exceeds the model's context of {max_positions} tokens; use a smaller --seq-len")
+        raise DihalError(
+            f"--seq-len {cfg.seq_len} exceeds the model's context of {max_positions} tokens; use a smaller --seq-len"
+        )
     (bos, which), eos = start_token(tokenizer), tokenizer.eos_token_id
     n_val_wanted = n_train_wanted = None
     if cfg.max_sequences is not None:
@@ -275,8 +294,10 @@ def pack(cfg: DataConfig, tokenizer, max_positions: int | None = None) -> Packed
     if n_train_wanted is not None:
         train, val = train[:n_train_wanted], val[:n_val_wanted]
     if not train:
-        raise DihalError(f"dataset '{cfg.dataset}' gave no full training sequence of {cfg.seq_len} tokens; "
-                         "use more text or a smaller --seq-len")
+        raise DihalError(
+            f"dataset '{cfg.dataset}' gave no full training sequence of {cfg.seq_len} tokens; "
+            "use more text or a smaller --seq-len"
+        )
     ids = np.asarray(train + val, dtype=np.int32).reshape(-1, cfg.seq_len)
     split = np.asarray([0] * len(train) + [1] * len(val), dtype=np.int8)
     start = {"id": bos, "token": tokenizer.convert_ids_to_tokens(bos), "kind": which}

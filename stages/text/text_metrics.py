@@ -4,6 +4,7 @@ Words are the lowercase whitespace-separated tokens of a text. diversity = produ
 n = 2, 3, 4 of (unique n-grams / total n-grams), pooled over all samples (LD4LG's definition);
 distinct-n is one factor of it; unigram entropy is in nats over the pooled word counts.
 """
+
 from __future__ import annotations
 
 import math
@@ -15,7 +16,7 @@ def words(text: str) -> list[str]:
 
 
 def ngrams(tokens: list[str], n: int) -> list[tuple[str, ...]]:
-    return [tuple(tokens[i:i + n]) for i in range(len(tokens) - n + 1)]
+    return [tuple(tokens[i : i + n]) for i in range(len(tokens) - n + 1)]
 
 
 def distinct_n(texts: list[str], n: int) -> float:
@@ -34,6 +35,9 @@ def unigram_entropy(texts: list[str]) -> float:
 
 
 def text_metrics(texts: list[str]) -> dict[str, float]:
-    return {"diversity": diversity(texts), **{f"distinct_{n}": distinct_n(texts, n) for n in (1, 2, 3, 4)},
-            "unigram_entropy": unigram_entropy(texts),
-            "mean_words": sum(len(words(t)) for t in texts) / len(texts) if texts else 0.0}
+    return {
+        "diversity": diversity(texts),
+        **{f"distinct_{n}": distinct_n(texts, n) for n in (1, 2, 3, 4)},
+        "unigram_entropy": unigram_entropy(texts),
+        "mean_words": sum(len(words(t)) for t in texts) / len(texts) if texts else 0.0,
+    }
