@@ -131,5 +131,14 @@ def _chunk_runs(sorted_seqs: np.ndarray, chunk_seqs: int, n_seqs: int, max_seqs:
     return runs
 
 
+def contiguous_runs(group: zarr.Group, layer: int, seq_idx: np.ndarray, max_bytes: int) -> list[np.ndarray]:
+    """sorted seq_idx split into runs of consecutive sequences of at most max_bytes of one layer each."""
+    array = group[f"layers/{layer}"]
+    per_run = max(1, max_bytes // (array.shape[1] * array.shape[2] * array.dtype.itemsize))
+    seq_idx = np.asarray(seq_idx)
+    runs = np.split(seq_idx, np.flatnonzero(np.diff(seq_idx) != 1) + 1) if seq_idx.size else []
+    return [run[i : i + per_run] for run in runs for i in range(0, run.size, per_run)]
+
+
 def read_sequences(group: zarr.Group, layer: int, seq_idx: np.ndarray) -> np.ndarray:
     return np.asarray(group[f"layers/{layer}"].oindex[np.asarray(seq_idx)])

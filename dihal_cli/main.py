@@ -316,6 +316,7 @@ def train_bridge(
         skip_init=skip_init,
         seed=seed,
         device=device,
+        precision="bfloat16" if _dtype(dtype, device) == "bfloat16" else "float32",
     )
     ecfg = _extract_config(
         model,

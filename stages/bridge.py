@@ -9,8 +9,6 @@ what an uninterrupted one would have done.
 from __future__ import annotations
 
 import json
-import math
-import time
 from dataclasses import asdict, dataclass, fields
 
 import numpy as np
@@ -19,9 +17,11 @@ import torch
 from artifacts import files
 from artifacts import hidden_states as hs
 from artifacts.errors import DihalError
-from artifacts.store import Artifact, ArtifactStore
-from stages.diffusion import flow
+from artifacts.store import Artifact, ArtifactStore, artifact_id
+from stages.diffusion import flow, trainer
 from stages.diffusion.denoiser import Denoiser, DenoiserConfig
+from stages.diffusion.normalizer import Normalizer
+from stages.diffusion.trainer import LoopConfig, barrier, distributed
 from stages.runtime import plotting
 from stages.runtime.progress import NullProgress, Progress
 
@@ -110,6 +110,8 @@ class BridgeConfig:
     grad_clip: float = 1.0
     seed: int = 0
     device: str = "cpu"
+    precision: str = "float32"  # bfloat16: forward under bf16 autocast (CUDA or CPU)
+    shuffle_window: int = 512  # sequences shuffled together in an epoch's order
 
     @staticmethod
     def from_protocol(layer: int, protocol: str, **overrides) -> BridgeConfig:
@@ -135,6 +137,10 @@ class BridgeConfig:
             raise DihalError("only --objective flow (rectified flow) is implemented")
         if self.skip_init not in ("ridge", "zero"):
             raise DihalError(f"unknown --skip-init '{self.skip_init}'; use ridge or zero")
+        if self.precision not in ("float32", "bfloat16"):
+            raise DihalError(f"training precision must be float32 or bfloat16, got '{self.precision}'")
+        if self.shuffle_window < 1:
+            raise DihalError("the shuffle window must be at least 1 sequence")
         if self.schedule not in ("cosine", "constant"):
             raise DihalError(f"unknown schedule '{self.schedule}'; use cosine or constant")
         if self.steps is None and self.epochs is None:
@@ -156,66 +162,10 @@ def resolve_config(layer: int, protocol: str, overrides: dict) -> BridgeConfig:
 
 
 # -- data -----------------------------------------------------------------------------------------
-@dataclass
-class BridgeData:
-    cond: torch.Tensor  # (N, T, D) raw layer-0 states
-    target: torch.Tensor  # (N, T, D) raw layer-l states
-
-
-def load_split(group, layer: int, split: str, limit: int | None = None) -> BridgeData:
-    seqs = hs.split_indices(group, split)
-    if limit is not None:
-        seqs = seqs[:limit]
-    if seqs.size == 0:
-        raise DihalError(
-            f"the extract has no {split} sequences; extract with --val-fraction > 0 and more --max-sequences"
-        )
-    read = lambda l: torch.from_numpy(hs.read_sequences(group, l, seqs).astype(np.float32))  # noqa: E731
-    return BridgeData(read(0), read(layer))
-
-
 def covered_start(group) -> int:
-    """1 when every sequence starts with the same token (BOS): position 0 is then a constant."""
+    """1 when every sequence starts with the same token (the start token): position 0 is then a constant."""
     first = np.asarray(group["input_ids"][:, 0])
     return 1 if first.size and (first == first[0]).all() else 0
-
-
-@dataclass
-class Normalizer:
-    mu_y: torch.Tensor
-    sigma_y: torch.Tensor
-    mu_c: torch.Tensor
-    sigma_c: torch.Tensor
-    pos0: torch.Tensor  # (D,) the constant layer-l state at position 0 (zeros when start == 0)
-
-    @staticmethod
-    def fit(data: BridgeData, start: int) -> Normalizer:
-        y = data.target[:, start:].reshape(-1, data.target.shape[-1]).double()
-        c = data.cond[:, start:].reshape(-1, data.cond.shape[-1]).double()
-        pos0 = data.target[:, 0].double().mean(0) if start == 1 else torch.zeros(data.target.shape[-1])
-        std = lambda x: x.std(0).clamp_min(1e-6)  # noqa: E731
-        return Normalizer(y.mean(0).float(), std(y).float(), c.mean(0).float(), std(c).float(), pos0.float())
-
-    def y(self, h: torch.Tensor) -> torch.Tensor:
-        return (h - self.mu_y) / self.sigma_y
-
-    def c(self, h0: torch.Tensor) -> torch.Tensor:
-        return (h0 - self.mu_c) / self.sigma_c
-
-    def unnormalize(self, y: torch.Tensor) -> torch.Tensor:
-        return y * self.sigma_y + self.mu_y
-
-    def tensors(self) -> dict[str, torch.Tensor]:
-        return {
-            "mu_y": self.mu_y,
-            "sigma_y": self.sigma_y,
-            "mu_c": self.mu_c,
-            "sigma_c": self.sigma_c,
-            "pos0": self.pos0,
-        }
-
-    def to(self, device) -> Normalizer:
-        return Normalizer(**{k: v.to(device) for k, v in self.tensors().items()})
 
 
 # -- the bridge at use time -----------------------------------------------------------------------
@@ -297,26 +247,55 @@ class CachedSampler:
 
 
 # -- training ------------------------------------------------------------------------------------
-def lr_at(step: int, total: int, cfg: BridgeConfig) -> float:
-    if step < cfg.warmup:
-        return cfg.lr * (step + 1) / cfg.warmup
-    if cfg.schedule == "constant":
-        return cfg.lr
-    progress = (step - cfg.warmup) / max(1, total - cfg.warmup)
-    return cfg.lr * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+class BridgeTask:
+    """The bridge as a task of the shared training loop (stages/diffusion/trainer.py): reads
+    (h_0, h_l) for training sequences from the Zarr store, never the whole split."""
+
+    def __init__(self, group, cfg: BridgeConfig, norm: Normalizer, start: int):
+        self.group, self.cfg, self.norm, self.start = group, cfg, norm, start
+        self.train_seqs = hs.split_indices(group, "train")
+        self.n_train, self.chunk = len(self.train_seqs), int(group.attrs["chunk_seqs"])
+        self.tokens_per_item = group["input_ids"].shape[1] - start
+        val = hs.split_indices(group, "validation")[: cfg.val_sequences]
+        if val.size == 0:
+            raise DihalError(
+                "the extract has no validation sequences; extract with --val-fraction > 0 and more --max-sequences"
+            )
+        self.c_val = norm.c(_read(group, 0, val, start))
+        self.y_val = norm.y(_read(group, cfg.layer, val, start))
+
+    def read(self, positions: np.ndarray) -> dict[str, np.ndarray]:
+        seqs = self.train_seqs[positions]
+        return {"c": hs.read_sequences(self.group, 0, seqs), "y": hs.read_sequences(self.group, self.cfg.layer, seqs)}
+
+    def loss(self, net, batch, gens, device) -> torch.Tensor:
+        c = self.norm.c(torch.from_numpy(batch["c"][:, self.start :].astype(np.float32))).to(device)
+        y = self.norm.y(torch.from_numpy(batch["y"][:, self.start :].astype(np.float32))).to(device)
+        t = torch.stack([torch.rand((), generator=g) for g in gens]).to(device)
+        eps = torch.stack([torch.randn(y.shape[1:], generator=g) for g in gens]).to(device)
+        out = net(flow.noisy(y, eps, t), t, c)
+        return ((out.float() - flow.training_target(y, eps, self.cfg.prediction)) ** 2).mean(dim=(1, 2)).sum()
+
+    def validate(self, net) -> float:
+        return validation_loss(net, self.y_val, self.c_val, self.cfg.prediction)
 
 
-def step_generator(seed: int, step: int) -> torch.Generator:
-    return torch.Generator().manual_seed(seed * 1_000_003 + step)
+def _read(group, layer: int, seqs: np.ndarray, start: int) -> torch.Tensor:
+    return torch.from_numpy(hs.read_sequences(group, layer, seqs)[:, start:].astype(np.float32))
 
 
-def ridge_skip(net: Denoiser, y: torch.Tensor, c: torch.Tensor, samples: int = 16384, seed: int = 0) -> None:
-    """Start A at the ridge least-squares map from c to y (normalized units)."""
-    flat_c, flat_y = c.reshape(-1, c.shape[-1]), y.reshape(-1, y.shape[-1])
-    pick = torch.randperm(flat_c.shape[0], generator=torch.Generator().manual_seed(seed))[:samples]
-    cc = torch.cat([flat_c[pick].double(), torch.ones(len(pick), 1, dtype=torch.float64)], dim=1)
+def ridge_skip(net: Denoiser, task: BridgeTask, rows: int = 16384, seed: int = 0) -> None:
+    """Start A at the ridge least-squares map from c to y (normalized units), fitted on `rows`
+    positions of randomly chosen training sequences (read from the store, not the whole split)."""
+    gen = torch.Generator().manual_seed(seed)
+    n_seqs = min(task.n_train, -(-rows // task.tokens_per_item))
+    seqs = np.sort(task.train_seqs[torch.randperm(task.n_train, generator=gen)[:n_seqs].numpy()])
+    c = task.norm.c(_read(task.group, 0, seqs, task.start)).reshape(-1, net.cfg.dim)
+    y = task.norm.y(_read(task.group, task.cfg.layer, seqs, task.start)).reshape(-1, net.cfg.dim)
+    pick = torch.randperm(c.shape[0], generator=gen)[:rows]
+    cc = torch.cat([c[pick].double(), torch.ones(len(pick), 1, dtype=torch.float64)], dim=1)
     gram = cc.T @ cc + 1e-3 * len(pick) * torch.eye(cc.shape[1], dtype=torch.float64)
-    sol = torch.linalg.solve(gram, cc.T @ flat_y[pick].double())
+    sol = torch.linalg.solve(gram, cc.T @ y[pick].double())
     with torch.no_grad():
         net.skip.weight.copy_(sol[:-1].T.float())
         net.skip.bias.copy_(sol[-1].float())
@@ -340,146 +319,37 @@ def validation_loss(net: Denoiser, y: torch.Tensor, c: torch.Tensor, prediction:
     return total / count
 
 
-def total_steps(cfg: BridgeConfig, n_train: int) -> int:
-    if cfg.steps is not None:
-        return cfg.steps
-    return (cfg.epochs or 1) * math.ceil(n_train / cfg.batch_size)
-
-
-class EMA:
-    def __init__(self, net: Denoiser, decay: float):
-        self.decay = decay
-        self.params = {k: v.detach().clone() for k, v in net.state_dict().items()}
-
-    @torch.no_grad()
-    def update(self, net: Denoiser, step: int) -> None:
-        d = min(self.decay, (1 + step) / (10 + step))
-        for k, v in net.state_dict().items():
-            self.params[k].mul_(d).add_(v.detach(), alpha=1 - d)
+def loop_config(cfg: BridgeConfig) -> LoopConfig:
+    return LoopConfig(**{f.name: getattr(cfg, f.name) for f in fields(LoopConfig)})
 
 
 def train(cfg: BridgeConfig, group, art: Artifact, progress: Progress) -> dict:
     """Train (or resume) into art; returns final metrics."""
-    device = torch.device(cfg.device)
+    rank, _ = distributed()
     start = covered_start(group)
-    train_data = load_split(group, cfg.layer, "train")
-    val_data = load_split(group, cfg.layer, "validation", cfg.val_sequences)
-    norm = Normalizer.fit(train_data, start)
-    y_train, c_train = norm.y(train_data.target[:, start:]), norm.c(train_data.cond[:, start:])
-    y_val, c_val = norm.y(val_data.target[:, start:]), norm.c(val_data.cond[:, start:])
-    del train_data, val_data
+    norm = Normalizer.fit(group, 0, cfg.layer, hs.split_indices(group, "train"), start)
+    task = BridgeTask(group, cfg, norm, start)
     den_cfg = DenoiserConfig(
-        dim=y_train.shape[-1], width=cfg.width, depth=cfg.depth, heads=cfg.heads, max_len=y_train.shape[1]
+        dim=norm.mu_y.shape[0], width=cfg.width, depth=cfg.depth, heads=cfg.heads, max_len=task.tokens_per_item
     )
     torch.manual_seed(cfg.seed)
     net = Denoiser(den_cfg)
     if cfg.skip_init == "ridge":
-        ridge_skip(net, y_train, c_train, seed=cfg.seed)
-    net = net.to(device)
-    optimizer = torch.optim.AdamW(net.parameters(), lr=cfg.lr, betas=(0.9, 0.99), weight_decay=cfg.weight_decay)
-    ema = EMA(net, cfg.ema)
-    steps = total_steps(cfg, y_train.shape[0])
-    state_path, metrics_path = art.file(files.STATE_FILE), art.file("metrics.jsonl")
-    first_step, log = 0, []
-    state = files.load_state(art.path)
-    if state is not None:  # tensors go to the training device (the EMA update mixes them with the net's)
-        net.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        ema.params = {k: v.to(device) for k, v in state["ema"].items()}
-        first_step, log = state["step"], state["log"]
-        files.write_jsonl(metrics_path, log)
-        progress.log(f"resuming bridge training at step {first_step} of {steps}")
-    meta = {"layer": cfg.layer, "start": start, "prediction": cfg.prediction, "denoiser": asdict(den_cfg)}
-    art.file("bridge.json").write_text(json.dumps(meta, indent=2))
-    files.save_tensors(art.file("stats.safetensors"), norm.tensors())
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else _nullcontext()
-    progress.start(f"bridge L{cfg.layer}", steps - first_step, "step")
-    tokens_per_step = cfg.batch_size * y_train.shape[1]
-    clock = time.time()
-    for step in range(first_step, steps):
-        gen = step_generator(cfg.seed, step)
-        idx = torch.randint(0, y_train.shape[0], (cfg.batch_size,), generator=gen)
-        t = torch.rand(cfg.batch_size, generator=gen)
-        eps = torch.randn((cfg.batch_size, *y_train.shape[1:]), generator=gen)
-        yb, cb, t, eps = y_train[idx].to(device), c_train[idx].to(device), t.to(device), eps.to(device)
-        lr = lr_at(step, steps, cfg)
-        for group_ in optimizer.param_groups:
-            group_["lr"] = lr
-        x_t = flow.noisy(yb, eps, t)
-        with autocast:
-            out = net(x_t, t, cb)
-        loss = ((out.float() - flow.training_target(yb, eps, cfg.prediction)) ** 2).mean()
-        if not torch.isfinite(loss):
-            kept = files.load_state(art.path)
-            where = f"step {kept['step']}" if kept else "none yet"
-            raise DihalError(
-                f"bridge loss became {loss.item()} at step {step} (last good checkpoint: {where}); "
-                "lower --lr or raise --warmup, then rerun to resume"
-            )
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        if cfg.grad_clip:
-            torch.nn.utils.clip_grad_norm_(net.parameters(), cfg.grad_clip)
-        optimizer.step()
-        ema.update(net, step)
-        row = {"step": step + 1, "train_loss": loss.item(), "lr": lr}
-        if (step + 1) % cfg.eval_every == 0 or step + 1 == steps:
-            row["val_loss"] = _ema_val_loss(net, ema, y_val, c_val, cfg.prediction)
-        elapsed = time.time() - clock
-        row["tokens_per_s"] = tokens_per_step * (step + 1 - first_step) / max(elapsed, 1e-9)
-        log.append(row)
-        files.append_jsonl(metrics_path, row)
-        if (step + 1) % cfg.checkpoint_every == 0 and step + 1 < steps:
-            files.save_state(
-                art.path,
-                {
-                    "step": step + 1,
-                    "model": net.state_dict(),
-                    "optimizer": optimizer.state_dict(),
-                    "ema": ema.params,
-                    "log": log,
-                },
-            )
-        progress.advance(
-            1,
-            loss=row["train_loss"],
-            tokens_per_s=row["tokens_per_s"],
-            **({"val_loss": row["val_loss"]} if "val_loss" in row else {}),
-        )
-    progress.stop()
-    files.save_tensors(art.file("weights.safetensors"), net.state_dict())
-    files.save_tensors(art.file("weights_ema.safetensors"), ema.params)
-    final_val = log[-1].get("val_loss")
-    plot_losses(log, art.file("loss_curve.png"), cfg)
-    if state_path.exists():
-        state_path.unlink()
+        ridge_skip(net, task, seed=cfg.seed)
+    if rank == 0:
+        meta = {"layer": cfg.layer, "start": start, "prediction": cfg.prediction, "denoiser": asdict(den_cfg)}
+        art.file("bridge.json").write_text(json.dumps(meta, indent=2))
+        files.save_tensors(art.file("stats.safetensors"), norm.tensors())
+    result = trainer.train(task, net, loop_config(cfg), art.path, progress, f"bridge L{cfg.layer}")
+    log = result.pop("log")
+    if rank == 0:
+        plot_losses(log, art.file("loss_curve.png"), cfg)
     return {
-        "val_loss": final_val,
-        "steps": steps,
-        "train_tokens_per_s": log[-1]["tokens_per_s"],
-        "final_train_loss": log[-1]["train_loss"],
-        "n_train_sequences": int(y_train.shape[0]),
-        "n_val_sequences": int(y_val.shape[0]),
+        **result,
+        "n_train_sequences": task.n_train,
+        "n_val_sequences": int(task.y_val.shape[0]),
         "covered_start": start,
     }
-
-
-def _ema_val_loss(net: Denoiser, ema: EMA, y_val, c_val, prediction: str) -> float:
-    raw = {k: v.clone() for k, v in net.state_dict().items()}
-    net.load_state_dict(ema.params)
-    try:
-        return validation_loss(net.eval(), y_val, c_val, prediction)
-    finally:
-        net.load_state_dict(raw)
-        net.train()
-
-
-class _nullcontext:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
 
 
 def plot_losses(log: list[dict], path, cfg: BridgeConfig) -> None:
@@ -503,6 +373,7 @@ def config_dict(cfg: BridgeConfig) -> dict:
 def run(
     cfg: BridgeConfig, extract: Artifact, store: ArtifactStore, *, force: bool = False, progress: Progress | None = None
 ) -> Artifact:
+    """Under torchrun every rank trains its shard; rank 0 owns the artifact and writes it."""
     progress = progress or NullProgress()
     group = hs.open_group(extract.path / "hidden.zarr")
     stored = hs.stored_layers(group)
@@ -514,14 +385,14 @@ def run(
     config, parents = config_dict(cfg), {"extract": extract.id}
     if cached := store.cached(STAGE, config, parents, force=force):
         return cached
-    with store.writing(
-        STAGE,
-        config,
-        parents,
-        force=force,
-        seed=cfg.seed,
-        device=cfg.device,
-        extra={"model": extract.manifest.get("model"), "extract_config": extract.config},
-    ) as art:
+    extra = {"model": extract.manifest.get("model"), "extract_config": extract.config}
+    if distributed()[0] != 0:
+        barrier()  # rank 0 has opened the artifact
+        train(cfg, group, store.load(STAGE, artifact_id(STAGE, config, parents)), NullProgress())
+        barrier()  # rank 0 has finished it
+        return store.load(STAGE, artifact_id(STAGE, config, parents))
+    with store.writing(STAGE, config, parents, force=force, seed=cfg.seed, device=cfg.device, extra=extra) as art:
+        barrier()
         art.manifest["metrics"] = train(cfg, group, art, progress)
+    barrier()
     return art

@@ -61,7 +61,12 @@ def run(
     for layer in cfg.layers:
         progress.log(f"layer {layer}: bridge under protocol {cfg.protocol}")
         bcfg = bridge_stage.BridgeConfig.from_protocol(
-            layer, cfg.protocol, **dict(cfg.overrides), seed=cfg.seed, device=cfg.device
+            layer,
+            cfg.protocol,
+            **dict(cfg.overrides),
+            seed=cfg.seed,
+            device=cfg.device,
+            precision="bfloat16" if cfg.dtype == "bfloat16" else "float32",
         )
         bridge_art = bridge_stage.run(bcfg, extract, store, progress=progress)
         fcfg = eval_stage.FidelityConfig(

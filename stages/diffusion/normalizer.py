@@ -1,0 +1,89 @@
+"""Per-dimension normalization of a target and its condition (docs/method.md section 2),
+fitted in one streaming pass over the train split so that no split is ever held in memory.
+
+Moments are merged block by block in float64 (Chan, Golub and LeVeque's pairwise update of
+Welford's method), so the result equals the two-pass mean and unbiased standard deviation to
+rounding. Position 0 (the start token) is left out of both; the target's position-0 state,
+one constant vector, is averaged separately.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from artifacts import hidden_states as hs
+
+
+class RunningMoments:
+    """Mean and unbiased variance per dimension over rows added in blocks."""
+
+    def __init__(self, dim: int):
+        self.n, self.mean, self.m2 = 0, np.zeros(dim), np.zeros(dim)
+
+    def add(self, rows: np.ndarray) -> None:
+        rows = rows.reshape(-1, rows.shape[-1]).astype(np.float64)
+        nb = rows.shape[0]
+        if nb == 0:
+            return
+        mb = rows.mean(axis=0)
+        m2b = ((rows - mb) ** 2).sum(axis=0)
+        delta, n = mb - self.mean, self.n + nb
+        self.mean = self.mean + delta * (nb / n)
+        self.m2 = self.m2 + m2b + delta**2 * (self.n * nb / n)
+        self.n = n
+
+    def std(self) -> np.ndarray:
+        return np.sqrt(self.m2 / max(self.n - 1, 1))
+
+
+@dataclass
+class Normalizer:
+    mu_y: torch.Tensor
+    sigma_y: torch.Tensor
+    mu_c: torch.Tensor
+    sigma_c: torch.Tensor
+    pos0: torch.Tensor  # (D,) the constant target state at position 0
+
+    @staticmethod
+    def fit(
+        group, cond_layer: int, target_layer: int, seqs: np.ndarray, start: int = 1, block_bytes: int = 64 << 20
+    ) -> Normalizer:
+        """One pass over the sequences `seqs` (sorted), reading contiguous runs of at most
+        block_bytes per layer."""
+        width = group[f"layers/{target_layer}"].shape[2]
+        y, c, pos0 = RunningMoments(width), RunningMoments(width), np.zeros(width)
+        for run in hs.contiguous_runs(group, target_layer, seqs, block_bytes):
+            target = np.asarray(group[f"layers/{target_layer}"][run[0] : run[-1] + 1])
+            cond = np.asarray(group[f"layers/{cond_layer}"][run[0] : run[-1] + 1])
+            y.add(target[:, start:])
+            c.add(cond[:, start:])
+            pos0 += target[:, 0].astype(np.float64).sum(axis=0)
+        as_t = lambda a: torch.from_numpy(np.asarray(a)).float()  # noqa: E731
+        floor = lambda s: np.maximum(s, 1e-6)  # noqa: E731
+        return Normalizer(
+            as_t(y.mean), as_t(floor(y.std())), as_t(c.mean), as_t(floor(c.std())), as_t(pos0 / max(len(seqs), 1))
+        )
+
+    def y(self, h: torch.Tensor) -> torch.Tensor:
+        return (h - self.mu_y) / self.sigma_y
+
+    def c(self, h0: torch.Tensor) -> torch.Tensor:
+        return (h0 - self.mu_c) / self.sigma_c
+
+    def unnormalize(self, y: torch.Tensor) -> torch.Tensor:
+        return y * self.sigma_y + self.mu_y
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {
+            "mu_y": self.mu_y,
+            "sigma_y": self.sigma_y,
+            "mu_c": self.mu_c,
+            "sigma_c": self.sigma_c,
+            "pos0": self.pos0,
+        }
+
+    def to(self, device) -> Normalizer:
+        return Normalizer(**{k: v.to(device) for k, v in self.tensors().items()})

@@ -1,0 +1,349 @@
+"""One training loop for every trained part (the bridge today; the prior and decoder next).
+
+The loop knows nothing of bridges. A stage hands it a Task:
+
+    task.n_train                      how many training sequences there are
+    task.chunk                        sequences per storage chunk (reads are grouped by chunk)
+    task.read(positions)              raw arrays for those training sequences (one sorted read)
+    task.loss(net, batch, gens, dev)  the SUM over the batch's items of each item's mean loss;
+                                      item i draws its randomness (t, noise) from gens[i] only
+    task.validate(net)                one deterministic number (lower is better)
+
+and the loop owns the rest, once for every task:
+
+- **Epochs.** An epoch visits every training sequence exactly once, in a seeded order: the
+  storage chunks are permuted, then sequences are shuffled within windows of
+  `shuffle_window` sequences (so reads stay chunk-local while the order is random). Epoch e's
+  order depends only on (seed, e). `steps` (or `epochs` x ceil(n_train / batch)) steps run;
+  a step takes the next `batch_size` sequences of the order, crossing epochs as needed.
+- **Randomness.** Item j of step s draws from a generator seeded by (seed, s, j), so a run
+  resumed at step s, or split over ranks, draws exactly what one uninterrupted process would.
+- **Data-parallel.** Under torchrun (a process group is initialized), rank r takes items
+  r, r+W, ... of each global batch, reads only those, and gradients are all-reduced by DDP.
+  The loss is scaled so that the all-reduced gradient equals the single-process gradient of
+  the same global batch. Rank 0 validates, checkpoints and logs.
+- **Schedules that fit the run.** Warm-up is at most a tenth of the run and a run checkpoints
+  at least five times: warmup = min(warmup, steps // 10), checkpoint_every =
+  min(checkpoint_every, max(1, steps // 5)). A clamp is announced and recorded in the
+  metrics (effective_warmup, effective_checkpoint_every); the last step always evaluates.
+- **EMA, checkpoints, resume.** AdamW, gradient clipping, EMA with decay
+  min(ema, (1 + step) / (10 + step)). Every checkpoint_every steps the network, optimizer,
+  EMA and log go to state.safetensors (no pickle); the same command resumes from it.
+- **Precision.** precision "bfloat16" runs the forward pass under bf16 autocast, on CUDA and
+  on CPU alike; weights, optimizer and EMA stay float32.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from artifacts import files
+from artifacts.errors import DihalError
+from stages.runtime.progress import Progress
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoopConfig:
+    steps: int | None
+    epochs: int | None
+    batch_size: int  # global: summed over ranks
+    lr: float
+    warmup: int
+    schedule: str
+    ema: float
+    eval_every: int
+    checkpoint_every: int
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    seed: int = 0
+    device: str = "cpu"
+    precision: str = "float32"
+    shuffle_window: int = 512  # sequences shuffled together; bounds the memory of a read
+
+
+class Task(Protocol):
+    n_train: int
+    chunk: int
+    tokens_per_item: int  # for the throughput figure
+
+    def read(self, positions: np.ndarray) -> dict[str, np.ndarray]: ...
+
+    def loss(
+        self, net: nn.Module, batch: dict[str, np.ndarray], gens: list[torch.Generator], device: torch.device
+    ) -> torch.Tensor: ...
+
+    def validate(self, net: nn.Module) -> float: ...
+
+
+def distributed() -> tuple[int, int]:
+    """(rank, world size); (0, 1) outside torchrun."""
+    return (dist.get_rank(), dist.get_world_size()) if dist.is_available() and dist.is_initialized() else (0, 1)
+
+
+def barrier() -> None:
+    if distributed()[1] > 1:
+        dist.barrier()
+
+
+# -- the order of the data ------------------------------------------------------------------------------------
+def epoch_order(n: int, chunk: int, window: int, seed: int, epoch: int) -> np.ndarray:
+    """A permutation of 0..n-1: storage chunks in a random order, sequences shuffled within
+    windows of about `window` sequences. Depends only on (n, chunk, window, seed, epoch)."""
+    rng = np.random.default_rng([seed, epoch, 17])
+    chunks = rng.permutation(math.ceil(n / chunk))
+    per_window = max(1, window // chunk)
+    pieces = []
+    for first in range(0, len(chunks), per_window):
+        seqs = np.concatenate(
+            [np.arange(c * chunk, min((c + 1) * chunk, n)) for c in chunks[first : first + per_window]]
+        )
+        pieces.append(rng.permutation(seqs))
+    return np.concatenate(pieces)
+
+
+class Schedule:
+    """Which training sequences step s uses, over every rank."""
+
+    def __init__(self, n_train: int, chunk: int, cfg: LoopConfig):
+        if n_train < 1:
+            raise DihalError("there are no training sequences; extract more with --max-sequences")
+        self.n, self.chunk, self.cfg = n_train, chunk, cfg
+        self.batch = min(cfg.batch_size, n_train)
+        self.per_epoch = math.ceil(n_train / self.batch)
+        self.total = cfg.steps if cfg.steps is not None else cfg.epochs * self.per_epoch
+        self._orders: dict[int, np.ndarray] = {}
+
+    def _order(self, epoch: int) -> np.ndarray:
+        order = self._orders.get(epoch)  # the loader's thread asks too: keep one epoch, never fail
+        if order is None:
+            order = epoch_order(self.n, self.chunk, self.cfg.shuffle_window, self.cfg.seed, epoch)
+            self._orders = {epoch: order}
+        return order
+
+    def items(self, step: int) -> np.ndarray:
+        """The global batch of step `step`: positions into the training sequences."""
+        epoch, k = divmod(step, self.per_epoch)
+        return self._order(epoch)[k * self.batch : (k + 1) * self.batch]
+
+
+def item_generators(seed: int, step: int, slots: np.ndarray) -> list[torch.Generator]:
+    return [torch.Generator().manual_seed(int(seed) * 1_000_003 + step * 4099 + int(j)) for j in slots]
+
+
+class Loader:
+    """Reads this rank's items for blocks of steps at once (a sorted, chunk-local read) and the
+    next block on a background thread."""
+
+    def __init__(self, task: Task, schedule: Schedule, rank: int, world: int, first_step: int):
+        self.task, self.schedule, self.rank, self.world = task, schedule, rank, world
+        self.block = max(1, schedule.cfg.shuffle_window // schedule.batch)
+        self.pool = ThreadPoolExecutor(1)
+        self.pending: dict[int, object] = {}
+        self.current: tuple[int, dict] | None = None
+        self._submit(first_step // self.block)
+
+    def mine(self, step: int) -> tuple[np.ndarray, np.ndarray]:
+        """(slots in the global batch, training positions) of this rank's items at `step`. A rank
+        left without items (a last batch smaller than the world) takes item 0 at weight 0."""
+        items = self.schedule.items(step)
+        slots = np.arange(len(items))[self.rank :: self.world]
+        if slots.size == 0:
+            slots = np.zeros(1, dtype=int)
+        return slots, items[slots]
+
+    def _read_block(self, block: int) -> dict:
+        steps = range(block * self.block, min((block + 1) * self.block, self.schedule.total))
+        wanted = np.unique(np.concatenate([self.mine(s)[1] for s in steps] or [np.zeros(0, int)]))
+        arrays = self.task.read(wanted) if wanted.size else {}
+        return {"positions": wanted, "arrays": arrays}
+
+    def _submit(self, block: int) -> None:
+        if block * self.block < self.schedule.total and block not in self.pending:
+            self.pending[block] = self.pool.submit(self._read_block, block)
+
+    def batch(self, step: int) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+        block = step // self.block
+        if self.current is None or self.current[0] != block:
+            self._submit(block)
+            self.current = (block, self.pending.pop(block).result())
+            self._submit(block + 1)
+        data = self.current[1]
+        slots, positions = self.mine(step)
+        rows = np.searchsorted(data["positions"], positions)
+        return slots, {k: v[rows] for k, v in data["arrays"].items()}
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+
+# -- the schedule of the optimizer -----------------------------------------------------------------------------
+def fitted(cfg: LoopConfig, total: int) -> dict[str, int]:
+    """Warm-up (at most a tenth of the run) and checkpoint interval (at least five a run)."""
+    return {"warmup": min(cfg.warmup, total // 10), "checkpoint_every": min(cfg.checkpoint_every, max(1, total // 5))}
+
+
+def lr_at(step: int, total: int, lr: float, warmup: int, schedule: str) -> float:
+    if step < warmup:
+        return lr * (step + 1) / warmup
+    if schedule == "constant":
+        return lr
+    progress = (step - warmup) / max(1, total - warmup)
+    return lr * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+
+class EMA:
+    def __init__(self, net: nn.Module, decay: float):
+        self.decay = decay
+        self.params = {k: v.detach().clone() for k, v in net.state_dict().items()}
+
+    @torch.no_grad()
+    def update(self, net: nn.Module, step: int) -> None:
+        d = min(self.decay, (1 + step) / (10 + step))
+        for k, v in net.state_dict().items():
+            self.params[k].mul_(d).add_(v.detach(), alpha=1 - d)
+
+
+def ema_validate(task: Task, net: nn.Module, ema: EMA) -> float:
+    raw = {k: v.clone() for k, v in net.state_dict().items()}
+    net.load_state_dict(ema.params)
+    try:
+        return task.validate(net.eval())
+    finally:
+        net.load_state_dict(raw)
+        net.train()
+
+
+def autocast(precision: str, device: torch.device):
+    if precision == "bfloat16":
+        return torch.autocast(device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+# -- the loop ---------------------------------------------------------------------------------------------------
+def train(task: Task, net: nn.Module, cfg: LoopConfig, directory: Path, progress: Progress, name: str) -> dict:
+    """Train (or resume) `net` on `task`; rank 0 writes state, metrics and final weights into
+    `directory`. Returns metrics (on every rank) and leaves the EMA weights in the result."""
+    rank, world = distributed()
+    device = torch.device(cfg.device)
+    schedule = Schedule(task.n_train, task.chunk, cfg)
+    total, fit = schedule.total, fitted(cfg, schedule.total)
+    if rank == 0:
+        for key, value in fit.items():
+            if value != getattr(cfg, key):
+                progress.log(
+                    f"{name}: {key.replace('_', ' ')} {getattr(cfg, key)} does not fit a run of {total} "
+                    f"steps; using {value}"
+                )
+    net = net.to(device)
+    optimizer = torch.optim.AdamW(net.parameters(), lr=cfg.lr, betas=(0.9, 0.99), weight_decay=cfg.weight_decay)
+    ema = EMA(net, cfg.ema)
+    metrics_path = directory / "metrics.jsonl"
+    first_step, log = 0, []
+    state = files.load_state(directory)
+    if state is not None:  # tensors go to the training device (the EMA update mixes them with the net's)
+        net.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        ema.params = {k: v.to(device) for k, v in state["ema"].items()}
+        first_step, log = state["step"], state["log"]
+        if rank == 0:
+            files.write_jsonl(metrics_path, log)
+            progress.log(f"resuming {name} training at step {first_step} of {total}")
+    model = nn.parallel.DistributedDataParallel(net) if world > 1 else net
+    loader = Loader(task, schedule, rank, world, first_step)
+    if rank == 0:
+        progress.start(name, total - first_step, "step")
+    clock, tokens = time.time(), 0
+    try:
+        for step in range(first_step, total):
+            slots, batch = loader.batch(step)
+            global_size = len(schedule.items(step))
+            weight = 1.0 if rank < global_size else 0.0
+            lr = lr_at(step, total, cfg.lr, fit["warmup"], cfg.schedule)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            with autocast(cfg.precision, device):
+                summed = task.loss(model, batch, item_generators(cfg.seed, step, slots), device)
+            # DDP averages gradients over ranks; scaling by world / global size makes the result the
+            # gradient of the global batch's mean loss, as one process would compute it
+            loss = summed.float() * (weight * world / global_size)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            mean_loss = _global_mean(summed.detach().float() * weight, global_size, world)
+            if not math.isfinite(mean_loss):
+                kept = files.load_state(directory)
+                where = f"step {kept['step']}" if kept else "none yet"
+                raise DihalError(
+                    f"{name} loss became {mean_loss} at step {step} (last good checkpoint: {where}); "
+                    "lower --lr or raise --warmup, then rerun to resume"
+                )
+            if cfg.grad_clip:
+                nn.utils.clip_grad_norm_(net.parameters(), cfg.grad_clip)
+            optimizer.step()
+            ema.update(net, step)
+            tokens += task.tokens_per_item * global_size
+            row = {
+                "step": step + 1,
+                "train_loss": mean_loss,
+                "lr": lr,
+                "tokens_per_s": tokens / max(time.time() - clock, 1e-9),
+            }
+            if rank == 0:
+                if (step + 1) % cfg.eval_every == 0 or step + 1 == total:
+                    row["val_loss"] = ema_validate(task, net, ema)
+                log.append(row)
+                files.append_jsonl(metrics_path, row)
+                if (step + 1) % fit["checkpoint_every"] == 0 and step + 1 < total:
+                    files.save_state(
+                        directory,
+                        {
+                            "step": step + 1,
+                            "model": net.state_dict(),
+                            "optimizer": optimizer.state_dict(),
+                            "ema": ema.params,
+                            "log": log,
+                        },
+                    )
+                progress.advance(
+                    1,
+                    loss=mean_loss,
+                    tokens_per_s=row["tokens_per_s"],
+                    **({"val_loss": row["val_loss"]} if "val_loss" in row else {}),
+                )
+    finally:
+        loader.close()
+    if rank == 0:
+        progress.stop()
+        files.save_tensors(directory / "weights.safetensors", net.state_dict())
+        files.save_tensors(directory / "weights_ema.safetensors", ema.params)
+        (directory / files.STATE_FILE).unlink(missing_ok=True)
+    barrier()
+    return {
+        "steps": total,
+        "epochs_seen": total / schedule.per_epoch,
+        "steps_per_epoch": schedule.per_epoch,
+        "global_batch": schedule.batch,
+        "world_size": world,
+        **{f"effective_{k}": v for k, v in fit.items()},
+        "val_loss": log[-1].get("val_loss") if log else None,
+        "final_train_loss": log[-1]["train_loss"] if log else None,
+        "train_tokens_per_s": log[-1]["tokens_per_s"] if log else None,
+        "log": log,
+    }
+
+
+def _global_mean(summed: torch.Tensor, global_size: int, world: int) -> float:
+    if world > 1:
+        summed = summed.clone()
+        dist.all_reduce(summed)
+    return float(summed) / global_size
