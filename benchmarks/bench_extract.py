@@ -34,7 +34,9 @@ def bare_forward_tps(model, ids: np.ndarray) -> float:
 
 
 def extract_tps(loaded, layers: str, n_seq: int) -> float:
-    cfg = ex.ExtractConfig(max_sequences=n_seq, seq_len=SEQ_LEN, layers=layers, batch_size=BATCH)
+    cfg = ex.ExtractConfig(
+        data=data_mod.DataConfig(max_sequences=n_seq, seq_len=SEQ_LEN), layers=layers, batch_size=BATCH
+    )
     with tempfile.TemporaryDirectory() as tmp, Timer() as t:
         ex.run(cfg, ArtifactStore(tmp), loaded=loaded)
     return n_seq * SEQ_LEN / t.seconds

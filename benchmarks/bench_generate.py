@@ -21,6 +21,7 @@ from stages import extract as ex  # noqa: E402
 from stages import generate as gen  # noqa: E402
 from stages.bridge import Bridge  # noqa: E402
 from stages.lm.models import load_model  # noqa: E402
+from stages.text.data import DataConfig  # noqa: E402
 
 NEW_TOKENS, BATCH, REPEATS = 48, 1, 2
 
@@ -31,8 +32,10 @@ def main() -> None:
     if len(sys.argv) > 1:
         art = s.resolve(sys.argv[1], "bridge")
     else:
-        extract = ex.run(ex.ExtractConfig(layers="0,3", max_sequences=400, seq_len=64), s, loaded=loaded)
-        art = bstage.run(bstage.resolve_config(3, "cpu-small", {"steps": 30, "eval_every": 30}), extract, s)
+        extract = ex.run(
+            ex.ExtractConfig(layers="0,3", data=DataConfig(max_sequences=400, seq_len=64)), s, loaded=loaded
+        )
+        art = bstage.run(bstage.BridgeConfig.from_protocol(3, "cpu-small", steps=30, eval_every=30), extract, s)
     bridge = Bridge.load(art)
     suffix = gen.suffix_model(loaded.model, bridge.layer)
     prefix = torch.tensor([gen.prompt_ids(loaded.tokenizer, "The")] * BATCH)
@@ -57,12 +60,12 @@ def main() -> None:
         ),
     }
     for steps in (4, 8, 16):
-        c = replace(cfg, steps=steps)
+        c = replace(cfg, sample_steps=steps)
         result[f"hybrid_{steps}_steps_ms"] = per_token_ms(
             lambda c=c: gen.generate_hybrid(loaded, bridge, suffix, prefix, c, g())
         )
     result["hybrid_8_steps_uncached_ms"] = per_token_ms(
-        lambda: gen.generate_hybrid(loaded, bridge, suffix, prefix, replace(cfg, steps=8, cache=False), g())
+        lambda: gen.generate_hybrid(loaded, bridge, suffix, prefix, replace(cfg, sample_steps=8, cache=False), g())
     )
     result["ratio_8_steps_vs_backbone_hf_generate"] = result["hybrid_8_steps_ms"] / result["backbone_hf_generate_ms"]
     result["bridge_train_tokens_per_s"] = art.manifest["metrics"]["train_tokens_per_s"]

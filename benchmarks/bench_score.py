@@ -26,6 +26,7 @@ from stages import extract as ex  # noqa: E402
 from stages import score as sc  # noqa: E402
 from stages.runtime.allocator import keep_freed_memory  # noqa: E402
 from stages.runtime.progress import NullProgress  # noqa: E402
+from stages.text.data import DataConfig  # noqa: E402
 
 REF_LAYERS = (3,)
 MEMORY_SIZES = (4096, 16384, 50000)
@@ -99,7 +100,10 @@ def reference_layer(x: np.ndarray, k: int, eps_rel: float, pairs) -> dict:
 def ranked(model: str, normalize: str) -> dict:
     store_dtype = "float32" if model.startswith("gemma") else "float16"  # gemma3's stream exceeds float16
     art = ex.run(
-        ex.ExtractConfig(model=model, layers="all", max_sequences=1200, seq_len=64, store_dtype=store_dtype), store()
+        ex.ExtractConfig(
+            model=model, layers="all", data=DataConfig(max_sequences=1200, seq_len=64), store_dtype=store_dtype
+        ),
+        store(),
     )
     group = hs.open_group(art.path / "hidden.zarr")
     layers = list(range(1, int(group.attrs["num_blocks"])))

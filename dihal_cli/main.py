@@ -408,7 +408,7 @@ def evaluate(
 @app.command()
 @user_errors
 def sweep(
-    layers: str = typer.Option("1-29", "--layers", help="Layers to bridge, e.g. 1-29 or 1,3,5."),
+    layers: str | None = typer.Option(None, "--layers", help="Layers to bridge, e.g. 1-29 or 1,3,5 (default 1..L-1)."),
     protocol: str = opt(SweepConfig, "protocol"),
     train_steps: int | None = typer.Option(
         None, "--train-steps", help="Override the protocol's steps for every layer."
@@ -440,6 +440,14 @@ def sweep(
     from stages import sweep as stage
 
     device = _device(device, dry_run)
+    store = ArtifactStore(root)
+    if layers is None:  # every candidate of this model: 1..L-1
+        num_blocks = (
+            int(stage.hs.open_group(store.resolve(extract, "extract").path / "hidden.zarr").attrs["num_blocks"])
+            if extract
+            else ex.model_config(model, trust_remote_code)[0].num_hidden_layers
+        )
+        layers = f"1-{num_blocks - 1}"
     layer_list = ex.parse_layers(layers, None)
     overrides = tuple(
         (k, v)
@@ -461,19 +469,18 @@ def sweep(
         dataset,
         seq_len,
         max_sequences,
-        "0," + ",".join(map(str, layer_list)),
+        "all",  # the score z-scores over every candidate 1..L-1, whichever layers are swept
         store_dtype,
         device,
         cfg.dtype,
         seed,
         trust_remote_code,
     )
-    scfg = ScoreConfig(tokens=tokens, candidates=",".join(map(str, layer_list)), seed=seed, device=device)
+    scfg = ScoreConfig(tokens=tokens, seed=seed, device=device)
     if dry_run:
         if extract is None:
             ex.plan(ecfg)
         return _dry("sweep", cfg, *([] if extract else [ecfg]), *([] if score else [scfg]))
-    store = ArtifactStore(root)
     parent = _extract_parent(store, extract, ecfg)
     score_art = (
         store.resolve(score, "score") if score else score_stage.run(scfg, parent, store, progress=make_progress())

@@ -27,7 +27,7 @@ for spec in "meta-llama/Llama-3.1-8B-Instruct 1-31" "Qwen/Qwen3-8B 1-35"; do
   BRIDGE=$(latest bridge)
   dry || BRIDGE=$(python3 -c "import json; print(__import__('pandas').read_csv('$DIHAL_ROOT/sweep/'+'$(latest sweep)'+'/sweep.csv').set_index('layer').loc[$LSTAR,'bridge'])")
   dihal evaluate --bridge "$BRIDGE" --sample-steps 4,8,16,32 --limit 512 $DEV
-  dihal generate --bridge "$BRIDGE" --num-samples 1000 --max-new-tokens 128 --sample-steps 16 --top-p 0.95 \
+  dihal generate --bridge "$BRIDGE" --num-samples 1000 --max-new-tokens 127 --sample-steps 16 --top-p 0.95 \
     --batch-size 50 --baseline original $DEV
   GENERATE=$(latest generate)
   dihal evaluate --samples "$GENERATE" --limit 1000 $DEV

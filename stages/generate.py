@@ -105,7 +105,7 @@ def generate_hybrid(
     if cfg.cache:
         sampler, kv = bridge.cached_sampler(cfg.sample_steps, batch), DynamicCache(config=suffix.config)
         h = sampler.extend(_layer0(model, ids), noise[:, : ids.shape[1] - bridge.start])
-    for _ in range(cfg.max_new_tokens):
+    for k in range(cfg.max_new_tokens):
         if cfg.cache:
             logits = suffix(inputs_embeds=h.to(_dtype(suffix)), cache=kv, use_cache=True).logits[:, -1]
         else:  # recompute everything from the full prefix (the reference for the cached path)
@@ -114,7 +114,7 @@ def generate_hybrid(
         token = sample_token(logits, cfg, gen)
         new.append(token)
         ids = torch.cat([ids, token[:, None]], dim=1)
-        if cfg.cache:
+        if cfg.cache and k + 1 < cfg.max_new_tokens:  # the last token is never fed back
             p = ids.shape[1] - 1 - bridge.start
             h = sampler.extend(_layer0(model, token[:, None]), noise[:, p : p + 1])
     return torch.stack(new, dim=1)
@@ -127,10 +127,11 @@ def generate_original(
     model, new = loaded.model, []
     kv = DynamicCache(config=model.config)
     logits = model(input_ids=prefix, cache=kv, use_cache=True).logits[:, -1]
-    for _ in range(cfg.max_new_tokens):
+    for k in range(cfg.max_new_tokens):
         token = sample_token(logits, cfg, gen)
         new.append(token)
-        logits = model(input_ids=token[:, None], cache=kv, use_cache=True).logits[:, -1]
+        if k + 1 < cfg.max_new_tokens:
+            logits = model(input_ids=token[:, None], cache=kv, use_cache=True).logits[:, -1]
     return torch.stack(new, dim=1)
 
 
@@ -152,6 +153,21 @@ def jobs(cfg: GenerateConfig) -> list[tuple[str, int]]:
             out.append((prompt, min(left, cfg.batch_size)))
             left -= cfg.batch_size
     return out
+
+
+def check_length(tokenizer, bridge: Bridge, cfg: GenerateConfig) -> None:
+    """The start token, the longest prompt and every new token but the last must fit the bridge's
+    positions (the extract's --seq-len): beyond them it has no position embedding."""
+    positions = bridge.net.cfg.max_len + bridge.start
+    longest = max((len(prompt_ids(tokenizer, p)) for p in cfg.prompts or ("",)), default=1)
+    if longest + cfg.max_new_tokens - 1 > positions:
+        room = positions - longest + 1
+        raise DihalError(
+            f"the start token and prompt ({longest} tokens) plus --max-new-tokens {cfg.max_new_tokens} need "
+            f"{longest + cfg.max_new_tokens - 1} positions, but the bridge covers {positions} "
+            "(its extract's --seq-len); "
+            + (f"use --max-new-tokens {room} or fewer" if room >= 1 else "shorten the prompt")
+        )
 
 
 def generate_all(loaded: LoadedModel, bridge: Bridge | None, cfg: GenerateConfig, progress: Progress) -> list[dict]:
@@ -210,6 +226,7 @@ def run(
     ) as art:
         loaded = loaded() if callable(loaded) else loaded
         bridge = Bridge.load(bridge_art, cfg.device)
+        check_length(loaded.tokenizer, bridge, cfg)
         total = len(cfg.prompts or [""]) * cfg.num_samples * (2 if cfg.baseline == "original" else 1)
         progress.start("generate", total, "sample")
         outputs = {"samples.jsonl": generate_all(loaded, bridge, cfg, progress)}

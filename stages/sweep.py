@@ -55,7 +55,15 @@ def run(
     parents = {"extract": extract.id, "score": score_art.id}
     if cached := store.cached(STAGE, config, parents, force=force):
         return cached
+    if score_art.manifest.get("parents", {}).get("extract") != extract.id:
+        raise DihalError(
+            f"score {score_art.id} was made from extract {score_art.manifest.get('parents', {}).get('extract')}, "
+            f"not {extract.id}; pass a --score of this extract or leave --score out to score it now"
+        )
     scores = score_stage.load_table(score_art).set_index("layer")
+    missing = [layer for layer in cfg.layers if layer not in scores.index]
+    if missing:
+        raise DihalError(f"layer {missing[0]} is not a candidate of score {score_art.id}; sweep its candidates only")
     loaded = None
     rows = []
     for layer in cfg.layers:

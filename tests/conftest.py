@@ -15,7 +15,9 @@ ROOT = Path(__file__).resolve().parents[1]
 os.environ.setdefault("COLUMNS", "240")  # rich wraps long lines at the terminal width
 
 
-def tiny_tokenizer():
+def tiny_tokenizer(bos: bool = True):
+    """A 320-token byte-level BPE trained on pydoc topics. bos=False behaves as Qwen3's: no BOS,
+    <|endoftext|> as the document separator (and pad), <|im_end|> as EOS."""
     from pydoc_data.topics import topics
 
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -26,11 +28,15 @@ def tiny_tokenizer():
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=320,
-        special_tokens=["<unk>", "<bos>", "<eos>"],
+        special_tokens=["<unk>", "<bos>", "<eos>"] if bos else ["<unk>", "<|endoftext|>", "<|im_end|>"],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     tok.train_from_iterator([topics[k] for k in sorted(topics)[:40]], trainer)
+    if not bos:
+        return PreTrainedTokenizerFast(
+            tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>", unk_token="<unk>"
+        )
     return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>", unk_token="<unk>")
 
 
@@ -57,17 +63,17 @@ def tiny_config(kind: str, vocab: int, layers: int = 4):
         return Gemma3TextConfig(
             **common, head_dim=8, sliding_window=8, layer_types=["sliding_attention", "full_attention"] * (layers // 2)
         )
-    if kind == "qwen3":
+    if kind == "qwen3":  # as Qwen3: no BOS token; <|endoftext|> (id 1) pads, <|im_end|> (id 2) ends
         from transformers import Qwen3Config
 
-        return Qwen3Config(**common, head_dim=8)
+        return Qwen3Config(**{**common, "bos_token_id": None, "pad_token_id": 1}, head_dim=8)
     raise ValueError(kind)
 
 
 def build_tiny(kind: str, layers: int = 4, seed: int = 0):
     from transformers import AutoModelForCausalLM
 
-    tok = tiny_tokenizer()
+    tok = tiny_tokenizer(bos=kind != "qwen3")
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(tiny_config(kind, len(tok), layers)).eval()
     if kind == "gemma3":  # random init gives tiny embeddings; make the sqrt(d) scaling visible

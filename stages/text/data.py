@@ -268,7 +268,7 @@ def pack(cfg: DataConfig, tokenizer, max_positions: int | None = None) -> Packed
         raise DihalError(
             f"--seq-len {cfg.seq_len} exceeds the model's context of {max_positions} tokens; use a smaller --seq-len"
         )
-    (bos, which), eos = start_token(tokenizer), tokenizer.eos_token_id
+    (bos, start_kind), eos = start_token(tokenizer), tokenizer.eos_token_id
     n_val_wanted = n_train_wanted = None
     if cfg.max_sequences is not None:
         n_val_wanted = round(cfg.max_sequences * cfg.val_fraction) if cfg.val_fraction > 0 else 0
@@ -300,7 +300,7 @@ def pack(cfg: DataConfig, tokenizer, max_positions: int | None = None) -> Packed
         )
     ids = np.asarray(train + val, dtype=np.int32).reshape(-1, cfg.seq_len)
     split = np.asarray([0] * len(train) + [1] * len(val), dtype=np.int8)
-    start = {"id": bos, "token": tokenizer.convert_ids_to_tokens(bos), "kind": which}
+    start = {"id": bos, "token": tokenizer.convert_ids_to_tokens(bos), "kind": start_kind}
     return PackedData(ids, split, digest.hexdigest()[:16], n_docs, n_tokens, start)
 
 

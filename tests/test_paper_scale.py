@@ -1,0 +1,445 @@
+"""Paper scale on tiny models: start tokens without BOS (Qwen3), streamed epochs and normalizer,
+data-parallel training equal to one process, the KV cache really used, lengths checked."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from artifacts import files
+from artifacts import hidden_states as hs
+from artifacts.store import ArtifactStore
+from tests.conftest import ROOT, invoke
+
+TINY = ["--protocol", "sweep-tiny", "--width", "16", "--depth", "1", "--heads", "2", "--batch-size", "4"]
+
+
+@pytest.mark.parametrize("kind, start_kind", [("llama", "bos"), ("qwen3", "<|endoftext|>")])
+def test_whole_chain_through_the_cli_excludes_position_0(kind, start_kind, tiny_dirs, root):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model_dir = str(tiny_dirs[kind])
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    ok = lambda res: res.exit_code == 0 or pytest.fail(res.output)  # noqa: E731
+    ok(
+        invoke(
+            "extract",
+            "--model",
+            model_dir,
+            "--max-sequences",
+            "24",
+            "--seq-len",
+            "16",
+            "--val-fraction",
+            "0.25",
+            "--device",
+            "cpu",
+        )
+    )
+    store = ArtifactStore(root)
+    ex = store.resolve("latest", "extract")
+    start = ex.manifest["metrics"]["start_token"]
+    assert start["kind"] == start_kind and (start_kind != "bos") == (tok.bos_token_id is None)
+    group = hs.open_group(ex.path / "hidden.zarr")
+    ids = np.asarray(group["input_ids"][:])
+    assert (ids[:, 0] == start["id"]).all() and (ids[:, 1:] != start["id"]).any()
+
+    ok(invoke("score", "--tokens", "100", "--k", "5", "--pairs", "200"))
+    positions = np.load(store.resolve("latest", "score").file("positions.npz"))
+    assert positions["position"].min() >= 1
+
+    ok(invoke("train-bridge", "--layer", "2", "--extract", ex.id, *TINY, "--train-steps", "6"))
+    br = store.resolve("latest", "bridge")
+    assert br.manifest["metrics"]["covered_start"] == 1
+    stats = files.load_tensors(br.file("stats.safetensors"))
+    train = hs.split_indices(group, "train")
+    target = np.asarray(group["layers/2"].oindex[train]).astype(np.float64)
+    np.testing.assert_allclose(stats["mu_y"].numpy(), target[:, 1:].reshape(-1, 32).mean(0), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(stats["pos0"].numpy(), target[:, 0].mean(0), rtol=1e-5, atol=1e-6)
+
+    ok(invoke("evaluate", "--bridge", br.id, "--sample-steps", "2", "--limit", "4", "--device", "cpu"))
+    ok(invoke("generate", "--bridge", br.id, "--num-samples", "3", "--max-new-tokens", "15", "--device", "cpu"))
+    uncond = store.resolve("latest", "generate")
+    ok(
+        invoke(
+            "generate",
+            "--bridge",
+            br.id,
+            "--prompt",
+            "The",
+            "--num-samples",
+            "2",
+            "--max-new-tokens",
+            "6",
+            "--device",
+            "cpu",
+        )
+    )
+    rows = [json.loads(line) for line in uncond.file("samples.jsonl").read_text().splitlines()]
+    assert len(rows) == 3 and all(r["prompt"] == "" and len(r["token_ids"]) <= 15 for r in rows)
+    ok(invoke("evaluate", "--samples", uncond.id, "--json", "--device", "cpu"))
+    reported = json.loads(invoke("evaluate", "--samples", uncond.id, "--json", "--device", "cpu").output)["results"][0]
+
+    # Gen.PPL by hand: each text after the start token, every one of its tokens scored once
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    nll, count = 0.0, 0
+    for r in rows:
+        text_ids = tok(r["text"], add_special_tokens=False)["input_ids"]
+        if not text_ids:
+            continue
+        full = torch.tensor([[start["id"], *text_ids]])
+        with torch.no_grad():
+            logp = torch.log_softmax(model(full).logits[0, :-1].float(), -1)
+        nll -= float(logp.gather(-1, full[0, 1:, None]).sum())
+        count += len(text_ids)
+    assert reported["gen_ppl_token"] == pytest.approx(float(np.exp(nll / count)), rel=1e-4)
+
+
+def test_generation_longer_than_the_bridge_is_refused_up_front(tiny_dirs, root):
+    assert (
+        invoke(
+            "extract",
+            "--model",
+            str(tiny_dirs["llama"]),
+            "--max-sequences",
+            "12",
+            "--seq-len",
+            "16",
+            "--layers",
+            "0,2",
+            "--val-fraction",
+            "0.25",
+            "--device",
+            "cpu",
+        ).exit_code
+        == 0
+    )
+    assert invoke("train-bridge", "--layer", "2", "--extract", "latest", *TINY, "--train-steps", "2").exit_code == 0
+    full = invoke("generate", "--num-samples", "1", "--max-new-tokens", "16", "--device", "cpu")
+    assert full.exit_code == 0, full.output  # the start token + 16 new tokens: 16 positions fed
+    res = invoke("generate", "--num-samples", "1", "--max-new-tokens", "17", "--device", "cpu")
+    assert res.exit_code == 2 and "Traceback" not in res.output
+    assert (
+        res.output.strip()
+        .splitlines()[-1]
+        .startswith(
+            "error: the start token and prompt (1 tokens) plus "
+            "--max-new-tokens 17 need 17 positions, but the bridge covers 16"
+        )
+    )
+
+
+def test_cached_decoding_equals_full_forward_logits(tiny_dirs):
+    """Fails on a transformers that silently ignores the `cache=` keyword (before 5.24): each step
+    would then be predicted without its context."""
+    from transformers import AutoModelForCausalLM, DynamicCache
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_dirs["llama"]).eval()
+    ids = torch.randint(3, 300, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        full = model(input_ids=ids, use_cache=False).logits
+        kv = DynamicCache(config=model.config)
+        steps = [model(input_ids=ids[:, :5], cache=kv, use_cache=True).logits]
+        steps += [model(input_ids=ids[:, p : p + 1], cache=kv, use_cache=True).logits for p in range(5, 12)]
+    assert kv.get_seq_length() == 12
+    torch.testing.assert_close(torch.cat(steps, 1), full, atol=1e-5, rtol=1e-5)
+
+
+def test_streaming_moments_equal_two_pass_float64_and_normalizer_reads_in_blocks(tmp_path):
+    from stages.diffusion.normalizer import Normalizer, RunningMoments
+
+    rng = np.random.default_rng(3)
+    x = rng.normal(1000.0, 0.01, size=(999, 7))  # large mean, tiny spread: a naive one-pass formula fails
+    moments = RunningMoments(7)
+    for block in np.array_split(x, 13):
+        moments.add(block)
+    np.testing.assert_allclose(moments.mean, x.mean(0), rtol=1e-12)
+    np.testing.assert_allclose(moments.std(), x.std(0, ddof=1), rtol=1e-9)
+
+    n, t, d = 23, 6, 5
+    states = {0: rng.normal(3, 2, size=(n, t, d)), 2: rng.normal(-50, 0.5, size=(n, t, d))}
+    group = hs.create(tmp_path / "h.zarr", [0, 2], n, t, d, {0: "float32", 2: "float32"}, 4, {})
+    for layer, values in states.items():
+        group[f"layers/{layer}"][:] = values.astype(np.float32)
+    seqs = np.array([0, 1, 2, 5, 6, 7, 8, 9, 15, 16, 22])
+    norm = Normalizer.fit(group, 0, 2, seqs, start=1, block_bytes=3 * t * d * 4)  # runs of <= 3 sequences
+    y = states[2].astype(np.float32).astype(np.float64)[seqs]
+    c = states[0].astype(np.float32).astype(np.float64)[seqs]
+    np.testing.assert_allclose(norm.mu_y.numpy(), y[:, 1:].reshape(-1, d).mean(0), rtol=1e-6)
+    np.testing.assert_allclose(norm.sigma_y.numpy(), y[:, 1:].reshape(-1, d).std(0, ddof=1), rtol=1e-6)
+    np.testing.assert_allclose(norm.sigma_c.numpy(), c[:, 1:].reshape(-1, d).std(0, ddof=1), rtol=1e-6)
+    np.testing.assert_allclose(norm.pos0.numpy(), y[:, 0].mean(0), rtol=1e-6)
+
+
+def test_epochs_visit_every_sequence_once_in_a_seeded_chunk_local_order():
+    from stages.diffusion.trainer import LoopConfig, Schedule, epoch_order
+
+    n, chunk, window = 103, 8, 24
+    first, again, other = (epoch_order(n, chunk, window, s, e) for s, e in ((0, 0), (0, 0), (0, 1)))
+    assert sorted(first) == list(range(n)) and np.array_equal(first, again) and not np.array_equal(first, other)
+    aligned = epoch_order(96, chunk, window, 0, 0)  # whole chunks and windows: 4 windows of 24 sequences
+    for start in range(0, 96, window):  # each window draws on window / chunk storage chunks only
+        assert len(np.unique(aligned[start : start + window] // chunk)) == window // chunk
+    cfg = LoopConfig(
+        steps=None,
+        epochs=2,
+        batch_size=10,
+        lr=1e-3,
+        warmup=0,
+        schedule="constant",
+        ema=0.9,
+        eval_every=5,
+        checkpoint_every=5,
+        shuffle_window=window,
+    )
+    schedule = Schedule(n, chunk, cfg)
+    assert schedule.total == 2 * 11
+    seen = np.concatenate([schedule.items(s) for s in range(schedule.total)])
+    assert np.array_equal(seen[:n], epoch_order(n, chunk, window, 0, 0))
+    assert np.array_equal(seen[n:], epoch_order(n, chunk, window, 0, 1))
+
+
+def test_loader_serves_exactly_the_scheduled_sequences(tmp_path):
+    from stages.diffusion.trainer import Loader, LoopConfig, Schedule
+
+    n, t, d = 30, 4, 3
+    group = hs.create(tmp_path / "h.zarr", [0], n, t, d, {0: "float32"}, 4, {})
+    group["layers/0"][:] = np.arange(n * t * d, dtype=np.float32).reshape(n, t, d)
+
+    class Task:
+        n_train, chunk = n, 4
+
+        def read(self, positions):
+            return {"x": hs.read_sequences(group, 0, positions)}
+
+    cfg = LoopConfig(
+        steps=9,
+        epochs=None,
+        batch_size=7,
+        lr=1e-3,
+        warmup=0,
+        schedule="constant",
+        ema=0.9,
+        eval_every=5,
+        checkpoint_every=5,
+        shuffle_window=8,
+    )
+    schedule = Schedule(n, 4, cfg)
+    for rank in range(2):
+        loader = Loader(Task(), schedule, rank, 2, first_step=2)
+        for step in range(2, 9):
+            slots, batch = loader.batch(step)
+            want = schedule.items(step)[rank::2]
+            np.testing.assert_array_equal(batch["x"][:, 0, 0], want * t * d)
+            assert np.array_equal(slots, np.arange(len(schedule.items(step)))[rank::2])
+        loader.close()
+
+
+def _bridge_args(root) -> list[str]:
+    return [
+        "train-bridge",
+        "--layer",
+        "2",
+        "--extract",
+        "latest",
+        "--protocol",
+        "sweep-tiny",
+        "--width",
+        "16",
+        "--depth",
+        "1",
+        "--heads",
+        "2",
+        "--batch-size",
+        "8",
+        "--train-steps",
+        "8",
+        "--eval-every",
+        "4",
+        "--seed",
+        "3",
+        "--device",
+        "cpu",
+        "--root",
+        str(root),
+    ]
+
+
+def test_two_ranks_train_the_same_bridge_as_one_process(tiny_dirs, tmp_path):
+    """Tolerance: per-step training loss within 1e-4 relative and EMA weights within 1e-5; the only
+    difference is the order in which gloo sums the two ranks' gradients."""
+    single, dist = tmp_path / "single", tmp_path / "dist"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "dihal_cli",
+            "extract",
+            "--model",
+            str(tiny_dirs["llama"]),
+            "--max-sequences",
+            "40",
+            "--seq-len",
+            "16",
+            "--layers",
+            "0,2",
+            "--val-fraction",
+            "0.2",
+            "--device",
+            "cpu",
+            "--root",
+            str(single),
+        ],
+        check=True,
+        capture_output=True,
+        env=env,
+        cwd=ROOT,
+    )
+    shutil.copytree(single, dist)
+    one = subprocess.run(
+        [sys.executable, "-m", "dihal_cli", *_bridge_args(single)], capture_output=True, text=True, env=env, cwd=ROOT
+    )
+    assert one.returncode == 0, one.stderr[-2000:]
+    two = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            "2",
+            "--master_port",
+            "29541",
+            "-m",
+            "dihal_cli",
+            *_bridge_args(dist),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+    )
+    assert two.returncode == 0, two.stderr[-3000:]
+    a, b = ArtifactStore(single).resolve("latest", "bridge"), ArtifactStore(dist).resolve("latest", "bridge")
+    assert a.id == b.id and b.manifest["metrics"]["world_size"] == 2 and a.manifest["metrics"]["world_size"] == 1
+    log_a, log_b = files.read_jsonl(a.file("metrics.jsonl")), files.read_jsonl(b.file("metrics.jsonl"))
+    assert [r["step"] for r in log_b] == list(range(1, 9))
+    np.testing.assert_allclose([r["train_loss"] for r in log_b], [r["train_loss"] for r in log_a], rtol=1e-4)
+    wa, wb = (
+        files.load_tensors(a.file("weights_ema.safetensors")),
+        files.load_tensors(b.file("weights_ema.safetensors")),
+    )
+    for name in wa:
+        torch.testing.assert_close(wb[name], wa[name], atol=1e-5, rtol=1e-4)
+
+
+def test_bfloat16_autocast_trains_on_cpu(tiny_dirs, root):
+    assert (
+        invoke(
+            "extract",
+            "--model",
+            str(tiny_dirs["llama"]),
+            "--max-sequences",
+            "12",
+            "--seq-len",
+            "16",
+            "--layers",
+            "0,2",
+            "--val-fraction",
+            "0.25",
+            "--device",
+            "cpu",
+        ).exit_code
+        == 0
+    )
+    res = invoke(
+        "train-bridge",
+        "--layer",
+        "2",
+        "--extract",
+        "latest",
+        *TINY,
+        "--train-steps",
+        "4",
+        "--device",
+        "cpu",
+        "--dtype",
+        "bfloat16",
+    )
+    assert res.exit_code == 0, res.output
+    art = ArtifactStore(root).resolve("latest", "bridge")
+    assert art.config["precision"] == "bfloat16" and np.isfinite(art.manifest["metrics"]["val_loss"])
+    weights = files.load_tensors(art.file("weights.safetensors"))
+    assert all(w.dtype == torch.float32 for w in weights.values())  # autocast: the weights stay float32
+
+
+def test_sweep_scores_every_candidate_and_refuses_a_foreign_score(tiny_dirs, root):
+    ex_args = [
+        "extract",
+        "--model",
+        str(tiny_dirs["llama"]),
+        "--max-sequences",
+        "16",
+        "--seq-len",
+        "16",
+        "--val-fraction",
+        "0.25",
+        "--device",
+        "cpu",
+    ]
+    assert invoke(*ex_args).exit_code == 0
+    store = ArtifactStore(root)
+    first = store.resolve("latest", "extract")
+    res = invoke(
+        "sweep",
+        "--extract",
+        first.id,
+        "--layers",
+        "1,2",
+        "--tokens",
+        "100",
+        "--train-steps",
+        "2",
+        "--width",
+        "16",
+        "--depth",
+        "1",
+        "--batch-size",
+        "4",
+        "--eval-limit",
+        "2",
+        "--device",
+        "cpu",
+    )
+    assert res.exit_code == 0, res.output
+    score = store.resolve("latest", "score")
+    assert score.manifest["metrics"]["candidates"] == [1, 2, 3]  # z-scores over 1..L-1, not the swept subset
+    assert invoke(*ex_args, "--seed", "1").exit_code == 0
+    other = store.resolve("latest", "extract")
+    res = invoke(
+        "sweep",
+        "--extract",
+        other.id,
+        "--score",
+        score.id,
+        "--layers",
+        "1,2",
+        "--train-steps",
+        "2",
+        "--width",
+        "16",
+        "--depth",
+        "1",
+        "--batch-size",
+        "4",
+        "--device",
+        "cpu",
+    )
+    assert res.exit_code == 2 and f"score {score.id} was made from extract {first.id}" in res.output
