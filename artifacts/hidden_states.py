@@ -5,6 +5,12 @@
     attention_mask   (n_seq, seq_len) int8
     split            (n_seq,) int8        0 = train, 1 = validation
     committed        (n_chunks,) bool     one file per chunk: set after the chunk's data is written
+    sample/<l>       (n_chunks, K, D)     the score's position pool: the states at sample_seq/sample_pos,
+    sample_seq/_pos  (n_chunks, K) int32  K positions per chunk (-1 pads), one Zarr chunk per extract chunk
+
+The pool makes scoring read O(pool x D) per layer instead of the whole layer: a train-split
+position p >= 1 of chunk i is in it with probability quota_i / valid_i, quotas proportional to
+each chunk's valid positions (so every position has the same chance, up to rounding).
 
 Group attributes carry the layer convention (docs/method.md section 0) and the chunk size.
 A chunk whose `committed` flag is set is complete; resume skips it.
@@ -58,6 +64,49 @@ def create(
     return group
 
 
+def create_pool(group: zarr.Group, layers: list[int], width: int, dtypes: dict[int, str], pool: int, seed: int) -> None:
+    """Choose the score's pool of train positions (>= 1) per extract chunk and create its arrays."""
+    split, n_seq, seq_len = np.asarray(group["split"][:]), *group["input_ids"].shape
+    chunk = int(group.attrs["chunk_seqs"])
+    ranges = chunk_ranges(n_seq, chunk)
+    valid = np.array([int((split[a:b] == SPLITS["train"]).sum()) * (seq_len - 1) for a, b in ranges])
+    quota = np.minimum(np.round(pool * valid / max(valid.sum(), 1)).astype(int), valid)
+    k = max(int(quota.max(initial=0)), 1)
+    seqs, positions = np.full((len(ranges), k), -1, np.int32), np.full((len(ranges), k), -1, np.int32)
+    for i, (a, b) in enumerate(ranges):
+        train = np.flatnonzero(split[a:b] == SPLITS["train"]) + a
+        pick = np.sort(np.random.default_rng([seed, i, 7]).choice(valid[i], size=quota[i], replace=False))
+        seqs[i, : quota[i]], positions[i, : quota[i]] = train[pick // (seq_len - 1)], pick % (seq_len - 1) + 1
+    group.create_array("sample_seq", data=seqs, chunks=seqs.shape)
+    group.create_array("sample_pos", data=positions, chunks=positions.shape)
+    for layer in layers:
+        group.create_array(
+            f"sample/{layer}",
+            shape=(len(ranges), k, width),
+            chunks=(1, k, width),
+            dtype=dtypes[layer],
+            fill_value=0,
+            compressors=None,
+        )
+    group.attrs["sample_pool"] = int(quota.sum())
+
+
+def pool_rows(group: zarr.Group, chunk_index: int, start: int) -> tuple[np.ndarray, np.ndarray] | None:
+    """(sequence offsets within the chunk, positions) of the pool rows of one extract chunk."""
+    if "sample_seq" not in group:
+        return None
+    seqs, positions = np.asarray(group["sample_seq"][chunk_index]), np.asarray(group["sample_pos"][chunk_index])
+    keep = seqs >= 0
+    return seqs[keep] - start, positions[keep]
+
+
+def read_pool(group: zarr.Group, layer: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The whole pool of one layer: (sequences, positions, states), padding dropped."""
+    seqs, positions = np.asarray(group["sample_seq"][:]), np.asarray(group["sample_pos"][:])
+    keep = seqs >= 0
+    return seqs[keep], positions[keep], np.asarray(group[f"sample/{layer}"][:])[keep]
+
+
 def open_group(path: Path) -> zarr.Group:
     return zarr.open_group(str(path), mode="r")
 
@@ -77,10 +126,13 @@ def write_chunk(
     states: dict[int, np.ndarray],
     input_ids: np.ndarray,
     attention_mask: np.ndarray,
+    samples: dict[int, np.ndarray] | None = None,
 ) -> None:
     stop = start + input_ids.shape[0]
     for layer, values in states.items():
         group[f"layers/{layer}"][start:stop] = values
+    for layer, rows in (samples or {}).items():
+        group[f"sample/{layer}"][chunk_index, : rows.shape[0]] = rows
     group["input_ids"][start:stop] = input_ids
     group["attention_mask"][start:stop] = attention_mask
     group["committed"][chunk_index] = True  # last: marks the chunk complete

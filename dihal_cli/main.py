@@ -109,6 +109,13 @@ def _rank0() -> bool:
     return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
 
 
+def _barrier() -> None:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
 def _dry(command: str, *configs) -> None:
     for cfg in configs:
         console.print(f"[yellow]dry run[/yellow] {command}: {cfg}", highlight=False, soft_wrap=True)
@@ -156,6 +163,7 @@ def extract(
     store_dtype: str = StoreDtype,
     batch_size: int = opt(ExtractConfig, "batch_size", help="Sequences per forward pass and per Zarr chunk."),
     revision: str | None = opt(ExtractConfig, "revision"),
+    score_pool: int = opt(ExtractConfig, "score_pool", help="Train positions kept apart for a fast score (0: none)."),
     device: str = Device,
     dtype: str = Dtype,
     seed: int = Seed,
@@ -174,6 +182,7 @@ def extract(
         layers=layers,
         store_dtype=store_dtype,
         batch_size=batch_size,
+        score_pool=score_pool,
         device=device,
         dtype=_dtype(dtype, device),
         trust_remote_code=trust_remote_code,
@@ -482,12 +491,18 @@ def sweep(
             ex.plan(ecfg)
         return _dry("sweep", cfg, *([] if extract else [ecfg]), *([] if score else [scfg]))
     parent = _extract_parent(store, extract, ecfg)
-    score_art = (
-        store.resolve(score, "score") if score else score_stage.run(scfg, parent, store, progress=make_progress())
-    )
+    if score:
+        score_art = store.resolve(score, "score")
+    else:  # under torchrun rank 0 scores; the others then find it in the store
+        if _rank0():
+            score_art = score_stage.run(scfg, parent, store, progress=make_progress())
+        _barrier()
+        score_art = score_stage.run(scfg, parent, store)
     art = stage.run(
         cfg, parent, score_art, store, force=force, progress=make_progress(), trust_remote_code=trust_remote_code
     )
+    if art is None:  # a rank other than 0 of a layer-sharded sweep: its bridges are in the store
+        return
     result = stage.pd.read_csv(art.file("sweep.csv"))
     cols = ["layer", "S", "score_rank", "val_loss", "top1_agreement", "kl", "ppl_ratio", "rel_recon_error"]
     names = ["layer", "S", "S rank", "val loss", "top-1", "KL", "ppl ratio", "rel err"]

@@ -14,6 +14,7 @@ from artifacts.errors import DihalError
 from artifacts.store import Artifact, ArtifactStore
 from stages.bridge import Bridge
 from stages.fidelity import evaluate_fidelity
+from stages.lm.hybrid import lm_logits
 from stages.lm.models import LoadedModel, load_model
 
 STAGE = "evaluate"
@@ -127,9 +128,9 @@ def sample_nlls(loaded: LoadedModel, prompts: list[str], texts: list[str]) -> li
             out.append((0.0, 0))
             continue
         ids = torch.tensor([full], device=device)
-        logp = torch.log_softmax(model(input_ids=ids, use_cache=False).logits.float()[0, :-1], -1)
-        targets = ids[0, 1:]
-        nll = -logp.gather(-1, targets[:, None])[:, 0][-n_new:]
+        hidden = model.model(input_ids=ids, use_cache=False).last_hidden_state[0, -n_new - 1 : -1]
+        logp = torch.log_softmax(lm_logits(model, hidden), -1)  # only the n_new scored positions: O(n_new x V)
+        nll = -logp.gather(-1, ids[0, -n_new:, None])[:, 0]
         out.append((float(nll.sum()), n_new))
     return out
 

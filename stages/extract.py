@@ -8,6 +8,7 @@ the same bytes as an uninterrupted one. Under torchrun, rank r takes chunks r, r
 from __future__ import annotations
 
 import contextlib
+import os
 import shutil
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
@@ -37,6 +38,7 @@ class ExtractConfig:
     layers: str = "all"
     store_dtype: str = "auto"
     batch_size: int = 8  # sequences per forward pass and per Zarr chunk
+    score_pool: int = 16384  # train positions whose states are also kept apart for `dihal score` (0: none)
     device: str = "cpu"
     dtype: str = "float32"
     trust_remote_code: bool = False
@@ -48,6 +50,8 @@ class ExtractConfig:
             )
         if self.batch_size < 1:
             raise DihalError(f"--batch-size must be at least 1, got {self.batch_size}")
+        if self.score_pool < 0:
+            raise DihalError(f"--score-pool must be >= 0 (0: none), got {self.score_pool}")
         parse_layers(self.layers, None)  # syntax and order now; the range once the model is known
 
 
@@ -230,8 +234,10 @@ def run(
                 first = torch.from_numpy(packed.input_ids[: cfg.batch_size].astype(np.int64)).to(loaded.device)
                 with torch.no_grad(), capture_layers(loaded.model, layers) as captured:
                     dtypes = choose_dtypes(run_capture(loaded.model, captured, first), cfg.store_dtype)
-                hs.create(
-                    zarr_path,
+                building = zarr_path.with_name("hidden.zarr.tmp")  # renamed once split and pool are in
+                shutil.rmtree(building, ignore_errors=True)
+                group = hs.create(
+                    building,
                     layers,
                     n_seq,
                     seq_len,
@@ -244,7 +250,10 @@ def run(
                         "start_token": packed.start_token,
                     },
                 )
-                hs.open_for_writing(zarr_path)["split"][:] = packed.split
+                group["split"][:] = packed.split
+                if cfg.score_pool:
+                    hs.create_pool(group, layers, loaded.width, dtypes, cfg.score_pool, cfg.data.seed)
+                os.replace(building, zarr_path)
         _barrier(world)
         group = hs.open_for_writing(zarr_path)
         try:
@@ -299,11 +308,13 @@ def _extract_chunks(
             ids = torch.from_numpy(input_ids[start:stop].astype(np.int64)).to(device)
             mask = torch.ones_like(ids)
             states = run_capture(loaded.model, captured, ids, mask)
-            arrays = {}
+            arrays, pool, samples = {}, hs.pool_rows(group, index, start), {}
             for layer in layers:
                 if dtypes[layer] == "float16":
                     check_float16(layer, states[layer], cfg.store_dtype)
                 arrays[layer] = states[layer].to("cpu", torch.float32).numpy().astype(dtypes[layer])
+                if pool is not None:
+                    samples[layer] = arrays[layer][pool[0], pool[1]]
             if pending is not None:
                 progress.advance(pending.result())
             pending = writer.submit(
@@ -314,6 +325,7 @@ def _extract_chunks(
                 arrays,
                 input_ids[start:stop],
                 mask.cpu().numpy().astype(np.int8),
+                samples,
                 (stop - start) * seq_len,
             )
         if pending is not None:
@@ -321,6 +333,6 @@ def _extract_chunks(
     progress.stop()
 
 
-def _write(group, index, start, arrays, ids, mask, tokens: int) -> int:
-    hs.write_chunk(group, index, start, arrays, ids, mask)
+def _write(group, index, start, arrays, ids, mask, samples, tokens: int) -> int:
+    hs.write_chunk(group, index, start, arrays, ids, mask, samples)
     return tokens

@@ -279,18 +279,37 @@ def validate(cfg: ScoreConfig) -> None:
         raise DihalError("--split must be train or validation")
 
 
+def uses_pool(group, cfg: ScoreConfig) -> bool:
+    """The extract's pool is a uniform sample of the train split's positions >= 1; a score of that
+    kind no larger than the pool draws from it (a uniform subsample of a uniform sample)."""
+    exclude = excluded_positions(cfg.exclude_positions)
+    return (
+        "sample_seq" in group
+        and cfg.split == "train"
+        and exclude == [0]
+        and cfg.tokens <= int(group.attrs.get("sample_pool", 0))
+    )
+
+
 def score_layers(
     group, cfg: ScoreConfig, layers: list[int], progress: Progress
 ) -> tuple[pd.DataFrame, np.ndarray, np.ndarray]:
     exclude = excluded_positions(cfg.exclude_positions)
-    seq_idx, pos_idx = sample_positions(group, cfg.split, cfg.tokens, exclude, cfg.seed)
+    if uses_pool(group, cfg):  # the extract's pool: O(pool x D) read per layer
+        pool_seq, pool_pos, _ = hs.read_pool(group, layers[0])
+        pick = np.sort(np.random.default_rng([cfg.seed, 0]).choice(pool_seq.size, size=cfg.tokens, replace=False))
+        seq_idx, pos_idx = pool_seq[pick], pool_pos[pick]
+        read_layer = lambda layer: hs.read_pool(group, layer)[2][pick]  # noqa: E731
+    else:  # reads the chunks that hold the sampled positions
+        seq_idx, pos_idx = sample_positions(group, cfg.split, cfg.tokens, exclude, cfg.seed)
+        read_layer = lambda layer: hs.read_positions(group, layer, seq_idx, pos_idx)  # noqa: E731
     pairs = sample_pairs(cfg.tokens, cfg.pairs, cfg.seed)
     rows = []
     progress.start("score", len(layers), "layer")
     with ThreadPoolExecutor(max_workers=1) as reader:  # reads layer l+1 while layer l is scored
 
         def read(layer: int):
-            return reader.submit(hs.read_positions, group, layer, seq_idx, pos_idx)
+            return reader.submit(read_layer, layer)
 
         pending = read(layers[0])
         for position, layer in enumerate(layers):
@@ -328,7 +347,12 @@ def run(
         table, seq_idx, pos_idx = score_layers(group, cfg, layers, progress)
         write_outputs(art, table, seq_idx, pos_idx)
         best = int(table.loc[table["S"].idxmax(), "layer"])
-        art.manifest["metrics"] = {"l_star": best, "n_tokens": cfg.tokens, "candidates": layers}
+        art.manifest["metrics"] = {
+            "l_star": best,
+            "n_tokens": cfg.tokens,
+            "candidates": layers,
+            "positions_from": "extract pool" if uses_pool(group, cfg) else "layers",
+        }
     return art
 
 

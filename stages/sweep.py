@@ -14,6 +14,7 @@ from artifacts.store import Artifact, ArtifactStore
 from stages import bridge as bridge_stage
 from stages import evaluate as eval_stage
 from stages import score as score_stage
+from stages.diffusion import trainer
 from stages.runtime import plotting
 from stages.runtime.progress import NullProgress, Progress
 
@@ -64,19 +65,29 @@ def run(
     missing = [layer for layer in cfg.layers if layer not in scores.index]
     if missing:
         raise DihalError(f"layer {missing[0]} is not a candidate of score {score_art.id}; sweep its candidates only")
+    bridge_cfg = lambda layer: bridge_stage.BridgeConfig.from_protocol(  # noqa: E731
+        layer,
+        cfg.protocol,
+        **dict(cfg.overrides),
+        seed=cfg.seed,
+        device=cfg.device,
+        precision="bfloat16" if cfg.dtype == "bfloat16" else "float32",
+    )
+    rank, world = trainer.distributed()
+    if world > 1:  # under torchrun: rank r trains layers r, r + W, ... each on its own; rank 0 sums up
+        with trainer.local():
+            for layer in cfg.layers[rank::world]:
+                progress.log(f"rank {rank}, layer {layer}: bridge under protocol {cfg.protocol}")
+                bridge_stage.run(bridge_cfg(layer), extract, store, progress=progress if rank == 0 else None)
+        trainer.barrier()
+        if rank != 0:
+            return None
     loaded = None
     rows = []
     for layer in cfg.layers:
         progress.log(f"layer {layer}: bridge under protocol {cfg.protocol}")
-        bcfg = bridge_stage.BridgeConfig.from_protocol(
-            layer,
-            cfg.protocol,
-            **dict(cfg.overrides),
-            seed=cfg.seed,
-            device=cfg.device,
-            precision="bfloat16" if cfg.dtype == "bfloat16" else "float32",
-        )
-        bridge_art = bridge_stage.run(bcfg, extract, store, progress=progress)
+        with trainer.local():
+            bridge_art = bridge_stage.run(bridge_cfg(layer), extract, store, progress=progress)
         fcfg = eval_stage.FidelityConfig(
             sample_steps=(cfg.sample_steps,), limit=cfg.eval_limit, seed=cfg.seed, device=cfg.device, dtype=cfg.dtype
         )

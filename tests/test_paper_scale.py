@@ -443,3 +443,60 @@ def test_sweep_scores_every_candidate_and_refuses_a_foreign_score(tiny_dirs, roo
         "cpu",
     )
     assert res.exit_code == 2 and f"score {score.id} was made from extract {first.id}" in res.output
+
+
+def test_a_sweep_under_torchrun_shards_layers_over_ranks(tiny_dirs, tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    args = [
+        "sweep",
+        "--model",
+        str(tiny_dirs["llama"]),
+        "--max-sequences",
+        "16",
+        "--seq-len",
+        "16",
+        "--layers",
+        "1,2",
+        "--tokens",
+        "100",
+        "--train-steps",
+        "3",
+        "--width",
+        "16",
+        "--depth",
+        "1",
+        "--batch-size",
+        "4",
+        "--eval-limit",
+        "2",
+        "--device",
+        "cpu",
+        "--root",
+        str(tmp_path / "runs"),
+    ]
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            "2",
+            "--master_port",
+            "29547",
+            "-m",
+            "dihal_cli",
+            *args,
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    store = ArtifactStore(tmp_path / "runs")
+    bridges = store.all("bridge")
+    assert sorted(b.config["layer"] for b in bridges) == [1, 2] and all(b.complete for b in bridges)
+    assert all(b.manifest["metrics"]["world_size"] == 1 for b in bridges)  # each layer trained by one rank
+    assert "rank 1, layer 2" in proc.stderr and len(store.all("score")) == 1
+    sweep = store.resolve("latest", "sweep")
+    assert sweep.complete and sweep.manifest["metrics"]["layers"] == [1, 2]

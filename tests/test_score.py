@@ -236,3 +236,55 @@ def test_candidate_missing_from_extract(tiny_dirs, root):
     invoke("extract", "--model", str(tiny_dirs["llama"]), "--max-sequences", "20", "--seq-len", "32", "--layers", "0-2")
     res = invoke("score", "--candidates", "1-3", "--tokens", "100", "--k", "8")
     assert res.exit_code == 2 and "not in the extract" in res.output
+
+
+def test_extract_keeps_a_uniform_pool_that_the_score_reads(tiny_dirs, root):
+    """The pool holds exactly the states at its (sequence, position) pairs, only train positions >= 1,
+    with per-chunk quotas proportional to the chunk's valid positions; a default-shaped score reads it."""
+    from artifacts import hidden_states as hs
+    from artifacts.store import ArtifactStore
+
+    args = [
+        "extract",
+        "--model",
+        str(tiny_dirs["llama"]),
+        "--max-sequences",
+        "30",
+        "--seq-len",
+        "16",
+        "--batch-size",
+        "4",
+        "--val-fraction",
+        "0.2",
+        "--score-pool",
+        "200",
+        "--device",
+        "cpu",
+    ]
+    assert invoke(*args).exit_code == 0
+    ex = ArtifactStore(root).resolve("latest", "extract")
+    group = hs.open_group(ex.path / "hidden.zarr")
+    split = np.asarray(group["split"][:])
+    for layer in (0, 3):
+        seqs, positions, states = hs.read_pool(group, layer)
+        assert len(seqs) == int(group.attrs["sample_pool"]) and abs(len(seqs) - 200) <= len(hs.chunk_ranges(30, 4))
+        assert (positions >= 1).all() and (split[seqs] == 0).all()
+        assert len(set(zip(seqs.tolist(), positions.tolist()))) == len(seqs)  # without replacement
+        full = np.asarray(group[f"layers/{layer}"][:])
+        np.testing.assert_array_equal(states, full[seqs, positions])
+    train_per_chunk = [int((split[a:b] == 0).sum()) for a, b in hs.chunk_ranges(30, 4)]
+    per_chunk = np.bincount(seqs // 4, minlength=len(train_per_chunk))
+    expected = np.round(200 * np.array(train_per_chunk) / sum(train_per_chunk))
+    np.testing.assert_array_equal(per_chunk, expected)
+    res = invoke("score", "--tokens", "150", "--k", "5", "--pairs", "300")
+    assert res.exit_code == 0, res.output
+    score = ArtifactStore(root).resolve("latest", "score")
+    assert score.manifest["metrics"]["positions_from"] == "extract pool"
+    picked = np.load(score.file("positions.npz"))
+    pool = set(zip(seqs.tolist(), positions.tolist()))
+    assert all((s, p) in pool for s, p in zip(picked["sequence"].tolist(), picked["position"].tolist()))
+    bigger = invoke("score", "--tokens", "250", "--k", "5", "--pairs", "300")  # more than the pool: the layers
+    assert (
+        bigger.exit_code == 0
+        and ArtifactStore(root).resolve("latest", "score").manifest["metrics"]["positions_from"] == "layers"
+    )

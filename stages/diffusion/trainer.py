@@ -86,14 +86,30 @@ class Task(Protocol):
     def validate(self, net: nn.Module) -> float: ...
 
 
+_LOCAL = {"depth": 0}
+
+
+@contextlib.contextmanager
+def local():
+    """Inside, every rank trains on its own (a sweep shards layers over ranks, not batches)."""
+    _LOCAL["depth"] += 1
+    try:
+        yield
+    finally:
+        _LOCAL["depth"] -= 1
+
+
 def distributed() -> tuple[int, int]:
-    """(rank, world size); (0, 1) outside torchrun."""
-    return (dist.get_rank(), dist.get_world_size()) if dist.is_available() and dist.is_initialized() else (0, 1)
+    """(rank, world size) of data-parallel training; (0, 1) outside torchrun or inside local()."""
+    if _LOCAL["depth"] or not (dist.is_available() and dist.is_initialized()):
+        return 0, 1
+    return dist.get_rank(), dist.get_world_size()
 
 
 def barrier() -> None:
     if distributed()[1] > 1:
         dist.barrier()
+
 
 
 # -- the order of the data ------------------------------------------------------------------------------------

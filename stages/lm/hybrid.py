@@ -50,16 +50,30 @@ def suffix_model(model: nn.Module, layer: int) -> nn.Module:
     return suffix.eval()
 
 
-def suffix_logits(suffix: nn.Module, states: torch.Tensor) -> torch.Tensor:
-    """Teacher-forced logits from layer-l states (B, T, D), no cache."""
+def suffix_hidden(suffix: nn.Module, states: torch.Tensor) -> torch.Tensor:
+    """Teacher-forced final hidden states (after the final norm) from layer-l states (B, T, D)."""
     dtype = next(suffix.parameters()).dtype
-    return suffix(inputs_embeds=states.to(dtype), use_cache=False).logits.float()
+    return suffix.model(inputs_embeds=states.to(dtype), use_cache=False).last_hidden_state
+
+
+def suffix_logits(suffix: nn.Module, states: torch.Tensor) -> torch.Tensor:
+    """Teacher-forced logits from layer-l states (B, T, D), no cache (all of them: small inputs only)."""
+    return lm_logits(suffix, suffix_hidden(suffix, states))
+
+
+def lm_logits(model: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    """The LM head (and Gemma's final logit soft-capping, where set) on final hidden states, float32.
+    Callers pass slices of positions, so (B, T, V) is never materialized for a large vocabulary."""
+    logits = model.lm_head(hidden).float()
+    cap = getattr(model.config, "final_logit_softcapping", None)
+    return torch.tanh(logits / cap) * cap if cap else logits
 
 
 def original_forward(model: nn.Module, input_ids: torch.Tensor, layers: list[int]) -> tuple[torch.Tensor, dict]:
-    """Full-stack logits plus the residual states at `layers` (docs/method.md section 0)."""
+    """Final hidden states (after the final norm; lm_logits turns them into logits) plus the residual
+    states at `layers` (docs/method.md section 0)."""
     from stages.lm.capture import capture_layers
 
     with torch.no_grad(), capture_layers(model, layers, stop_early=False) as captured:
-        logits = model(input_ids=input_ids, use_cache=False).logits.float()
-        return logits, {k: v.float() for k, v in captured.items()}
+        hidden = model.model(input_ids=input_ids, use_cache=False).last_hidden_state
+        return hidden, {k: v.float() for k, v in captured.items()}
