@@ -16,7 +16,7 @@ import typer
 
 from artifacts.errors import DihalError
 from artifacts.store import ArtifactStore
-from dihal_cli.ui import LOG_EVERY, console, human_size, make_progress, print_json, table, user_errors
+from dihal_cli.ui import LOG_EVERY, console, fmt, human_size, make_progress, print_json, table, user_errors
 from stages.evaluate import FidelityConfig, SamplesConfig
 from stages.extract import ExtractConfig
 from stages.generate import GenerateConfig
@@ -271,7 +271,7 @@ def score(
 def train_bridge(
     layer: int = typer.Option(..., "--layer", help="Replace embeddings + blocks 1..layer."),
     protocol: str = typer.Option(
-        "cpu-small", "--protocol", help="cpu-small, sweep-tiny or paper (every field overridable)."
+        "cpu-small", "--protocol", help="cpu-small, sweep-tiny, compare-cpu or paper (every field overridable)."
     ),
     extract: str | None = typer.Option(
         None, "--extract", help="Extract holding layers 0 and --layer; omitted: run the extract stage now."
@@ -294,6 +294,9 @@ def train_bridge(
     checkpoint_every: int | None = typer.Option(None, "--checkpoint-every"),
     prediction: str | None = typer.Option(None, "--prediction", help="x0 (default) or velocity."),
     skip_init: str | None = typer.Option(None, "--skip-init", help="ridge (default) or zero."),
+    condition_noise: float | None = typer.Option(
+        None, "--condition-noise", help="Train on c + sigma z, sigma ~ U(0, this) (default 0; 0.5 for the comparison)."
+    ),
     device: str = Device,
     dtype: str = Dtype,
     seed: int = Seed,
@@ -323,6 +326,7 @@ def train_bridge(
         checkpoint_every=checkpoint_every,
         prediction=prediction,
         skip_init=skip_init,
+        condition_noise=condition_noise,
         seed=seed,
         device=device,
         precision="bfloat16" if _dtype(dtype, device) == "bfloat16" else "float32",
@@ -521,8 +525,13 @@ def sweep(
 @app.command()
 @user_errors
 def generate(
-    bridge: str = typer.Option("latest", "--bridge", help="Bridge artifact: id, prefix or latest."),
-    mode: str = opt(GenerateConfig, "mode", help="ar: autoregressive hybrid generation."),
+    bridge: str | None = typer.Option(None, "--bridge", help="Bridge artifact: id, prefix or latest (ar: latest)."),
+    mode: str = opt(GenerateConfig, "mode", help="ar: the hybrid, token by token; parallel: a prior's samples."),
+    prior: str | None = typer.Option(None, "--prior", help="parallel: the prior artifact (dihal train-prior)."),
+    recovery: str = opt(GenerateConfig, "recovery", help="parallel: rounding, decoder or hidden."),
+    decoder: str | None = typer.Option(None, "--decoder", help="parallel, --recovery decoder: the decoder artifact."),
+    prior_steps: int = opt(GenerateConfig, "prior_steps", help="parallel: Euler steps of the prior."),
+    clamp: bool = typer.Option(False, "--clamp", help="parallel: Diffusion-LM clamping to token embeddings."),
     prompt: list[str] = typer.Option([], "--prompt", help="A prompt (repeatable); none: start from the start token."),
     prompts_file: str | None = typer.Option(None, "--prompts-file", help="One prompt per line."),
     num_samples: int = opt(GenerateConfig, "num_samples", help="Samples per prompt."),
@@ -568,6 +577,9 @@ def generate(
         mode=mode,
         baseline=baseline,
         cache=not no_cache,
+        prior_steps=prior_steps,
+        recovery=recovery,
+        clamp=clamp,
         seed=seed,
         device=device,
         dtype=_dtype(dtype, device),
@@ -575,20 +587,32 @@ def generate(
     if dry_run:
         return _dry("generate", cfg)
     store = ArtifactStore(root)
-    bridge_art = store.resolve(bridge, "bridge")
-    art = stage.run(
-        cfg,
-        bridge_art,
-        store,
-        lambda: backbone_for(bridge_art, device, cfg.dtype, trust_remote_code),
-        force=force,
-        progress=make_progress(),
-    )
+    if mode == "parallel":
+        if prior is None:
+            raise DihalError("--mode parallel needs --prior ID (a `dihal train-prior` artifact)")
+        if bridge is not None and decoder is not None:
+            raise DihalError("give --bridge (recovery hidden) or --decoder (recovery decoder), not both")
+        prior_art = store.resolve(prior, "prior")
+        part = store.resolve(bridge, "bridge") if bridge else store.resolve(decoder, "decoder") if decoder else None
+        load = lambda: backbone_for(prior_art, device, cfg.dtype, trust_remote_code)  # noqa: E731
+        art = stage.run_parallel(cfg, prior_art, store, load, part, force=force, progress=make_progress())
+        m = art.manifest["metrics"]
+        console.print(
+            f"{m['label']}: {m['ms_per_sample']:.1f} ms per sample ({m['prior_ms_per_sample']:.1f} prior, "
+            f"{m['recovery_ms_per_sample']:.1f} recovery), {m['mean_tokens']:.1f} tokens",
+            highlight=False,
+        )
+    else:
+        bridge_art = store.resolve(bridge or "latest", "bridge")
+        load = lambda: backbone_for(bridge_art, device, cfg.dtype, trust_remote_code)  # noqa: E731
+        art = stage.run(cfg, bridge_art, store, load, force=force, progress=make_progress())
+        for model_name, m in art.manifest["metrics"].items():
+            console.print(
+                f"{model_name}: {m['ms_per_token']:.1f} ms per token (batch step), {m['mean_tokens']:.1f} tokens"
+            )
     for line in art.file("samples.jsonl").read_text().splitlines()[:3]:
         row = json.loads(line)
-        console.print(f"[bold]hybrid[/bold] {row['prompt']!r} -> {row['text'][:200]!r}", highlight=False)
-    for model_name, m in art.manifest["metrics"].items():
-        console.print(f"{model_name}: {m['ms_per_token']:.1f} ms per token (batch step), {m['mean_tokens']:.1f} tokens")
+        console.print(f"[bold]{row['model']}[/bold] {row['prompt']!r} -> {row['text'][:200]!r}", highlight=False)
     _report(art)
 
 
@@ -684,3 +708,179 @@ def runs_gc(
     for art in gone:
         console.print(f"{'would remove' if dry_run else 'removed'} {art.stage}/{art.id} ({art.status})")
     console.print(f"{len(gone)} artifact(s) {'to remove' if dry_run else 'removed'}")
+
+
+# -- the comparison (docs/method.md section 5) ----------------------------------------------------------------
+def _parts_overrides(train_steps, epochs, batch_size, lr, width, heads) -> dict:
+    return dict(steps=train_steps, epochs=epochs, batch_size=batch_size, lr=lr, width=width, heads=heads)
+
+
+TrainSteps = typer.Option(None, "--train-steps", help="Optimizer steps (the protocol's if omitted).")
+Protocol = typer.Option("compare-cpu", "--protocol", help="compare-cpu, cpu-small, sweep-tiny or paper.")
+ExtractRef = typer.Option("latest", "--extract", help="Extract artifact holding layer 0 (and --layer).")
+
+
+@app.command("train-prior")
+@user_errors
+def train_prior(
+    layer: int = typer.Option(0, "--layer", help="0: normalized h_0 (the comparison's prior); l: h_l (DiHAL-direct)."),
+    self_condition: bool = typer.Option(False, "--self-condition", help="SED's self-conditioning."),
+    protocol: str = Protocol, extract: str = ExtractRef, train_steps: int | None = TrainSteps,
+    epochs: int | None = typer.Option(None, "--epochs"), batch_size: int | None = typer.Option(None, "--batch-size"),
+    lr: float | None = typer.Option(None, "--lr"), width: int | None = typer.Option(None, "--width"),
+    depth: int | None = typer.Option(None, "--depth"), heads: int | None = typer.Option(None, "--heads"),
+    device: str = Device, dtype: str = Dtype, seed: int = Seed, force: bool = Force, dry_run: bool = DryRun,
+    root: str = Root,
+) -> None:  # fmt: skip
+    """Sequence diffusion prior over normalized states, positions 1..T-1 (docs/method.md section 5)."""
+    from stages import prior as stage
+
+    device = _device(device, dry_run)
+    precision = "bfloat16" if _dtype(dtype, device) == "bfloat16" else "float32"
+    cfg = stage.PriorConfig.from_protocol(
+        layer,
+        protocol,
+        self_condition=self_condition,
+        depth=depth,
+        seed=seed,
+        device=device,
+        precision=precision,
+        **_parts_overrides(train_steps, epochs, batch_size, lr, width, heads),
+    )
+    if dry_run:
+        return _dry("train-prior", cfg)
+    store = ArtifactStore(root)
+    art = stage.run(cfg, store.resolve(extract, "extract"), store, force=force, progress=make_progress())
+    m = art.manifest["metrics"]
+    console.print(
+        f"prior over layer {layer}: validation x0 loss {m['val_loss']:.4f} after {m['steps']} steps, "
+        f"{m['parameters']:,} parameters"
+    )
+    _report(art)
+
+
+@app.command("train-decoder")
+@user_errors
+def train_decoder(
+    condition_noise: float = typer.Option(0.5, "--condition-noise", help="sigma_max of the corrupted conditions."),
+    protocol: str = Protocol, extract: str = ExtractRef, train_steps: int | None = TrainSteps,
+    epochs: int | None = typer.Option(None, "--epochs"), batch_size: int | None = typer.Option(None, "--batch-size"),
+    lr: float | None = typer.Option(None, "--lr"), width: int | None = typer.Option(None, "--width"),
+    heads: int | None = typer.Option(None, "--heads"),
+    device: str = Device, dtype: str = Dtype, seed: int = Seed, force: bool = Force, dry_run: bool = DryRun,
+    root: str = Root,
+) -> None:  # fmt: skip
+    """CoDAR's recovery: a causal decoder cross-attending to normalized h_0 (docs/method.md section 5)."""
+    from stages import decoder as stage
+
+    device = _device(device, dry_run)
+    precision = "bfloat16" if _dtype(dtype, device) == "bfloat16" else "float32"
+    cfg = stage.DecoderTrainConfig.from_protocol(
+        protocol,
+        condition_noise=condition_noise,
+        seed=seed,
+        device=device,
+        precision=precision,
+        **_parts_overrides(train_steps, epochs, batch_size, lr, width, heads),
+    )
+    if dry_run:
+        return _dry("train-decoder", cfg)
+    store = ArtifactStore(root)
+    art = stage.run(cfg, store.resolve(extract, "extract"), store, force=force, progress=make_progress())
+    m = art.manifest["metrics"]
+    console.print(f"decoder: validation cross-entropy {m['val_loss']:.4f} after {m['steps']} steps")
+    _report(art)
+
+
+@app.command()
+@user_errors
+def compare(
+    layer: int | None = typer.Option(None, "--layer", help="l* (default: the score's argmax S)."),
+    oracle: int | None = typer.Option(None, "--oracle", help="A sweep's oracle layer: one more DiHAL row."),
+    protocol: str = Protocol,
+    seeds: str = typer.Option("0,1", "--seeds", help="Comma list; every part is trained and sampled per seed."),
+    num_samples: int = typer.Option(256, "--num-samples", help="Samples per row and seed."),
+    prior_steps: int = opt(GenerateConfig, "prior_steps"), sample_steps: int = opt(GenerateConfig, "sample_steps"),
+    condition_noise: float = typer.Option(0.5, "--condition-noise"),
+    train_steps: int | None = TrainSteps, width: int | None = typer.Option(None, "--width"),
+    depth: int | None = typer.Option(None, "--depth", help="Of the priors and bridges (the decoder has depth 2)."),
+    evaluator: str | None = typer.Option(None, "--evaluator", help="Second evaluator (default: the other builtin)."),
+    extract: str | None = typer.Option(None, "--extract", help="Extract of every layer (omitted: extract now)."),
+    score: str | None = typer.Option(None, "--score", help="Score of that extract (omitted: score now)."),
+    tokens: int = opt(ScoreConfig, "tokens", help="Score sample size when scoring now."),
+    model: str = Model, dataset: str = Dataset, max_sequences: int | None = MaxSeq, seq_len: int = SeqLen,
+    store_dtype: str = StoreDtype, batch_size: int = typer.Option(32, "--batch-size", help="Samples per batch."),
+    device: str = Device, dtype: str = Dtype, force: bool = Force, dry_run: bool = DryRun,
+    trust_remote_code: bool = Trust, root: str = Root,
+) -> None:  # fmt: skip
+    """Diffusion-LM, SED, CoDAR and DiHAL from one prior at a matched budget, with references (section 5)."""
+    from stages import compare as stage
+    from stages import score as score_stage
+    from stages.lm.models import load_model
+
+    device = _device(device, dry_run)
+    try:
+        seed_list = tuple(int(x) for x in seeds.split(",") if x.strip())
+    except ValueError:
+        raise DihalError(f"cannot read --seeds '{seeds}'; use a comma list like 0,1,2") from None
+    cfg = stage.CompareConfig(
+        layer=layer,
+        oracle=oracle,
+        protocol=protocol,
+        seeds=seed_list,
+        num_samples=num_samples,
+        prior_steps=prior_steps,
+        sample_steps=sample_steps,
+        condition_noise=condition_noise,
+        evaluator=evaluator,
+        batch_size=batch_size,
+        device=device,
+        dtype=_dtype(dtype, device),
+        overrides=tuple(
+            (k, v) for k, v in (("steps", train_steps), ("width", width), ("depth", depth)) if v is not None
+        ),
+    )
+    stage.part_configs(cfg, seed_list[0], 1, 1)  # every part's recipe is valid before anything runs
+    ecfg = _extract_config(
+        model, dataset, seq_len, max_sequences, "all", store_dtype, device, cfg.dtype, 0, trust_remote_code
+    )
+    scfg = ScoreConfig(tokens=tokens, device=device)
+    if dry_run:
+        if extract is None:
+            from stages.extract import plan
+
+            plan(ecfg)
+        return _dry("compare", cfg, *([] if extract else [ecfg]), *([] if score else [scfg]))
+    store = ArtifactStore(root)
+    parent = _extract_parent(store, extract, ecfg)
+    score_art = (
+        store.resolve(score, "score") if score else score_stage.run(scfg, parent, store, progress=make_progress())
+    )
+    load = lambda spec: load_model(spec, device, cfg.dtype, trust_remote_code=trust_remote_code)  # noqa: E731
+    art = stage.run(cfg, parent, score_art, store, load, force=force, progress=make_progress())
+    rows = json.loads(art.file("compare.json").read_text())["rows"]
+
+    def pm(r, key):
+        mean, std = r[key + "_mean"], r[key + "_std"]
+        return f"{fmt(mean)}±{std:.2g}" if r["seeds"] > 1 else fmt(mean)
+
+    m = art.manifest["metrics"]
+    names = ["row", "PPL backbone", f"PPL {Path(m['evaluators']['evaluator']).name[:12]}", "entropy", "diversity"]
+    cells = [
+        [
+            r["row"],
+            pm(r, "gen_ppl_token_backbone"),
+            pm(r, "gen_ppl_token_evaluator"),
+            pm(r, "token_entropy"),
+            pm(r, "diversity"),
+        ]
+        for r in rows
+    ]
+    console.print(
+        table(
+            f"comparison, l* = {m['l_star']}, argmin S = {m['argmin_S']}, seeds {seeds} (Gen.PPL token-weighted)",
+            names,
+            cells,
+        )
+    )
+    _report(art)

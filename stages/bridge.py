@@ -21,64 +21,12 @@ from artifacts.store import Artifact, ArtifactStore, artifact_id
 from stages.diffusion import flow, trainer
 from stages.diffusion.denoiser import Denoiser, DenoiserConfig
 from stages.diffusion.normalizer import Normalizer
+from stages.diffusion.protocols import PROTOCOLS, from_protocol
 from stages.diffusion.trainer import LoopConfig, barrier, distributed
 from stages.runtime import plotting
 from stages.runtime.progress import NullProgress, Progress
 
 STAGE = "bridge"
-
-PROTOCOLS: dict[str, dict] = {
-    # the measurement setting of docs/method.md section 2 with 1000 steps instead of 600 (about 7 minutes on two
-    # CPU cores for smollm2-135m): at layer 3, 600 steps gave top-1 0.642 at 8 steps, 1000 gave 0.659
-    "cpu-small": dict(
-        steps=1000,
-        epochs=None,
-        batch_size=32,
-        lr=1e-3,
-        warmup=30,
-        schedule="cosine",
-        ema=0.995,
-        width=256,
-        depth=4,
-        heads=4,
-        eval_every=100,
-        checkpoint_every=50,
-        val_sequences=64,
-    ),
-    # one fixed short budget per layer for sweeps (under 2 minutes a layer on CPU)
-    "sweep-tiny": dict(
-        steps=150,
-        epochs=None,
-        batch_size=32,
-        lr=2e-3,
-        warmup=15,
-        schedule="cosine",
-        ema=0.99,
-        width=256,
-        depth=4,
-        heads=4,
-        eval_every=75,
-        checkpoint_every=50,
-        val_sequences=64,
-    ),
-    # GPU scale, as in the paper: one epoch over the train split
-    "paper": dict(
-        steps=None,
-        epochs=1,
-        batch_size=64,
-        lr=3e-4,
-        warmup=500,
-        schedule="cosine",
-        ema=0.9999,
-        width=1024,
-        depth=8,
-        heads=16,
-        eval_every=1000,
-        checkpoint_every=1000,
-        val_sequences=512,
-    ),
-}
-
 
 PROTOCOL_FIELDS = tuple(PROTOCOLS["cpu-small"])
 
@@ -106,6 +54,7 @@ class BridgeConfig:
     objective: str = "flow"
     prediction: str = "x0"
     skip_init: str = "ridge"  # "ridge": A starts at the least-squares map c -> y; "zero": plain init
+    condition_noise: float = 0.0  # sigma_max: train on c + sigma z, sigma ~ U(0, sigma_max) (section 5: 0.5)
     weight_decay: float = 0.0
     grad_clip: float = 1.0
     seed: int = 0
@@ -115,18 +64,9 @@ class BridgeConfig:
 
     @staticmethod
     def from_protocol(layer: int, protocol: str, **overrides) -> BridgeConfig:
-        """PROTOCOLS[protocol] with the given fields replaced; None leaves a field as the protocol has it,
-        and a name that is not a field is refused (never dropped)."""
-        if protocol not in PROTOCOLS:
-            raise DihalError(f"unknown --protocol '{protocol}'; use one of {', '.join(PROTOCOLS)}")
-        known = {f.name for f in fields(BridgeConfig)} - {"layer", "protocol"}
-        unknown = sorted(set(overrides) - known)
-        if unknown:
-            raise DihalError(f"unknown bridge setting '{unknown[0]}'; settings are {', '.join(sorted(known))}")
-        values = {**PROTOCOLS[protocol], **{k: v for k, v in overrides.items() if v is not None}}
-        if overrides.get("epochs") is not None and overrides.get("steps") is None:
-            values["steps"] = None  # --epochs alone: the run length comes from the epochs
-        return BridgeConfig(layer=layer, protocol=protocol, **values)
+        """The protocol's settings (stages/diffusion/protocols.py) with named overrides; None keeps a
+        protocol value, and a name that is not a setting is refused (never dropped)."""
+        return from_protocol(BridgeConfig, protocol, overrides, layer=layer)
 
     def __post_init__(self) -> None:
         if self.layer < 1:
@@ -135,6 +75,8 @@ class BridgeConfig:
             raise DihalError(f"unknown --prediction '{self.prediction}'; use x0 or velocity")
         if self.objective != "flow":
             raise DihalError("only --objective flow (rectified flow) is implemented")
+        if self.condition_noise < 0:
+            raise DihalError(f"--condition-noise must be >= 0, got {self.condition_noise}")
         if self.skip_init not in ("ridge", "zero"):
             raise DihalError(f"unknown --skip-init '{self.skip_init}'; use ridge or zero")
         if self.precision not in ("float32", "bfloat16"):
@@ -197,6 +139,13 @@ class Bridge:
     def noise(self, batch: int, length: int, generator: torch.Generator) -> torch.Tensor:
         """Noise for the covered positions, drawn once per position."""
         return torch.randn(batch, length - self.start, self.net.cfg.dim, generator=generator).to(self.device)
+
+    @torch.no_grad()
+    def sample_condition(self, c: torch.Tensor, steps: int, noise: torch.Tensor) -> torch.Tensor:
+        """c: (B, T', D) normalized conditions at positions 1..T' (a prior's sample) -> (B, T'+1, D)
+        raw layer-l states, position 0 the stored start-token state."""
+        y = flow.sample(lambda x, t, i: self.net(x, t, c), noise[:, : c.shape[1]], steps, self.prediction)
+        return self._assemble(y, c.shape[0])
 
     @torch.no_grad()
     def sample(self, h0: torch.Tensor, steps: int, noise: torch.Tensor) -> torch.Tensor:
@@ -273,6 +222,7 @@ class BridgeTask:
         y = self.norm.y(torch.from_numpy(batch["y"][:, self.start :].astype(np.float32))).to(device)
         t = torch.stack([torch.rand((), generator=g) for g in gens]).to(device)
         eps = torch.stack([torch.randn(y.shape[1:], generator=g) for g in gens]).to(device)
+        c = flow.corrupt(c.cpu(), self.cfg.condition_noise, gens).to(device)
         out = net(flow.noisy(y, eps, t), t, c)
         return ((out.float() - flow.training_target(y, eps, self.cfg.prediction)) ** 2).mean(dim=(1, 2)).sum()
 
@@ -343,26 +293,20 @@ def train(cfg: BridgeConfig, group, art: Artifact, progress: Progress) -> dict:
     result = trainer.train(task, net, loop_config(cfg), art.path, progress, f"bridge L{cfg.layer}")
     log = result.pop("log")
     if rank == 0:
-        plot_losses(log, art.file("loss_curve.png"), cfg)
+        plotting.loss_curve(
+            log,
+            art.file("loss_curve.png"),
+            f"bridge layer {cfg.layer} ({cfg.protocol})",
+            f"{cfg.prediction} MSE (normalized)",
+        )
     return {
         **result,
         "n_train_sequences": task.n_train,
         "n_val_sequences": int(task.y_val.shape[0]),
         "covered_start": start,
+        "parameters": sum(p.numel() for p in net.parameters()),
+        "tokens_seen": result["steps"] * result["global_batch"] * task.tokens_per_item,
     }
-
-
-def plot_losses(log: list[dict], path, cfg: BridgeConfig) -> None:
-    fig, ax = plotting.figure(7, 4)
-    ax.plot([r["step"] for r in log], [r["train_loss"] for r in log], alpha=0.5, label="train")
-    val = [(r["step"], r["val_loss"]) for r in log if "val_loss" in r]
-    if val:
-        ax.plot(*zip(*val), marker="o", label="validation (EMA)")
-    ax.set_yscale("log")
-    ax.set_xlabel("step")
-    ax.set_ylabel(f"{cfg.prediction} MSE (normalized)")
-    ax.legend()
-    plotting.save(fig, ax, path, f"bridge layer {cfg.layer} ({cfg.protocol})", dpi=110)
 
 
 # -- the stage ----------------------------------------------------------------------------------

@@ -154,7 +154,7 @@ def run_samples(
     loaded: LoadedModel | None = None,
     trust_remote_code: bool = False,
 ) -> Artifact:
-    from stages.text.text_metrics import text_metrics
+    from stages.text.text_metrics import text_metrics, token_entropy
 
     config, parents = {"kind": "samples", **asdict(cfg)}, {"generate": gen_art.id}
     if cached := store.cached(STAGE, config, parents, force=force):
@@ -177,6 +177,7 @@ def run_samples(
                     "n_samples": len(samples),
                     **gen_ppl(nlls),
                     **text_metrics(texts),
+                    "token_entropy": token_entropy([s["token_ids"] for s in samples]),
                     "mean_tokens": float(np.mean([s["n_tokens"] for s in samples])),
                 }
             )

@@ -8,6 +8,7 @@ top-k, top-p). `--baseline original` runs the unmodified backbone through the sa
 
 from __future__ import annotations
 
+import hashlib
 import json
 import time
 from collections.abc import Callable
@@ -17,7 +18,7 @@ import torch
 from transformers import DynamicCache
 
 from artifacts.errors import DihalError
-from artifacts.store import Artifact, ArtifactStore
+from artifacts.store import COMMANDS, Artifact, ArtifactStore
 from stages.bridge import Bridge
 from stages.lm.capture import hidden_states
 from stages.lm.hybrid import suffix_model
@@ -38,8 +39,11 @@ class GenerateConfig:
     top_p: float = 1.0
     sample_steps: int = 8  # Euler steps of the bridge sampler per position
     batch_size: int = 8
-    mode: str = "ar"
+    mode: str = "ar"  # ar: the hybrid, token by token; parallel: a prior's samples, recovered (section 5)
     baseline: str = "none"  # "original": also generate with the unmodified backbone
+    prior_steps: int = 50  # parallel: Euler steps of the prior
+    recovery: str = "rounding"  # parallel: rounding, decoder or hidden
+    clamp: bool = False  # parallel: Diffusion-LM clamping of each step's x0 estimate
     cache: bool = True
     seed: int = 0
     device: str = "cpu"
@@ -50,8 +54,14 @@ class GenerateConfig:
 
 
 def validate(cfg: GenerateConfig) -> None:
-    if cfg.mode != "ar":
-        raise DihalError(f"--mode {cfg.mode} is not implemented; use --mode ar")
+    if cfg.mode not in ("ar", "parallel"):
+        raise DihalError(f"unknown --mode '{cfg.mode}'; use ar or parallel")
+    if cfg.mode == "parallel" and cfg.prompts:
+        raise DihalError("--mode parallel generates whole sequences from the start token; leave out --prompt")
+    if cfg.recovery not in RECOVERIES:
+        raise DihalError(f"unknown --recovery '{cfg.recovery}'; use {', '.join(RECOVERIES)}")
+    if cfg.prior_steps < 1:
+        raise DihalError(f"--prior-steps must be at least 1, got {cfg.prior_steps}")
     if not 0 < cfg.top_p <= 1:
         raise DihalError(f"--top-p must be in (0, 1], got {cfg.top_p}")
     if cfg.temperature < 0:
@@ -139,7 +149,7 @@ def _dtype(module) -> torch.dtype:
     return next(module.parameters()).dtype
 
 
-def _truncate_at_eos(ids: list[int], eos: int | None) -> list[int]:
+def truncate_at_eos(ids: list[int], eos: int | None) -> list[int]:
     return ids[: ids.index(eos)] if eos is not None and eos in ids else ids
 
 
@@ -185,7 +195,7 @@ def generate_all(loaded: LoadedModel, bridge: Bridge | None, cfg: GenerateConfig
             new = generate_original(loaded, prefix, cfg, gen)
         seconds = time.perf_counter() - clock
         for row_ids in new.tolist():
-            kept = _truncate_at_eos(row_ids, tok.eos_token_id)
+            kept = truncate_at_eos(row_ids, tok.eos_token_id)
             rows.append(
                 {
                     "prompt": prompt,
@@ -241,4 +251,130 @@ def run(
                 "mean_tokens": sum(r["n_tokens"] for r in rows) / len(rows),
             }
         art.manifest["metrics"] = metrics
+    return art
+
+
+# -- parallel generation (docs/method.md section 5) -----------------------------------------------------------
+RECOVERIES = ("rounding", "decoder", "hidden")
+
+
+def _extract_settings(art: Artifact) -> tuple[str, int]:
+    ex = art.manifest.get("extract_config") or {}
+    return ex.get("model"), (ex.get("data") or {}).get("seq_len")
+
+
+def check_parallel(cfg: GenerateConfig, prior_art: Artifact, recovery_art: Artifact | None) -> None:
+    """Every way the prior, the recovery and its part can disagree, as one line each."""
+    layer = prior_art.config.get("layer", 0)
+    needs = {"hidden": "bridge", "decoder": "decoder", "rounding": None}[cfg.recovery] if layer == 0 else None
+    if layer and cfg.recovery != "hidden":
+        raise DihalError(
+            f"prior {prior_art.id} models h_{layer} (DiHAL-direct), which the upper blocks recover: "
+            "use --recovery hidden without --bridge"
+        )
+    if layer and recovery_art is not None:
+        raise DihalError(
+            f"prior {prior_art.id} models h_{layer} itself; a bridge or decoder has nothing to do, leave them out"
+        )
+    if needs and (recovery_art is None or recovery_art.stage != needs):
+        raise DihalError(
+            f"--recovery {cfg.recovery} needs --{needs} ID (a `dihal {COMMANDS.get(needs, needs)}` artifact)"
+        )
+    if needs is None and layer == 0 and recovery_art is not None:
+        raise DihalError(f"--recovery rounding uses no {recovery_art.stage}; leave --{recovery_art.stage} out")
+    if cfg.clamp and layer:
+        raise DihalError("--clamp snaps to token embeddings, so it applies to a prior over layer 0 only")
+    if recovery_art is not None and _extract_settings(recovery_art) != _extract_settings(prior_art):
+        (m1, t1), (m2, t2) = _extract_settings(prior_art), _extract_settings(recovery_art)
+        raise DihalError(
+            f"prior {prior_art.id} was trained on {m1} at --seq-len {t1} but {recovery_art.stage} "
+            f"{recovery_art.id} on {m2} at --seq-len {t2}; use parts of the same model and seq_len"
+        )
+
+
+def parallel_label(prior_art: Artifact, cfg: GenerateConfig, recovery_art: Artifact | None) -> str:
+    layer, sc = prior_art.config.get("layer", 0), prior_art.config.get("self_condition")
+    part = f" L{recovery_art.config['layer']}" if recovery_art is not None and recovery_art.stage == "bridge" else ""
+    return f"prior h_{layer}{' SC' if sc else ''}{' clamp' if cfg.clamp else ''} + {cfg.recovery}{part}"
+
+
+def run_parallel(
+    cfg: GenerateConfig,
+    prior_art: Artifact,
+    store: ArtifactStore,
+    loaded: LoadedModel | Callable[[], LoadedModel],
+    recovery_art: Artifact | None = None,
+    *,
+    force: bool = False,
+    progress: Progress | None = None,
+) -> Artifact:
+    """N sequences of seq_len - 1 tokens from the prior's noise (seed), recovered as cfg.recovery says."""
+    from stages import recover
+    from stages.decoder import Decoder
+    from stages.prior import Prior
+
+    progress = progress or NullProgress()
+    if cfg.mode != "parallel":
+        raise DihalError("run_parallel needs --mode parallel")
+    check_parallel(cfg, prior_art, recovery_art)
+    parents = {"prior": prior_art.id, **({recovery_art.stage: recovery_art.id} if recovery_art is not None else {})}
+    config = asdict(cfg)
+    if cached := store.cached(STAGE, config, parents, force=force):
+        return cached
+    extra = {"model": prior_art.manifest.get("model"), "extract_config": prior_art.manifest.get("extract_config")}
+    with store.writing(STAGE, config, parents, force=force, seed=cfg.seed, device=cfg.device, extra=extra) as art:
+        loaded = loaded() if callable(loaded) else loaded
+        prior = Prior.load(prior_art, cfg.device)
+        clamp_to = None
+        if cfg.clamp or cfg.recovery == "rounding":
+            clamp_to = prior.norm.c(recover.embedding_table(loaded.model).to(cfg.device))
+        progress.start("generate", cfg.num_samples, "sample")
+        clock = time.perf_counter()
+        e = prior.sample(cfg.num_samples, cfg.prior_steps, cfg.seed, cfg.batch_size, clamp_to if cfg.clamp else None)
+        prior_seconds, clock = time.perf_counter() - clock, time.perf_counter()
+        e_digest = hashlib.sha256(e.detach().cpu().numpy().tobytes()).hexdigest()[:16]
+        suffix = bridge = decoder = None
+        if cfg.recovery == "hidden":
+            bridge = Bridge.load(recovery_art, cfg.device) if recovery_art is not None else None
+            suffix = suffix_model(loaded.model, bridge.layer if bridge is not None else prior.layer)
+        elif cfg.recovery == "decoder":
+            decoder = Decoder.load(recovery_art, cfg.device)
+        tokens = []
+        for first in range(0, cfg.num_samples, cfg.batch_size):
+            block = e[first : first + cfg.batch_size]
+            if cfg.recovery == "rounding":
+                tokens.append(recover.rounding(block, clamp_to))
+            elif cfg.recovery == "decoder":
+                tokens.append(decoder.tokens(block))
+            elif bridge is not None:
+                tokens.append(recover.hidden(loaded.model, suffix, bridge, block, cfg.sample_steps, cfg.seed, first))
+            else:
+                tokens.append(recover.direct(loaded.model, suffix, block, prior.mu, prior.sigma, prior.norm.pos0))
+            progress.advance(block.shape[0])
+        recovery_seconds = time.perf_counter() - clock
+        progress.stop()
+        label, tok = parallel_label(prior_art, cfg, recovery_art), loaded.tokenizer
+        rows = []
+        for row_ids in torch.cat(tokens).tolist():
+            kept = truncate_at_eos(row_ids, tok.eos_token_id)
+            rows.append(
+                {
+                    "prompt": "",
+                    "text": tok.decode(kept, skip_special_tokens=True),
+                    "token_ids": kept,
+                    "model": label,
+                    "n_tokens": len(kept),
+                }
+            )
+        art.file("samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        n = cfg.num_samples
+        art.manifest["metrics"] = {
+            "label": label,
+            "mean_tokens": sum(r["n_tokens"] for r in rows) / n,
+            "ms_per_sample": 1000 * (prior_seconds + recovery_seconds) / n,
+            "prior_ms_per_sample": 1000 * prior_seconds / n,
+            "recovery_ms_per_sample": 1000 * recovery_seconds / n,
+            "prior_steps": cfg.prior_steps,
+            "prior_samples_sha256": e_digest,  # rows sharing the prior and seed (and clamping) share it
+        }
     return art

@@ -500,3 +500,75 @@ def test_a_sweep_under_torchrun_shards_layers_over_ranks(tiny_dirs, tmp_path):
     assert "rank 1, layer 2" in proc.stderr and len(store.all("score")) == 1
     sweep = store.resolve("latest", "sweep")
     assert sweep.complete and sweep.manifest["metrics"]["layers"] == [1, 2]
+
+
+def test_a_killed_data_parallel_run_resumes_to_the_uninterrupted_weights(tiny_dirs, tmp_path):
+    """Rank 0 is SIGKILLed after 6 of 8 steps (8 steps checkpoint every step: at least five a run);
+    torchrun takes rank 1 down;
+    the same command resumes both ranks from the checkpoint and ends where an uninterrupted
+    two-rank run ends."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    first = tmp_path / "first"
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "dihal_cli",
+            "extract",
+            "--model",
+            str(tiny_dirs["llama"]),
+            "--max-sequences",
+            "40",
+            "--seq-len",
+            "16",
+            "--layers",
+            "0,2",
+            "--val-fraction",
+            "0.2",
+            "--device",
+            "cpu",
+            "--root",
+            str(first),
+        ],
+        check=True,
+        capture_output=True,
+        env=env,
+        cwd=ROOT,
+    )
+    again = tmp_path / "again"
+    shutil.copytree(first, again)
+    args = _bridge_args(first)[:-2]
+
+    def torchrun(entry: list[str], root, port: int):
+        return subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nproc_per_node",
+                "2",
+                "--master_port",
+                str(port),
+                *entry,
+                *args,
+                "--root",
+                str(root),
+            ],
+            capture_output=True,
+            text=True,
+            env=env,
+            cwd=ROOT,
+        )
+
+    killed = torchrun(["-m", "tests.kill_after", "6"], first, 29551)
+    assert killed.returncode != 0
+    partial = ArtifactStore(first).all("bridge")[0]
+    assert partial.status == "running" and files.load_state(partial.path)["step"] == 6
+    resumed = torchrun(["-m", "dihal_cli"], first, 29552)
+    assert resumed.returncode == 0 and "resuming bridge L2 training at step 6" in resumed.stderr, resumed.stderr[-2000:]
+    whole = torchrun(["-m", "dihal_cli"], again, 29553)
+    assert whole.returncode == 0, whole.stderr[-2000:]
+    a = files.load_tensors(ArtifactStore(first).resolve("latest", "bridge").file("weights_ema.safetensors"))
+    b = files.load_tensors(ArtifactStore(again).resolve("latest", "bridge").file("weights_ema.safetensors"))
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], atol=1e-6, rtol=1e-5)

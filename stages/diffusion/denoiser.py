@@ -1,6 +1,7 @@
 """The bridge's denoiser, in one readable file (docs/method.md section 2).
 
-A small pre-norm transformer over positions with causal attention:
+A small pre-norm transformer over positions with causal attention (bidirectional for the
+comparison's prior, which also has no condition and may take its previous x0 estimate):
     input  = W_x x_t + W_c c + position embedding
     blocks = attention and MLP, each modulated by the timestep through zero-initialised
              adaptive layer norm (shift, scale, gate)
@@ -26,6 +27,9 @@ class DenoiserConfig:
     depth: int = 4
     heads: int = 4
     max_len: int = 64
+    causal: bool = True  # the bridge; the comparison's prior attends both ways
+    condition: bool = True  # W_c c and the skip A c; the prior has no condition
+    self_condition: bool = False  # an input projection of the previous x0 estimate (SED)
 
 
 def modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -46,9 +50,9 @@ class TimestepEmbedding(nn.Module):
 
 
 class CausalSelfAttention(nn.Module):
-    def __init__(self, width: int, heads: int):
+    def __init__(self, width: int, heads: int, causal: bool = True):
         super().__init__()
-        self.heads = heads
+        self.heads, self.causal = heads, causal
         self.qkv = nn.Linear(width, 3 * width)
         self.proj = nn.Linear(width, width)
 
@@ -62,7 +66,7 @@ class CausalSelfAttention(nn.Module):
             cache["k"], cache["v"] = k, v
         past = k.shape[2] - n
         if past == 0:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal)
         else:
             mask = torch.ones(n, k.shape[2], dtype=torch.bool, device=x.device).tril(diagonal=past)
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
@@ -70,10 +74,10 @@ class CausalSelfAttention(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, width: int, heads: int):
+    def __init__(self, width: int, heads: int, causal: bool = True):
         super().__init__()
         self.norm1 = nn.LayerNorm(width, elementwise_affine=False)
-        self.attn = CausalSelfAttention(width, heads)
+        self.attn = CausalSelfAttention(width, heads, causal)
         self.norm2 = nn.LayerNorm(width, elementwise_affine=False)
         self.mlp = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(approximate="tanh"), nn.Linear(4 * width, width))
         self.modulation = nn.Linear(width, 6 * width)
@@ -91,29 +95,41 @@ class Denoiser(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.in_x = nn.Linear(cfg.dim, cfg.width)
-        self.in_c = nn.Linear(cfg.dim, cfg.width)
+        self.in_c = nn.Linear(cfg.dim, cfg.width) if cfg.condition else None
+        self.in_sc = nn.Linear(cfg.dim, cfg.width) if cfg.self_condition else None
         self.pos = nn.Embedding(cfg.max_len, cfg.width)
         self.time = TimestepEmbedding(cfg.width)
-        self.blocks = nn.ModuleList(Block(cfg.width, cfg.heads) for _ in range(cfg.depth))
+        self.blocks = nn.ModuleList(Block(cfg.width, cfg.heads, cfg.causal) for _ in range(cfg.depth))
         self.final_norm = nn.LayerNorm(cfg.width, elementwise_affine=False)
         self.final_modulation = nn.Linear(cfg.width, 2 * cfg.width)
         nn.init.zeros_(self.final_modulation.weight)
         nn.init.zeros_(self.final_modulation.bias)
         self.out = nn.Linear(cfg.width, cfg.dim)
-        self.skip = nn.Linear(cfg.dim, cfg.dim)  # A c
+        self.skip = nn.Linear(cfg.dim, cfg.dim) if cfg.condition else None  # A c
         nn.init.normal_(self.pos.weight, std=0.02)
 
     def forward(
-        self, x_t: torch.Tensor, t: torch.Tensor, c: torch.Tensor, start: int = 0, caches: list[dict] | None = None
+        self,
+        x_t: torch.Tensor,
+        t: torch.Tensor,
+        c: torch.Tensor | None = None,
+        start: int = 0,
+        caches: list[dict] | None = None,
+        x0_prev: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """x_t, c: (B, n, D) for positions start..start+n-1 of the covered range; t: (B,)."""
+        """x_t, c, x0_prev: (B, n, D) for positions start..start+n-1 of the covered range; t: (B,)."""
         positions = torch.arange(start, start + x_t.shape[1], device=x_t.device)
-        h = self.in_x(x_t) + self.in_c(c) + self.pos(positions)[None]
+        h = self.in_x(x_t) + self.pos(positions)[None]
+        if self.in_c is not None:
+            h = h + self.in_c(c)
+        if self.in_sc is not None:
+            h = h + self.in_sc(x0_prev if x0_prev is not None else torch.zeros_like(x_t))
         temb = self.time(t)
         for i, block in enumerate(self.blocks):
             h = block(h, temb, None if caches is None else caches[i])
         shift, scale = self.final_modulation(F.silu(temb)).chunk(2, dim=1)
-        return self.out(modulate(self.final_norm(h), shift, scale)) + self.skip(c)
+        out = self.out(modulate(self.final_norm(h), shift, scale))
+        return out + self.skip(c) if self.skip is not None else out
 
     def new_caches(self) -> list[dict]:
         return [{} for _ in self.blocks]

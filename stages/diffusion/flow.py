@@ -57,3 +57,12 @@ def sample(
         y_hat = clean_estimate(denoise(x, t_vec, i), x, t_vec, prediction)
         x = y_hat if t_next == 0 else x + (t_next - t) * (x - y_hat) / t
     return x
+
+
+def corrupt(c: torch.Tensor, sigma_max: float, gens: list[torch.Generator]) -> torch.Tensor:
+    """c + sigma z, sigma ~ U(0, sigma_max) per sequence (drawn after the item's other draws)."""
+    if sigma_max <= 0:
+        return c
+    sigma = torch.stack([torch.rand((), generator=g) * sigma_max for g in gens])
+    z = torch.stack([torch.randn(c.shape[1:], generator=g) for g in gens])
+    return c + sigma[:, None, None] * z

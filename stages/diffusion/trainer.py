@@ -111,7 +111,6 @@ def barrier() -> None:
         dist.barrier()
 
 
-
 # -- the order of the data ------------------------------------------------------------------------------------
 def epoch_order(n: int, chunk: int, window: int, seed: int, epoch: int) -> np.ndarray:
     """A permutation of 0..n-1: storage chunks in a random order, sequences shuffled within

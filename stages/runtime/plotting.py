@@ -20,3 +20,17 @@ def save(fig, ax, path, title: str, dpi: int = 120) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=dpi)
     plt.close(fig)
+
+
+def loss_curve(log: list[dict], path, title: str, ylabel: str) -> None:
+    """Training loss per step and the EMA validation loss where it was evaluated, log scale."""
+    fig, ax = figure(7, 4)
+    ax.plot([r["step"] for r in log], [r["train_loss"] for r in log], alpha=0.5, label="train")
+    val = [(r["step"], r["val_loss"]) for r in log if "val_loss" in r]
+    if val:
+        ax.plot(*zip(*val), marker="o", label="validation (EMA)")
+    ax.set_yscale("log")
+    ax.set_xlabel("step")
+    ax.set_ylabel(ylabel)
+    ax.legend()
+    save(fig, ax, path, title, dpi=110)

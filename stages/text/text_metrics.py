@@ -34,6 +34,17 @@ def unigram_entropy(texts: list[str]) -> float:
     return -sum(c / total * math.log(c / total) for c in counts.values()) if total else 0.0
 
 
+def token_entropy(samples: list[list[int]]) -> float:
+    """Mean over samples of the entropy (nats) of each sample's own token-id distribution: low when a
+    sample repeats itself, which also lowers Gen.PPL."""
+    values = []
+    for ids in samples:
+        if ids:
+            counts = Counter(ids)
+            values.append(-sum(c / len(ids) * math.log(c / len(ids)) for c in counts.values()))
+    return sum(values) / len(values) if values else 0.0
+
+
 def text_metrics(texts: list[str]) -> dict[str, float]:
     return {
         "diversity": diversity(texts),

@@ -1,0 +1,352 @@
+"""`dihal compare`: the diagnostic comparison of docs/method.md section 5, as one stage.
+
+For every seed it trains (or finds in the store) each part a row needs under ONE protocol, so
+the budget is matched (steps x batch x tokens for the priors, steps x batch for the decoder and
+the bridges): the prior over normalized h_0, its self-conditioned twin (SED), the prior over
+normalized h_l* (DiHAL-direct), the CoDAR decoder, the bridges at l* and at argmin S trained on
+corrupted conditions, and the section-2 bridge at l* for the AR hybrid. Then it generates N
+sequences per row (rows that share a prior share its weights and noise) and scores them under
+the backbone and a second evaluator.
+
+Rows: Diffusion-LM (prior + clamping + rounding), SED (self-conditioned prior + rounding), CoDAR
+(prior + decoder), DiHAL at l* and at argmin S (prior + hidden-state recovery), DiHAL-direct at
+l*, optionally DiHAL at an oracle layer; references: the original backbone (AR), the AR hybrid
+at l*, and held-out text.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import time
+from dataclasses import asdict, dataclass
+
+import numpy as np
+import pandas as pd
+
+from artifacts import hidden_states as hs
+from artifacts.errors import DihalError
+from artifacts.store import Artifact, ArtifactStore
+from stages import bridge as bridge_stage
+from stages import decoder as decoder_stage
+from stages import evaluate as eval_stage
+from stages import generate as gen_stage
+from stages import prior as prior_stage
+from stages import score as score_stage
+from stages.runtime import plotting
+from stages.runtime.progress import NullProgress, Progress
+from stages.text.text_metrics import text_metrics, token_entropy
+
+STAGE = "compare"
+OTHER_BUILTIN = {"smollm2-135m": "gemma3-270m", "gemma3-270m": "smollm2-135m"}
+
+
+@dataclass(frozen=True, kw_only=True)
+class CompareConfig:
+    layer: int | None = None  # l*; None: the score's argmax S
+    oracle: int | None = None  # a sweep's oracle layer, for an extra DiHAL row
+    protocol: str = "compare-cpu"
+    seeds: tuple[int, ...] = (0, 1)
+    num_samples: int = 256
+    prior_steps: int = 50
+    sample_steps: int = 8
+    condition_noise: float = 0.5
+    evaluator: str | None = None  # the second evaluator; None: the other builtin
+    batch_size: int = 32  # samples per generation batch
+    overrides: tuple[tuple[str, object], ...] = ()  # protocol fields changed for every part alike
+    device: str = "cpu"
+    dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        if not self.seeds:
+            raise DihalError("--seeds must name at least one seed")
+        if len(set(self.seeds)) != len(self.seeds):
+            raise DihalError(f"--seeds repeats a seed: {','.join(map(str, self.seeds))}")
+        for name in ("num_samples", "prior_steps", "sample_steps", "batch_size"):
+            if getattr(self, name) < 1:
+                raise DihalError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
+        if self.condition_noise < 0:
+            raise DihalError("--condition-noise must be >= 0")
+        for name in ("layer", "oracle"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise DihalError(f"--{name} must be at least 1")
+
+
+def second_evaluator(cfg: CompareConfig, backbone: str) -> str:
+    if cfg.evaluator:
+        return cfg.evaluator
+    if backbone in OTHER_BUILTIN:
+        return OTHER_BUILTIN[backbone]
+    raise DihalError(f"name a second evaluator for {backbone} with --evaluator (a model other than the backbone)")
+
+
+def layers_from_score(score_art: Artifact, cfg: CompareConfig) -> tuple[int, int]:
+    table = score_stage.load_table(score_art).set_index("layer")["S"]
+    l_star = cfg.layer if cfg.layer is not None else int(table.idxmax())
+    return l_star, int(table.idxmin())
+
+
+def _wall_seconds(art: Artifact) -> float:
+    started, finished = art.manifest.get("started"), art.manifest.get("finished")
+    if not started or not finished:
+        return float("nan")
+    return (dt.datetime.fromisoformat(finished) - dt.datetime.fromisoformat(started)).total_seconds()
+
+
+def part_row(name: str, art: Artifact) -> dict:
+    m = art.manifest.get("metrics", {})
+    return {
+        "part": name,
+        "id": art.id,
+        "parameters": m.get("parameters"),
+        "steps": m.get("steps"),
+        "global_batch": m.get("global_batch"),
+        "tokens_seen": m.get("tokens_seen"),
+        "wall_seconds": _wall_seconds(art),
+    }
+
+
+def part_configs(cfg: CompareConfig, seed: int, l_star: int, worst: int) -> dict[str, tuple]:
+    """{part name: (stage run, config)} of one seed: every part under the one protocol."""
+    common = dict(
+        seed=seed,
+        device=cfg.device,
+        precision="bfloat16" if cfg.dtype == "bfloat16" else "float32",
+        **dict(cfg.overrides),
+    )
+    decoder_common = {k: v for k, v in common.items() if k != "depth"}  # the decoder's depth is fixed (2)
+    prior = lambda layer, sc=False: prior_stage.PriorConfig.from_protocol(  # noqa: E731
+        layer, cfg.protocol, self_condition=sc, **common
+    )
+    bridge = lambda layer, noise: bridge_stage.BridgeConfig.from_protocol(  # noqa: E731
+        layer, cfg.protocol, condition_noise=noise, **common
+    )
+    plan = {
+        "prior": (prior_stage.run, prior(0)),
+        "prior (self-conditioned)": (prior_stage.run, prior(0, True)),
+        f"prior over h_{l_star}": (prior_stage.run, prior(l_star)),
+        "decoder": (
+            decoder_stage.run,
+            decoder_stage.DecoderTrainConfig.from_protocol(
+                cfg.protocol, condition_noise=cfg.condition_noise, **decoder_common
+            ),
+        ),
+        f"bridge L{l_star} (noisy c)": (bridge_stage.run, bridge(l_star, cfg.condition_noise)),
+        f"bridge L{worst} (noisy c)": (bridge_stage.run, bridge(worst, cfg.condition_noise)),
+        f"bridge L{l_star} (section 2)": (bridge_stage.run, bridge(l_star, 0.0)),
+    }
+    if cfg.oracle is not None:
+        plan[f"bridge L{cfg.oracle} (noisy c)"] = (bridge_stage.run, bridge(cfg.oracle, cfg.condition_noise))
+    return plan
+
+
+def train_parts(
+    cfg: CompareConfig, extract: Artifact, store: ArtifactStore, seed: int, l_star: int, worst: int, progress: Progress
+) -> dict[str, Artifact]:
+    parts = {}
+    for name, (run, part_cfg) in part_configs(cfg, seed, l_star, worst).items():
+        progress.log(f"seed {seed}: {name}")
+        parts[name] = run(part_cfg, extract, store, progress=progress)
+    return parts
+
+
+def generate_rows(
+    cfg: CompareConfig,
+    parts: dict,
+    store: ArtifactStore,
+    loaded,
+    seed: int,
+    l_star: int,
+    worst: int,
+    progress: Progress,
+) -> dict[str, Artifact]:
+    def parallel(recovery: str, prior_name: str, recovery_part: str | None = None, clamp: bool = False):
+        gcfg = gen_stage.GenerateConfig(
+            mode="parallel",
+            recovery=recovery,
+            clamp=clamp,
+            prior_steps=cfg.prior_steps,
+            sample_steps=cfg.sample_steps,
+            num_samples=cfg.num_samples,
+            batch_size=cfg.batch_size,
+            seed=seed,
+            device=cfg.device,
+            dtype=cfg.dtype,
+        )
+        return gen_stage.run_parallel(
+            gcfg, parts[prior_name], store, loaded, parts[recovery_part] if recovery_part else None, progress=progress
+        )
+
+    rows = {
+        "Diffusion-LM": parallel("rounding", "prior", clamp=True),
+        "SED": parallel("rounding", "prior (self-conditioned)"),
+        "CoDAR": parallel("decoder", "prior", "decoder"),
+        f"DiHAL (l*={l_star})": parallel("hidden", "prior", f"bridge L{l_star} (noisy c)"),
+        f"DiHAL (argmin S={worst})": parallel("hidden", "prior", f"bridge L{worst} (noisy c)"),
+        f"DiHAL-direct (l*={l_star})": parallel("hidden", f"prior over h_{l_star}"),
+    }
+    if cfg.oracle is not None:
+        rows[f"DiHAL (oracle={cfg.oracle})"] = parallel("hidden", "prior", f"bridge L{cfg.oracle} (noisy c)")
+    seq_len = parts["prior"].manifest["extract_config"]["data"]["seq_len"]
+    ar = gen_stage.GenerateConfig(
+        num_samples=cfg.num_samples,
+        max_new_tokens=seq_len - 1,
+        sample_steps=cfg.sample_steps,
+        batch_size=cfg.batch_size,
+        baseline="original",
+        seed=seed,
+        device=cfg.device,
+        dtype=cfg.dtype,
+    )
+    rows["AR references"] = gen_stage.run(ar, parts[f"bridge L{l_star} (section 2)"], store, loaded, progress=progress)
+    return rows
+
+
+def held_out_texts(extract: Artifact, loaded, n: int) -> tuple[list[str], list[list[int]]]:
+    group = hs.open_group(extract.path / "hidden.zarr")
+    seqs = hs.split_indices(group, "validation")[:n]
+    ids = np.asarray(group["input_ids"].oindex[seqs])[:, 1:]
+    eos = loaded.tokenizer.eos_token_id
+    kept = [gen_stage.truncate_at_eos(row.tolist(), eos) for row in ids]
+    return [loaded.tokenizer.decode(k, skip_special_tokens=True) for k in kept], kept
+
+
+def score_rows(gen_arts: dict, evaluators: dict, store: ArtifactStore, cfg: CompareConfig) -> list[dict]:
+    """One row per generated row and evaluator pair, merged per row."""
+    out = {}
+    for label, art in gen_arts.items():
+        for ev_name, ev in evaluators.items():
+            scfg = eval_stage.SamplesConfig(
+                evaluator=ev.identity["name"], limit=cfg.num_samples, device=cfg.device, dtype=cfg.dtype
+            )
+            res = eval_stage.run_samples(scfg, art, store, loaded=ev)
+            for r in res.manifest["metrics"]["rows"]:
+                name = (
+                    label
+                    if label != "AR references"
+                    else {"hybrid": "AR hybrid (l*)", "original": "original (AR)"}[r["model"]]
+                )
+                row = out.setdefault(name, {"row": name})
+                row[f"gen_ppl_token_{ev_name}"], row[f"gen_ppl_mean_{ev_name}"] = r["gen_ppl_token"], r["gen_ppl_mean"]
+                row.update(
+                    {
+                        k: r[k]
+                        for k in (
+                            "token_entropy",
+                            "diversity",
+                            "distinct_1",
+                            "distinct_2",
+                            "distinct_3",
+                            "distinct_4",
+                            "n_samples",
+                            "mean_tokens",
+                        )
+                    }
+                )
+                if "ms_per_sample" in art.manifest.get("metrics", {}):
+                    row["ms_per_sample"] = art.manifest["metrics"]["ms_per_sample"]
+    return list(out.values())
+
+
+def real_text_row(texts: list[str], ids: list[list[int]], evaluators: dict) -> dict:
+    row = {"row": "held-out text"}
+    for ev_name, ev in evaluators.items():
+        ppl = eval_stage.gen_ppl(eval_stage.sample_nlls(ev, [""] * len(texts), texts))
+        row[f"gen_ppl_token_{ev_name}"], row[f"gen_ppl_mean_{ev_name}"] = ppl["gen_ppl_token"], ppl["gen_ppl_mean"]
+    metrics = text_metrics(texts)
+    row.update(
+        {
+            "token_entropy": token_entropy(ids),
+            "diversity": metrics["diversity"],
+            **{f"distinct_{n}": metrics[f"distinct_{n}"] for n in (1, 2, 3, 4)},
+            "n_samples": len(texts),
+            "mean_tokens": float(np.mean([len(i) for i in ids])),
+        }
+    )
+    return row
+
+
+def summarize(per_seed: pd.DataFrame) -> pd.DataFrame:
+    """Mean and std over seeds of every numeric column, one line per row (in first-seen order)."""
+    numeric = [c for c in per_seed.columns if c not in ("row", "seed") and pd.api.types.is_numeric_dtype(per_seed[c])]
+    grouped = per_seed.groupby("row", sort=False)[numeric]
+    mean, std = grouped.mean(), grouped.std(ddof=1).fillna(0.0)
+    out = mean.add_suffix("_mean").join(std.add_suffix("_std"))
+    out.insert(0, "seeds", per_seed.groupby("row", sort=False)["seed"].count())
+    return out.reset_index()
+
+
+def plot(summary: pd.DataFrame, path, evaluator: str) -> None:
+    fig, ax = plotting.figure(8, 5)
+    x, xerr = summary[f"gen_ppl_token_{evaluator}_mean"], summary[f"gen_ppl_token_{evaluator}_std"]
+    y, yerr = summary["diversity_mean"], summary["diversity_std"]
+    ax.errorbar(x, y, xerr=xerr, yerr=yerr, fmt="o", capsize=3)
+    for xi, yi, label in zip(x, y, summary["row"]):
+        ax.annotate(label, (xi, yi), textcoords="offset points", xytext=(4, 4), fontsize=8)
+    ax.set_xscale("log")
+    ax.set_xlabel(f"Gen.PPL (token-weighted) under {evaluator}, lower is better")
+    ax.set_ylabel("diversity (higher is better)")
+    plotting.save(fig, ax, path, "continuous diffusion LMs vs hidden-state recovery (mean +- std over seeds)")
+
+
+def run(
+    cfg: CompareConfig,
+    extract: Artifact,
+    score_art: Artifact,
+    store: ArtifactStore,
+    load_model,
+    *,
+    force: bool = False,
+    progress: Progress | None = None,
+) -> Artifact:
+    """load_model(spec) -> LoadedModel, called only when there is work to do."""
+    progress = progress or NullProgress()
+    if score_art.manifest.get("parents", {}).get("extract") != extract.id:
+        raise DihalError(f"score {score_art.id} was not made from extract {extract.id}; pass its own --score")
+    l_star, worst = layers_from_score(score_art, cfg)
+    stored = hs.stored_layers(hs.open_group(extract.path / "hidden.zarr"))
+    needed = sorted({0, l_star, worst} | ({cfg.oracle} if cfg.oracle else set()))
+    if any(layer not in stored for layer in needed):
+        raise DihalError(
+            f"extract {extract.id} lacks layer {[x for x in needed if x not in stored][0]}; "
+            "compare needs layers 0, l*, argmin S (and the oracle)"
+        )
+    backbone = extract.config["model"]
+    config = {**asdict(cfg), "l_star": l_star, "worst": worst, "evaluator": second_evaluator(cfg, backbone)}
+    parents = {"extract": extract.id, "score": score_art.id}
+    if cached := store.cached(STAGE, config, parents, force=force):
+        return cached
+    with store.writing(
+        STAGE, config, parents, force=force, device=cfg.device, extra={"model": extract.manifest.get("model")}
+    ) as art:
+        clock = time.time()
+        loaded = load_model(backbone)
+        evaluators = {"backbone": loaded, "evaluator": load_model(config["evaluator"])}
+        texts, ids = held_out_texts(extract, loaded, cfg.num_samples)
+        per_seed, parts_table = [], []
+        for seed in cfg.seeds:
+            parts = train_parts(cfg, extract, store, seed, l_star, worst, progress)
+            parts_table += [{"seed": seed, **part_row(name, a)} for name, a in parts.items()]
+            gens = generate_rows(cfg, parts, store, loaded, seed, l_star, worst, progress)
+            rows = score_rows(gens, evaluators, store, cfg) + [real_text_row(texts, ids, evaluators)]
+            per_seed += [{"seed": seed, **r} for r in rows]
+        per_seed_df, parts_df = pd.DataFrame(per_seed), pd.DataFrame(parts_table)
+        summary = summarize(per_seed_df)
+        per_seed_df.to_csv(art.file("per_seed.csv"), index=False)
+        summary.to_csv(art.file("compare.csv"), index=False)
+        summary.to_parquet(art.file("compare.parquet"), index=False)
+        parts_df.to_csv(art.file("parts.csv"), index=False)
+        result = {
+            "l_star": l_star,
+            "argmin_S": worst,
+            "oracle": cfg.oracle,
+            "evaluators": {"backbone": backbone, "evaluator": config["evaluator"]},
+            "seeds": list(cfg.seeds),
+            "rows": summary.to_dict("records"),
+            "parts": parts_df.to_dict("records"),
+            "wall_seconds": time.time() - clock,
+        }
+        art.file("compare.json").write_text(json.dumps(result, indent=2, default=float))
+        plot(summary, art.file("compare.png"), "backbone")
+        art.manifest["metrics"] = {k: v for k, v in result.items() if k not in ("rows", "parts")}
+    return art

@@ -1,0 +1,184 @@
+"""`dihal train-decoder`: the CoDAR recovery of docs/method.md section 5.
+
+A causal decoder with cross-attention (stages/diffusion/decoder.py) learns to emit a sequence's
+tokens 1..T-1 from its normalized embeddings e = (h_0 - mu_c) / sigma_c at positions 1..T-1,
+teacher forced, with the conditions corrupted as the hidden-state recovery's bridge sees them:
+e + sigma z, sigma ~ U(0, --condition-noise) per sequence. Same protocols and loop as the
+bridge and the prior (the same steps x batch as the bridge it is compared with); width from the
+protocol, depth 2.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, fields
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from artifacts import files
+from artifacts import hidden_states as hs
+from artifacts.errors import DihalError
+from artifacts.store import Artifact, ArtifactStore, artifact_id
+from stages.diffusion import trainer
+from stages.diffusion.decoder import CrossDecoder, DecoderConfig
+from stages.diffusion.flow import corrupt
+from stages.diffusion.normalizer import Normalizer
+from stages.diffusion.protocols import from_protocol
+from stages.diffusion.trainer import LoopConfig, barrier, distributed
+from stages.runtime import plotting
+from stages.runtime.progress import NullProgress, Progress
+
+STAGE = "decoder"
+DEPTH = 2  # docs/method.md section 5: protocol width, depth 2
+
+
+@dataclass(frozen=True, kw_only=True)
+class DecoderTrainConfig:
+    protocol: str
+    steps: int | None
+    epochs: int | None
+    batch_size: int
+    lr: float
+    warmup: int
+    schedule: str
+    ema: float
+    width: int
+    heads: int
+    eval_every: int
+    checkpoint_every: int
+    val_sequences: int
+    condition_noise: float = 0.5
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    seed: int = 0
+    device: str = "cpu"
+    precision: str = "float32"
+    shuffle_window: int = 512
+
+    @staticmethod
+    def from_protocol(protocol: str, **overrides) -> DecoderTrainConfig:
+        return from_protocol(DecoderTrainConfig, protocol, overrides)
+
+    def __post_init__(self) -> None:
+        if self.condition_noise < 0:
+            raise DihalError(f"--condition-noise must be >= 0, got {self.condition_noise}")
+        if self.width % self.heads:
+            raise DihalError(f"--width {self.width} must be divisible by --heads {self.heads}")
+        if self.steps is None and self.epochs is None or (self.steps is not None and self.steps < 1):
+            raise DihalError("give --train-steps >= 1 or --epochs")
+
+
+class DecoderTask:
+    def __init__(self, group, cfg: DecoderTrainConfig, norm: Normalizer):
+        self.group, self.cfg, self.norm = group, cfg, norm
+        self.train_seqs = hs.split_indices(group, "train")
+        self.n_train, self.chunk = len(self.train_seqs), int(group.attrs["chunk_seqs"])
+        self.tokens_per_item = group["input_ids"].shape[1] - 1
+        val = hs.split_indices(group, "validation")[: cfg.val_sequences]
+        if val.size == 0:
+            raise DihalError("the extract has no validation sequences; extract with --val-fraction > 0")
+        self.val = {"c": hs.read_sequences(group, 0, val), "ids": np.asarray(group["input_ids"].oindex[val])}
+
+    def read(self, positions: np.ndarray) -> dict[str, np.ndarray]:
+        seqs = self.train_seqs[positions]
+        return {"c": hs.read_sequences(self.group, 0, seqs), "ids": np.asarray(self.group["input_ids"].oindex[seqs])}
+
+    def condition(self, raw: np.ndarray) -> torch.Tensor:
+        return self.norm.c(torch.from_numpy(raw[:, 1:].astype(np.float32)))
+
+    def loss(self, net, batch, gens, device) -> torch.Tensor:
+        e = corrupt(self.condition(batch["c"]), self.cfg.condition_noise, gens).to(device)
+        ids = torch.from_numpy(batch["ids"].astype(np.int64)).to(device)
+        logits = net(ids[:, :-1], e).float()
+        per_token = F.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none")
+        return per_token.mean(dim=1).sum()
+
+    @torch.no_grad()
+    def validate(self, net) -> float:
+        """Token cross-entropy on clean validation conditions (teacher forced)."""
+        device = next(net.parameters()).device
+        e = self.condition(self.val["c"]).to(device)
+        ids = torch.from_numpy(self.val["ids"].astype(np.int64)).to(device)
+        return float(F.cross_entropy(net(ids[:, :-1], e).float().transpose(1, 2), ids[:, 1:]))
+
+
+def train(cfg: DecoderTrainConfig, group, art: Artifact, progress: Progress) -> dict:
+    rank, _ = distributed()
+    norm = Normalizer.fit(group, 0, 0, hs.split_indices(group, "train"), 1)
+    task = DecoderTask(group, cfg, norm)
+    vocab = (
+        int(art.manifest.get("model", {}).get("vocab_size") or 0) or int(np.asarray(group["input_ids"][:]).max()) + 1
+    )
+    net_cfg = DecoderConfig(
+        vocab=vocab,
+        dim=int(norm.mu_c.shape[0]),
+        width=cfg.width,
+        depth=DEPTH,
+        heads=cfg.heads,
+        max_len=task.tokens_per_item,
+    )
+    torch.manual_seed(cfg.seed)
+    net = CrossDecoder(net_cfg)
+    start = int(np.asarray(group["input_ids"][:1, 0])[0])
+    if rank == 0:
+        meta = {"decoder": asdict(net_cfg), "start_token": start, "seq_len": task.tokens_per_item + 1}
+        art.file("decoder.json").write_text(json.dumps(meta, indent=2))
+        files.save_tensors(art.file("stats.safetensors"), norm.tensors())
+    loop = LoopConfig(**{f.name: getattr(cfg, f.name) for f in fields(LoopConfig)})
+    result = trainer.train(task, net, loop, art.path, progress, "decoder")
+    log = result.pop("log")
+    if rank == 0:
+        plotting.loss_curve(log, art.file("loss_curve.png"), f"decoder ({cfg.protocol})", "token cross-entropy")
+    return {
+        **result,
+        "n_train_sequences": task.n_train,
+        "parameters": sum(p.numel() for p in net.parameters()),
+        "tokens_seen": result["steps"] * result["global_batch"] * task.tokens_per_item,
+    }
+
+
+def run(
+    cfg: DecoderTrainConfig,
+    extract: Artifact,
+    store: ArtifactStore,
+    *,
+    force: bool = False,
+    progress: Progress | None = None,
+) -> Artifact:
+    progress = progress or NullProgress()
+    group = hs.open_group(extract.path / "hidden.zarr")
+    if 0 not in hs.stored_layers(group):
+        raise DihalError(f"extract {extract.id} lacks layer 0; extract with --layers 0")
+    config, parents = asdict(cfg), {"extract": extract.id}
+    if cached := store.cached(STAGE, config, parents, force=force):
+        return cached
+    extra = {"model": extract.manifest.get("model"), "extract_config": extract.config}
+    if distributed()[0] != 0:
+        barrier()
+        train(cfg, group, store.load(STAGE, artifact_id(STAGE, config, parents)), NullProgress())
+        barrier()
+        return store.load(STAGE, artifact_id(STAGE, config, parents))
+    with store.writing(STAGE, config, parents, force=force, seed=cfg.seed, device=cfg.device, extra=extra) as art:
+        barrier()
+        art.manifest["metrics"] = train(cfg, group, art, progress)
+    barrier()
+    return art
+
+
+class Decoder:
+    """A trained decoder at use time: normalized conditions (B, T', D) -> greedy tokens (B, T')."""
+
+    def __init__(self, net: CrossDecoder, start: int, seq_len: int):
+        self.net, self.start, self.seq_len = net.eval(), start, seq_len
+
+    @staticmethod
+    def load(art: Artifact, device: str = "cpu") -> Decoder:
+        meta = json.loads(art.file("decoder.json").read_text())
+        net = CrossDecoder(DecoderConfig(**meta["decoder"]))
+        net.load_state_dict(files.load_tensors(art.file("weights_ema.safetensors")))
+        return Decoder(net.to(device), meta["start_token"], meta["seq_len"])
+
+    def tokens(self, e: torch.Tensor) -> torch.Tensor:
+        return self.net.greedy(e, self.start)

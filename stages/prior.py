@@ -1,0 +1,282 @@
+"""`dihal train-prior`: docs/method.md section 5, the sequence diffusion prior of the comparison.
+
+The prior models whole sequences of normalized states at positions 1..T-1 with no condition:
+layer 0 (the token embeddings, normalized exactly as the bridge normalizes its condition) for
+the Diffusion-LM / SED / CoDAR / DiHAL rows, or layer l (normalized h_l) for DiHAL-direct.
+Network: the bridge's denoiser with bidirectional attention, no condition and no skip.
+Rectified flow, x0-parameterization, MSE over positions 1..T-1, trained by the shared loop.
+
+- `--self-condition` (SED): with probability 0.5 per sequence, a first pass's x0 estimate
+  (no gradient) is fed as an extra input; at sampling, the previous step's estimate.
+- clamping (Diffusion-LM) is a sampling option (`Prior.sample(clamp_to=...)`): each step's
+  x0 estimate is replaced by the nearest normalized token embedding.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, fields
+
+import numpy as np
+import torch
+
+from artifacts import files
+from artifacts import hidden_states as hs
+from artifacts.errors import DihalError
+from artifacts.store import Artifact, ArtifactStore, artifact_id
+from stages.diffusion import flow, trainer
+from stages.diffusion.denoiser import Denoiser, DenoiserConfig
+from stages.diffusion.normalizer import Normalizer
+from stages.diffusion.protocols import from_protocol
+from stages.diffusion.trainer import LoopConfig, barrier, distributed
+from stages.runtime import plotting
+from stages.runtime.progress import NullProgress, Progress
+
+STAGE = "prior"
+
+
+@dataclass(frozen=True, kw_only=True)
+class PriorConfig:
+    """Protocol fields have no default: they come from the protocol (stages/diffusion/protocols.py)."""
+
+    layer: int  # 0: normalized h_0; l >= 1: normalized h_l (DiHAL-direct)
+    protocol: str
+    steps: int | None
+    epochs: int | None
+    batch_size: int
+    lr: float
+    warmup: int
+    schedule: str
+    ema: float
+    width: int
+    depth: int
+    heads: int
+    eval_every: int
+    checkpoint_every: int
+    val_sequences: int
+    self_condition: bool = False
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    seed: int = 0
+    device: str = "cpu"
+    precision: str = "float32"
+    shuffle_window: int = 512
+
+    @staticmethod
+    def from_protocol(layer: int, protocol: str, **overrides) -> PriorConfig:
+        return from_protocol(PriorConfig, protocol, overrides, layer=layer)
+
+    def __post_init__(self) -> None:
+        if self.layer < 0:
+            raise DihalError(f"--layer must be >= 0 (0: the embeddings), got {self.layer}")
+        if self.width % self.heads:
+            raise DihalError(f"--width {self.width} must be divisible by --heads {self.heads}")
+        for name in ("batch_size", "width", "depth", "heads", "eval_every", "checkpoint_every", "val_sequences"):
+            if getattr(self, name) < 1:
+                raise DihalError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
+        if self.steps is None and self.epochs is None or (self.steps is not None and self.steps < 1):
+            raise DihalError("give --train-steps >= 1 or --epochs")
+        if self.precision not in ("float32", "bfloat16"):
+            raise DihalError(f"training precision must be float32 or bfloat16, got '{self.precision}'")
+
+
+def denoiser_config(cfg: PriorConfig, dim: int, length: int) -> DenoiserConfig:
+    return DenoiserConfig(
+        dim=dim,
+        width=cfg.width,
+        depth=cfg.depth,
+        heads=cfg.heads,
+        max_len=length,
+        causal=False,
+        condition=False,
+        self_condition=cfg.self_condition,
+    )
+
+
+def space(norm: Normalizer, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(mu, sigma) of the prior's space: the bridge's condition statistics for layer 0."""
+    return (norm.mu_c, norm.sigma_c) if layer == 0 else (norm.mu_y, norm.sigma_y)
+
+
+# -- training ---------------------------------------------------------------------------------------------------
+class PriorTask:
+    def __init__(self, group, cfg: PriorConfig, norm: Normalizer):
+        self.group, self.cfg = group, cfg
+        self.mu, self.sigma = space(norm, cfg.layer)
+        self.train_seqs = hs.split_indices(group, "train")
+        self.n_train, self.chunk = len(self.train_seqs), int(group.attrs["chunk_seqs"])
+        self.tokens_per_item = group["input_ids"].shape[1] - 1
+        val = hs.split_indices(group, "validation")[: cfg.val_sequences]
+        if val.size == 0:
+            raise DihalError("the extract has no validation sequences; extract with --val-fraction > 0")
+        self.y_val = self.normalize(hs.read_sequences(group, cfg.layer, val))
+
+    def normalize(self, raw: np.ndarray) -> torch.Tensor:
+        return (torch.from_numpy(raw[:, 1:].astype(np.float32)) - self.mu) / self.sigma
+
+    def read(self, positions: np.ndarray) -> dict[str, np.ndarray]:
+        return {"y": hs.read_sequences(self.group, self.cfg.layer, self.train_seqs[positions])}
+
+    def loss(self, net, batch, gens, device) -> torch.Tensor:
+        y = self.normalize(batch["y"]).to(device)
+        t = torch.stack([torch.rand((), generator=g) for g in gens]).to(device)
+        eps = torch.stack([torch.randn(y.shape[1:], generator=g) for g in gens]).to(device)
+        x_t = flow.noisy(y, eps, t)
+        x0_prev = None
+        if self.cfg.self_condition:  # SED: half the sequences see a first pass's estimate
+            use = torch.stack([torch.rand((), generator=g) < 0.5 for g in gens]).to(device)
+            with torch.no_grad():
+                first = net(x_t, t, x0_prev=torch.zeros_like(y)).float()
+            x0_prev = torch.where(use[:, None, None], first, torch.zeros_like(first))
+        out = net(x_t, t, x0_prev=x0_prev)
+        return ((out.float() - y) ** 2).mean(dim=(1, 2)).sum()
+
+    def validate(self, net) -> float:
+        return validation_loss(net, self.y_val)
+
+
+@torch.no_grad()
+def validation_loss(net: Denoiser, y: torch.Tensor, batch: int = 64) -> float:
+    """x0 MSE over the fixed grid t = (j + 0.5)/16, noise from a fixed seed (no self-conditioning input)."""
+    gen = torch.Generator().manual_seed(1234)
+    device = next(net.parameters()).device
+    total, count = 0.0, 0
+    for t_value in flow.VALIDATION_TIMES:
+        eps_all = torch.randn(y.shape, generator=gen)
+        for s in range(0, y.shape[0], batch):
+            yb, eb = y[s : s + batch].to(device), eps_all[s : s + batch].to(device)
+            t = torch.full((yb.shape[0],), t_value, device=device)
+            total += float(((net(flow.noisy(yb, eb, t), t).float() - yb) ** 2).sum())
+            count += yb.numel()
+    return total / count
+
+
+def train(cfg: PriorConfig, group, art: Artifact, progress: Progress) -> dict:
+    rank, _ = distributed()
+    norm = Normalizer.fit(group, 0, max(cfg.layer, 0), hs.split_indices(group, "train"), 1)
+    task = PriorTask(group, cfg, norm)
+    den_cfg = denoiser_config(cfg, int(task.mu.shape[0]), task.tokens_per_item)
+    torch.manual_seed(cfg.seed)
+    net = Denoiser(den_cfg)
+    if rank == 0:
+        meta = {
+            "layer": cfg.layer,
+            "self_condition": cfg.self_condition,
+            "denoiser": asdict(den_cfg),
+            "seq_len": task.tokens_per_item + 1,
+        }
+        art.file("prior.json").write_text(json.dumps(meta, indent=2))
+        files.save_tensors(art.file("stats.safetensors"), norm.tensors())
+    loop = LoopConfig(**{f.name: getattr(cfg, f.name) for f in fields(LoopConfig)})
+    result = trainer.train(
+        task, net, loop, art.path, progress, f"prior L{cfg.layer}" + (" SC" if cfg.self_condition else "")
+    )
+    log = result.pop("log")
+    if rank == 0:
+        plotting.loss_curve(
+            log, art.file("loss_curve.png"), f"prior over layer {cfg.layer} ({cfg.protocol})", "x0 MSE (normalized)"
+        )
+    return {
+        **result,
+        "n_train_sequences": task.n_train,
+        "parameters": sum(p.numel() for p in net.parameters()),
+        "tokens_seen": result["steps"] * result["global_batch"] * task.tokens_per_item,
+    }
+
+
+def run(
+    cfg: PriorConfig, extract: Artifact, store: ArtifactStore, *, force: bool = False, progress: Progress | None = None
+) -> Artifact:
+    progress = progress or NullProgress()
+    group = hs.open_group(extract.path / "hidden.zarr")
+    stored = hs.stored_layers(group)
+    if 0 not in stored or cfg.layer not in stored:
+        raise DihalError(
+            f"extract {extract.id} lacks layer {0 if 0 not in stored else cfg.layer}; "
+            f"extract with --layers 0,{cfg.layer}"
+        )
+    config, parents = asdict(cfg), {"extract": extract.id}
+    if cached := store.cached(STAGE, config, parents, force=force):
+        return cached
+    extra = {"model": extract.manifest.get("model"), "extract_config": extract.config}
+    if distributed()[0] != 0:
+        barrier()
+        train(cfg, group, store.load(STAGE, artifact_id(STAGE, config, parents)), NullProgress())
+        barrier()
+        return store.load(STAGE, artifact_id(STAGE, config, parents))
+    with store.writing(STAGE, config, parents, force=force, seed=cfg.seed, device=cfg.device, extra=extra) as art:
+        barrier()
+        art.manifest["metrics"] = train(cfg, group, art, progress)
+    barrier()
+    return art
+
+
+# -- sampling ---------------------------------------------------------------------------------------------------
+class Prior:
+    """A trained prior at use time: seeded noise -> sequences of normalized states (positions 1..T-1)."""
+
+    def __init__(self, net: Denoiser, norm: Normalizer, layer: int, self_condition: bool, seq_len: int):
+        self.net, self.norm, self.layer, self.self_condition, self.seq_len = (
+            net.eval(),
+            norm,
+            layer,
+            self_condition,
+            seq_len,
+        )
+        self.mu, self.sigma = space(norm, layer)
+
+    @staticmethod
+    def load(art: Artifact, device: str = "cpu") -> Prior:
+        meta = json.loads(art.file("prior.json").read_text())
+        net = Denoiser(DenoiserConfig(**meta["denoiser"]))
+        net.load_state_dict(files.load_tensors(art.file("weights_ema.safetensors")))
+        norm = Normalizer(**files.load_tensors(art.file("stats.safetensors"))).to(device)
+        return Prior(net.to(device), norm, meta["layer"], meta["self_condition"], meta["seq_len"])
+
+    @torch.no_grad()
+    def sample(
+        self, n: int, steps: int, seed: int, batch: int = 64, clamp_to: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """(n, T-1, D) normalized samples. Sample i's noise depends only on (seed, i), so rows that share
+        the prior and the seed share their samples whatever else differs (clamping, batch size)."""
+        device = next(self.net.parameters()).device
+        out = []
+        for first in range(0, n, batch):
+            count = min(batch, n - first)
+            noise = torch.stack(
+                [
+                    torch.randn(
+                        self.seq_len - 1,
+                        self.net.cfg.dim,
+                        generator=torch.Generator().manual_seed(seed * 1_000_003 + first + i),
+                    )
+                    for i in range(count)
+                ]
+            ).to(device)
+            out.append(self._integrate(noise, steps, clamp_to))
+        return torch.cat(out)
+
+    def _integrate(self, x: torch.Tensor, steps: int, clamp_to: torch.Tensor | None) -> torch.Tensor:
+        grid = flow.time_grid(steps)
+        x0_prev = torch.zeros_like(x) if self.self_condition else None
+        for i in range(steps):
+            t, t_next = grid[i], grid[i + 1]
+            t_vec = torch.full((x.shape[0],), t, device=x.device)
+            y_hat = self.net(x, t_vec, x0_prev=x0_prev).float()
+            if clamp_to is not None:
+                y_hat = clamp_to[nearest(y_hat, clamp_to)]
+            if self.self_condition:
+                x0_prev = y_hat
+            x = y_hat if t_next == 0 else x + (t_next - t) * (x - y_hat) / t
+        return x
+
+
+def nearest(x: torch.Tensor, table: torch.Tensor, rows: int = 2048) -> torch.Tensor:
+    """Index of the nearest row of table (V, D) for every vector of x (..., D), L2; in blocks of rows."""
+    flat = x.reshape(-1, x.shape[-1])
+    sq = (table * table).sum(1)
+    out = torch.empty(flat.shape[0], dtype=torch.long, device=x.device)
+    for s in range(0, flat.shape[0], rows):
+        block = flat[s : s + rows]
+        out[s : s + rows] = torch.addmm(sq, block, table.T, alpha=-2.0).argmin(1)  # |e|^2 is constant per row
+    return out.reshape(x.shape[:-1])

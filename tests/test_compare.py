@@ -1,0 +1,397 @@
+"""The comparison of docs/method.md section 5: the prior, the recoveries, shared noise, bad input,
+and `dihal compare` end to end on a tiny model."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from artifacts.store import ArtifactStore
+from stages.diffusion import flow
+from stages.diffusion.denoiser import Denoiser, DenoiserConfig
+from stages.diffusion.normalizer import Normalizer
+from stages.prior import Prior, PriorTask, nearest
+from tests.conftest import build_tiny, invoke
+
+TEMPLATES = torch.tensor(
+    [
+        [[2.0, 0.0], [0.0, 2.0], [-2.0, 0.0]],
+        [[0.0, -2.0], [2.0, 2.0], [-2.0, -2.0]],
+        [[-2.0, 2.0], [2.0, -2.0], [0.0, 0.0]],
+    ]
+)  # 3 sequences of 3 positions in 2-D
+
+
+def _toy_prior(self_condition: bool, steps: int = 500):
+    """A prior trained on a mixture of three fixed sequences with the comparison's own loss."""
+    torch.manual_seed(0)
+    net = Denoiser(
+        DenoiserConfig(
+            dim=2, width=64, depth=2, heads=4, max_len=3, causal=False, condition=False, self_condition=self_condition
+        )
+    )
+    task = PriorTask.__new__(PriorTask)  # the loss only: data come from the templates, not a store
+    task.cfg = type("C", (), {"self_condition": self_condition})()
+    task.mu, task.sigma = torch.zeros(2), torch.ones(2)
+    task.normalize = lambda raw: torch.as_tensor(raw[:, 1:])  # as PriorTask.normalize: position 0 dropped
+    opt = torch.optim.AdamW(net.parameters(), lr=3e-3)
+    losses = []
+    for step in range(steps):
+        gens = [torch.Generator().manual_seed(step * 1000 + i) for i in range(64)]
+        pick = torch.stack([torch.randint(0, 3, (), generator=g) for g in gens])
+        raw = torch.cat([torch.zeros(64, 1, 2), TEMPLATES[pick]], dim=1).numpy()  # position 0 is dropped
+        loss = task.loss(net, {"y": raw}, gens, torch.device("cpu")) / 64
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    norm = Normalizer(torch.zeros(2), torch.ones(2), torch.zeros(2), torch.ones(2), torch.zeros(2))
+    return Prior(net.eval(), norm, 0, self_condition, 4), losses
+
+
+def test_prior_samples_land_on_the_toy_sequences_and_its_loss_falls():
+    """Tolerance: 90% of samples within 0.5 (L2, whole sequence) of a template, the spread of the
+    mixture being 2; the x0 loss of the last 50 steps at most half that of the first 50."""
+    prior, losses = _toy_prior(False)
+    assert np.mean(losses[-50:]) < 0.5 * np.mean(losses[:50])
+    samples = prior.sample(300, steps=30, seed=4)
+    dist = torch.cdist(samples.reshape(300, -1), TEMPLATES.reshape(3, -1)).min(1).values
+    assert (dist < 0.5).float().mean() > 0.9, dist.quantile(torch.tensor([0.5, 0.9]))
+    hits = torch.cdist(samples.reshape(300, -1), TEMPLATES.reshape(3, -1)).argmin(1).bincount(minlength=3)
+    assert hits.min() > 50  # every mode is found, none dropped
+
+
+def test_self_conditioning_feeds_the_previous_estimate_and_clamping_lands_on_the_table():
+    prior, _ = _toy_prior(True, steps=300)
+    x, t = torch.randn(5, 3, 2), torch.full((5,), 0.7)
+    with torch.no_grad():
+        plain, fed = prior.net(x, t, x0_prev=torch.zeros_like(x)), prior.net(x, t, x0_prev=TEMPLATES[[0, 1, 2, 0, 1]])
+    assert not torch.allclose(plain, fed, atol=1e-3)  # the network learned to use the estimate it is given
+    assert prior.net.in_sc.weight.abs().sum() > 0
+    table = TEMPLATES.reshape(-1, 2)  # clamping: every x0 estimate snaps to a row of this table
+    clamped = prior.sample(40, steps=10, seed=1, clamp_to=table)
+    assert (torch.cdist(clamped.reshape(-1, 2), table).min(1).values == 0).all()
+    free = prior.sample(40, steps=10, seed=1)
+    assert not (torch.cdist(free.reshape(-1, 2), table).min(1).values == 0).all()
+
+
+def test_prior_noise_depends_on_seed_and_sample_index_only():
+    prior, _ = _toy_prior(False, steps=20)
+    a, b = prior.sample(7, 5, seed=3, batch=2), prior.sample(7, 5, seed=3, batch=7)
+    torch.testing.assert_close(a, b)
+    assert not torch.allclose(a, prior.sample(7, 5, seed=4))
+
+
+def test_nearest_matches_a_brute_force_search():
+    gen = torch.Generator().manual_seed(0)
+    table, x = torch.randn(500, 8, generator=gen), torch.randn(3, 70, 8, generator=gen)
+    expected = ((x[..., None, :] - table) ** 2).sum(-1).argmin(-1)
+    assert torch.equal(nearest(x, table, rows=16), expected)
+
+
+def test_rounding_clean_embeddings_recovers_the_tokens_exactly():
+    from stages import recover
+
+    model, _ = build_tiny("gemma3")  # Gemma scales its embeddings by sqrt(d): the table must too
+    table = recover.embedding_table(model, batch=50)
+    ids = torch.randint(3, model.config.vocab_size, (4, 15), generator=torch.Generator().manual_seed(1))
+    from stages.lm.capture import hidden_states
+
+    h0 = hidden_states(model, ids, [0])[0]
+    mu, sigma = h0.reshape(-1, h0.shape[-1]).mean(0), h0.reshape(-1, h0.shape[-1]).std(0)
+    assert torch.equal(recover.rounding((h0 - mu) / sigma, (table - mu) / sigma), ids)
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_hidden_recovery_with_the_true_states_gives_the_original_greedy_tokens(kind):
+    from stages import recover
+    from stages.lm.hybrid import original_forward, suffix_model
+
+    model, _ = build_tiny(kind)
+    ids = torch.randint(3, model.config.vocab_size, (3, 12), generator=torch.Generator().manual_seed(2))
+    ids[:, 0] = 1
+    _, states = original_forward(model, ids, [2])
+    tokens = recover.upper_argmax(model, suffix_model(model, 2), states[2], rows=5)
+    with torch.no_grad():
+        greedy = model(input_ids=ids, use_cache=False).logits.argmax(-1)[:, :-1]
+    assert torch.equal(tokens, greedy)
+
+
+def test_decoder_learns_the_toy_set_to_99_percent(tiny_dirs, root):
+    from stages import decoder as dec
+
+    assert (
+        invoke(
+            "extract",
+            "--model",
+            str(tiny_dirs["llama"]),
+            "--max-sequences",
+            "12",
+            "--seq-len",
+            "12",
+            "--layers",
+            "0",
+            "--val-fraction",
+            "0.25",
+            "--device",
+            "cpu",
+        ).exit_code
+        == 0
+    )
+    store = ArtifactStore(root)
+    ex = store.resolve("latest", "extract")
+    cfg = dec.DecoderTrainConfig.from_protocol(
+        "sweep-tiny", steps=250, width=64, heads=4, batch_size=9, lr=3e-3, condition_noise=0.0
+    )
+    art = dec.run(cfg, ex, store)
+    assert art.manifest["metrics"]["parameters"] > 0 and art.manifest["metrics"]["tokens_seen"] == 250 * 9 * 11
+    from artifacts import hidden_states as hs
+
+    group = hs.open_group(ex.path / "hidden.zarr")
+    train = hs.split_indices(group, "train")
+    norm = Normalizer(**__import__("artifacts.files", fromlist=["x"]).load_tensors(art.file("stats.safetensors")))
+    e = norm.c(torch.from_numpy(hs.read_sequences(group, 0, train)[:, 1:].astype(np.float32)))
+    ids = torch.from_numpy(np.asarray(group["input_ids"].oindex[train])[:, 1:].astype(np.int64))
+    tokens = dec.Decoder.load(art).tokens(e)
+    assert (tokens == ids).float().mean() >= 0.99
+
+
+def test_condition_noise_corrupts_per_sequence_within_sigma_max():
+    gens = [torch.Generator().manual_seed(i) for i in range(200)]
+    c = torch.zeros(200, 30, 4)
+    noisy = flow.corrupt(c, 0.5, gens)
+    per_seq_std = noisy.std(dim=(1, 2))
+    assert (
+        per_seq_std.max() < 0.5 * 1.3
+        and per_seq_std.min() < 0.05
+        and per_seq_std.mean() == pytest.approx(0.25, abs=0.04)
+    )
+    assert torch.equal(flow.corrupt(c, 0.0, gens), c)
+
+
+# -- through the CLI -----------------------------------------------------------------------------------------
+@pytest.fixture()
+def parts(tiny_dirs, root, tmp_path):
+    """A tiny llama extract, a prior over h_0, a noisy-condition bridge at layer 2, a decoder."""
+    small = ["--train-steps", "3", "--width", "16", "--batch-size", "4"]
+    ok = lambda res: res.exit_code == 0 or pytest.fail(res.output)  # noqa: E731
+    ok(
+        invoke(
+            "extract",
+            "--model",
+            str(tiny_dirs["llama"]),
+            "--max-sequences",
+            "16",
+            "--seq-len",
+            "12",
+            "--val-fraction",
+            "0.25",
+            "--device",
+            "cpu",
+        )
+    )
+    ok(invoke("train-prior", *small, "--depth", "1", "--heads", "2"))
+    ok(
+        invoke(
+            "train-bridge",
+            "--layer",
+            "2",
+            "--extract",
+            "latest",
+            *small,
+            "--depth",
+            "1",
+            "--heads",
+            "2",
+            "--condition-noise",
+            "0.5",
+        )
+    )
+    ok(invoke("train-decoder", *small, "--heads", "2"))
+    store = ArtifactStore(root)
+    return {k: store.resolve("latest", k) for k in ("extract", "prior", "bridge", "decoder")}
+
+
+def test_rows_that_share_a_prior_and_seed_share_its_samples(parts, root):
+    common = [
+        "generate",
+        "--mode",
+        "parallel",
+        "--prior",
+        parts["prior"].id,
+        "--num-samples",
+        "5",
+        "--prior-steps",
+        "3",
+        "--sample-steps",
+        "2",
+        "--batch-size",
+        "2",
+        "--device",
+        "cpu",
+    ]
+    runs = {"rounding": [], "decoder": ["--decoder", parts["decoder"].id], "hidden": ["--bridge", parts["bridge"].id]}
+    digests = {}
+    store = ArtifactStore(root)
+    for recovery, extra in runs.items():
+        res = invoke(*common, "--recovery", recovery, *extra)
+        assert res.exit_code == 0, res.output
+        art = store.resolve("latest", "generate")
+        digests[recovery] = art.manifest["metrics"]["prior_samples_sha256"]
+        rows = [json.loads(line) for line in art.file("samples.jsonl").read_text().splitlines()]
+        assert len(rows) == 5 and all(len(r["token_ids"]) <= 11 and r["prompt"] == "" for r in rows)
+    assert len(set(digests.values())) == 1
+    other = invoke(*common, "--recovery", "rounding", "--seed", "1")
+    assert (
+        other.exit_code == 0
+        and store.resolve("latest", "generate").manifest["metrics"]["prior_samples_sha256"] != digests["rounding"]
+    )
+
+
+def test_bad_parallel_requests_are_one_line(parts, tiny_dirs, root):
+    def refused(res, needle):
+        assert res.exit_code == 2 and "Traceback" not in res.output, res.output
+        assert res.output.strip().splitlines()[-1].startswith("error: ") and needle in res.output, res.output
+
+    base = ["generate", "--mode", "parallel", "--prior", parts["prior"].id, "--device", "cpu"]
+    refused(invoke(*base, "--recovery", "hidden"), "--recovery hidden needs --bridge ID")
+    refused(invoke(*base, "--recovery", "decoder"), "--recovery decoder needs --decoder ID")
+    refused(invoke("generate", "--mode", "parallel", "--device", "cpu"), "--mode parallel needs --prior ID")
+    refused(invoke(*base, "--prompt", "The"), "leave out --prompt")
+    # a bridge of another model (and seq_len) than the prior's
+    assert (
+        invoke(
+            "extract",
+            "--model",
+            str(tiny_dirs["gemma3"]),
+            "--max-sequences",
+            "16",
+            "--seq-len",
+            "10",
+            "--layers",
+            "0,2",
+            "--val-fraction",
+            "0.25",
+            "--device",
+            "cpu",
+        ).exit_code
+        == 0
+    )
+    assert (
+        invoke(
+            "train-bridge",
+            "--layer",
+            "2",
+            "--extract",
+            "latest",
+            "--train-steps",
+            "2",
+            "--width",
+            "16",
+            "--depth",
+            "1",
+            "--heads",
+            "2",
+            "--batch-size",
+            "4",
+        ).exit_code
+        == 0
+    )
+    foreign = ArtifactStore(root).resolve("latest", "bridge")
+    refused(invoke(*base, "--recovery", "hidden", "--bridge", foreign.id), "use parts of the same model and seq_len")
+    refused(invoke("train-prior", "--train-steps", "0"), "give --train-steps >= 1")
+
+
+def test_compare_end_to_end_writes_the_table_plot_and_budgets(tiny_dirs, root):
+    res = invoke(
+        "compare",
+        "--model",
+        str(tiny_dirs["llama"]),
+        "--evaluator",
+        str(tiny_dirs["qwen3"]),
+        "--max-sequences",
+        "24",
+        "--seq-len",
+        "12",
+        "--seeds",
+        "0,1",
+        "--num-samples",
+        "4",
+        "--prior-steps",
+        "3",
+        "--sample-steps",
+        "2",
+        "--train-steps",
+        "3",
+        "--width",
+        "16",
+        "--depth",
+        "1",
+        "--tokens",
+        "150",
+        "--device",
+        "cpu",
+    )
+    assert res.exit_code == 0, res.output
+    art = ArtifactStore(root).resolve("latest", "compare")
+    for name in ("compare.csv", "compare.parquet", "compare.json", "per_seed.csv", "parts.csv", "compare.png"):
+        assert art.file(name).stat().st_size > 0, name
+    import pandas as pd
+
+    summary, per_seed, parts_df = (pd.read_csv(art.file(n)) for n in ("compare.csv", "per_seed.csv", "parts.csv"))
+    l_star, worst = art.manifest["metrics"]["l_star"], art.manifest["metrics"]["argmin_S"]
+    expected = [
+        "Diffusion-LM",
+        "SED",
+        "CoDAR",
+        f"DiHAL (l*={l_star})",
+        f"DiHAL (argmin S={worst})",
+        f"DiHAL-direct (l*={l_star})",
+        "AR hybrid (l*)",
+        "original (AR)",
+        "held-out text",
+    ]
+    assert summary["row"].tolist() == expected
+    assert (summary["seeds"] == 2).all() and len(per_seed) == 2 * len(expected)
+    for column in ("gen_ppl_token_backbone", "gen_ppl_mean_evaluator", "token_entropy", "diversity", "distinct_2"):
+        values = per_seed.set_index(["row", "seed"])[column].unstack().loc[summary["row"]]  # the table's order
+        np.testing.assert_allclose(summary.set_index("row")[f"{column}_mean"], values.mean(axis=1), rtol=1e-9)
+        np.testing.assert_allclose(
+            summary.set_index("row")[f"{column}_std"], values.std(axis=1, ddof=1).fillna(0), rtol=1e-9, atol=1e-12
+        )
+    trained = parts_df[parts_df.seed == 0]  # one budget: every part ran the same steps x batch
+    assert trained["steps"].nunique() == 1 and trained["global_batch"].nunique() == 1 and len(trained) == 7
+    assert (trained["parameters"] > 0).all() and (trained["tokens_seen"] == 3 * trained["global_batch"] * 11).all()
+    again = invoke(
+        "compare",
+        "--model",
+        str(tiny_dirs["llama"]),
+        "--evaluator",
+        str(tiny_dirs["qwen3"]),
+        "--max-sequences",
+        "24",
+        "--seq-len",
+        "12",
+        "--seeds",
+        "0,1",
+        "--num-samples",
+        "4",
+        "--prior-steps",
+        "3",
+        "--sample-steps",
+        "2",
+        "--train-steps",
+        "3",
+        "--width",
+        "16",
+        "--depth",
+        "1",
+        "--tokens",
+        "150",
+        "--device",
+        "cpu",
+    )
+    assert again.exit_code == 0 and "cache hit" in again.output
