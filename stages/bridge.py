@@ -17,12 +17,12 @@ import torch
 from artifacts import files
 from artifacts import hidden_states as hs
 from artifacts.errors import DihalError
-from artifacts.store import Artifact, ArtifactStore, artifact_id
+from artifacts.store import Artifact, ArtifactStore
 from stages.diffusion import flow, trainer
 from stages.diffusion.denoiser import Denoiser, DenoiserConfig
 from stages.diffusion.normalizer import Normalizer
 from stages.diffusion.protocols import PROTOCOLS, from_protocol
-from stages.diffusion.trainer import LoopConfig, barrier, distributed
+from stages.diffusion.trainer import LoopConfig, distributed
 from stages.runtime import plotting
 from stages.runtime.progress import NullProgress, Progress
 
@@ -329,14 +329,5 @@ def run(
     config, parents = config_dict(cfg), {"extract": extract.id}
     if cached := store.cached(STAGE, config, parents, force=force):
         return cached
-    extra = {"model": extract.manifest.get("model"), "extract_config": extract.config}
-    if distributed()[0] != 0:
-        barrier()  # rank 0 has opened the artifact
-        train(cfg, group, store.load(STAGE, artifact_id(STAGE, config, parents)), NullProgress())
-        barrier()  # rank 0 has finished it
-        return store.load(STAGE, artifact_id(STAGE, config, parents))
-    with store.writing(STAGE, config, parents, force=force, seed=cfg.seed, device=cfg.device, extra=extra) as art:
-        barrier()
-        art.manifest["metrics"] = train(cfg, group, art, progress)
-    barrier()
-    return art
+    train_fn = lambda art, report: train(cfg, group, art, report)  # noqa: E731
+    return trainer.write_trained(store, STAGE, config, parents, extract, cfg, train_fn, force=force, progress=progress)

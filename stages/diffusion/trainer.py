@@ -362,3 +362,24 @@ def _global_mean(summed: torch.Tensor, global_size: int, world: int) -> float:
         summed = summed.clone()
         dist.all_reduce(summed)
     return float(summed) / global_size
+
+
+def write_trained(
+    store, stage: str, config: dict, parents: dict, extract, cfg, train_fn, *, force: bool, progress: Progress
+):
+    """The artifact of a trained part under one or many ranks: rank 0 owns it (lock, manifest,
+    files) while every rank runs train_fn(artifact, progress) -> metrics; others get a NullProgress."""
+    from artifacts.store import artifact_id
+    from stages.runtime.progress import NullProgress
+
+    extra = {"model": extract.manifest.get("model"), "extract_config": extract.config}
+    if distributed()[0] != 0:
+        barrier()  # rank 0 has opened the artifact
+        train_fn(store.load(stage, artifact_id(stage, config, parents)), NullProgress())
+        barrier()  # rank 0 has finished it
+        return store.load(stage, artifact_id(stage, config, parents))
+    with store.writing(stage, config, parents, force=force, seed=cfg.seed, device=cfg.device, extra=extra) as art:
+        barrier()
+        art.manifest["metrics"] = train_fn(art, progress)
+    barrier()
+    return art

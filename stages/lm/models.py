@@ -126,15 +126,20 @@ def gguf_to_safetensors(gguf_path: Path) -> tuple[Path, str]:
     model.hf_quantizer = None  # weights are de-quantized float32 now; nothing is quantized any more
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
-    tmp = out.with_name(out.name + ".tmp")
+    tmp = out.with_name(f"{out.name}.tmp{os.getpid()}")  # per process: two first loads may race
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
     (tmp / "dihal_source.json").write_text(json.dumps({"gguf": str(gguf_path), "sha256": sha}))
-    if out.exists():
-        import shutil
+    import shutil
 
-        shutil.rmtree(out)
-    os.replace(tmp, out)
+    if out.exists() and not (out / "dihal_source.json").exists():  # an interrupted conversion's leftovers
+        shutil.rmtree(out, ignore_errors=True)
+    try:
+        os.replace(tmp, out)
+    except OSError:  # another process finished the same conversion first: keep its copy
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not (out / "dihal_source.json").exists():
+            raise
     return out, sha
 
 
