@@ -17,6 +17,7 @@ import typer
 from artifacts.errors import DihalError
 from artifacts.store import ArtifactStore
 from dihal_cli.ui import LOG_EVERY, console, fmt, human_size, make_progress, print_json, table, user_errors
+from stages.diffusion.trainer import precision_for
 from stages.evaluate import FidelityConfig, SamplesConfig
 from stages.extract import ExtractConfig
 from stages.generate import GenerateConfig
@@ -329,7 +330,7 @@ def train_bridge(
         condition_noise=condition_noise,
         seed=seed,
         device=device,
-        precision="bfloat16" if _dtype(dtype, device) == "bfloat16" else "float32",
+        precision=precision_for(_dtype(dtype, device)),
     )
     ecfg = _extract_config(
         model,
@@ -736,7 +737,7 @@ def train_prior(
     from stages import prior as stage
 
     device = _device(device, dry_run)
-    precision = "bfloat16" if _dtype(dtype, device) == "bfloat16" else "float32"
+    precision = precision_for(_dtype(dtype, device))
     cfg = stage.PriorConfig.from_protocol(
         layer,
         protocol,
@@ -774,7 +775,7 @@ def train_decoder(
     from stages import decoder as stage
 
     device = _device(device, dry_run)
-    precision = "bfloat16" if _dtype(dtype, device) == "bfloat16" else "float32"
+    precision = precision_for(_dtype(dtype, device))
     cfg = stage.DecoderTrainConfig.from_protocol(
         protocol,
         condition_noise=condition_noise,

@@ -9,7 +9,7 @@ what an uninterrupted one would have done.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 
 import numpy as np
 import torch
@@ -22,7 +22,7 @@ from stages.diffusion import flow, trainer
 from stages.diffusion.denoiser import Denoiser, DenoiserConfig
 from stages.diffusion.normalizer import Normalizer
 from stages.diffusion.protocols import PROTOCOLS, from_protocol
-from stages.diffusion.trainer import LoopConfig, distributed
+from stages.diffusion.trainer import distributed
 from stages.runtime import plotting
 from stages.runtime.progress import NullProgress, Progress
 
@@ -269,10 +269,6 @@ def validation_loss(net: Denoiser, y: torch.Tensor, c: torch.Tensor, prediction:
     return total / count
 
 
-def loop_config(cfg: BridgeConfig) -> LoopConfig:
-    return LoopConfig(**{f.name: getattr(cfg, f.name) for f in fields(LoopConfig)})
-
-
 def train(cfg: BridgeConfig, group, art: Artifact, progress: Progress) -> dict:
     """Train (or resume) into art; returns final metrics."""
     rank, _ = distributed()
@@ -290,7 +286,7 @@ def train(cfg: BridgeConfig, group, art: Artifact, progress: Progress) -> dict:
         meta = {"layer": cfg.layer, "start": start, "prediction": cfg.prediction, "denoiser": asdict(den_cfg)}
         art.file("bridge.json").write_text(json.dumps(meta, indent=2))
         files.save_tensors(art.file("stats.safetensors"), norm.tensors())
-    result = trainer.train(task, net, loop_config(cfg), art.path, progress, f"bridge L{cfg.layer}")
+    result = trainer.train(task, net, trainer.loop_config(cfg), art.path, progress, f"bridge L{cfg.layer}")
     log = result.pop("log")
     if rank == 0:
         plotting.loss_curve(

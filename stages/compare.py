@@ -33,6 +33,7 @@ from stages import evaluate as eval_stage
 from stages import generate as gen_stage
 from stages import prior as prior_stage
 from stages import score as score_stage
+from stages.diffusion import trainer
 from stages.runtime import plotting
 from stages.runtime.progress import NullProgress, Progress
 from stages.text.text_metrics import text_metrics, token_entropy
@@ -111,7 +112,7 @@ def part_configs(cfg: CompareConfig, seed: int, l_star: int, worst: int) -> dict
     common = dict(
         seed=seed,
         device=cfg.device,
-        precision="bfloat16" if cfg.dtype == "bfloat16" else "float32",
+        precision=trainer.precision_for(cfg.dtype),
         **dict(cfg.overrides),
     )
     decoder_common = {k: v for k, v in common.items() if k != "depth"}  # the decoder's depth is fixed (2)

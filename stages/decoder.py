@@ -11,7 +11,7 @@ protocol, depth 2.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 
 import numpy as np
 import torch
@@ -26,7 +26,7 @@ from stages.diffusion.decoder import CrossDecoder, DecoderConfig
 from stages.diffusion.flow import corrupt
 from stages.diffusion.normalizer import Normalizer
 from stages.diffusion.protocols import from_protocol
-from stages.diffusion.trainer import LoopConfig, distributed
+from stages.diffusion.trainer import distributed
 from stages.runtime import plotting
 from stages.runtime.progress import NullProgress, Progress
 
@@ -126,7 +126,7 @@ def train(cfg: DecoderTrainConfig, group, art: Artifact, progress: Progress) -> 
         meta = {"decoder": asdict(net_cfg), "start_token": start, "seq_len": task.tokens_per_item + 1}
         art.file("decoder.json").write_text(json.dumps(meta, indent=2))
         files.save_tensors(art.file("stats.safetensors"), norm.tensors())
-    loop = LoopConfig(**{f.name: getattr(cfg, f.name) for f in fields(LoopConfig)})
+    loop = trainer.loop_config(cfg)
     result = trainer.train(task, net, loop, art.path, progress, "decoder")
     log = result.pop("log")
     if rank == 0:

@@ -15,7 +15,7 @@ Rectified flow, x0-parameterization, MSE over positions 1..T-1, trained by the s
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 
 import numpy as np
 import torch
@@ -28,7 +28,7 @@ from stages.diffusion import flow, trainer
 from stages.diffusion.denoiser import Denoiser, DenoiserConfig
 from stages.diffusion.normalizer import Normalizer
 from stages.diffusion.protocols import from_protocol
-from stages.diffusion.trainer import LoopConfig, distributed
+from stages.diffusion.trainer import distributed
 from stages.runtime import plotting
 from stages.runtime.progress import NullProgress, Progress
 
@@ -167,7 +167,7 @@ def train(cfg: PriorConfig, group, art: Artifact, progress: Progress) -> dict:
         }
         art.file("prior.json").write_text(json.dumps(meta, indent=2))
         files.save_tensors(art.file("stats.safetensors"), norm.tensors())
-    loop = LoopConfig(**{f.name: getattr(cfg, f.name) for f in fields(LoopConfig)})
+    loop = trainer.loop_config(cfg)
     result = trainer.train(
         task, net, loop, art.path, progress, f"prior L{cfg.layer}" + (" SC" if cfg.self_condition else "")
     )

@@ -71,7 +71,7 @@ def run(
         **dict(cfg.overrides),
         seed=cfg.seed,
         device=cfg.device,
-        precision="bfloat16" if cfg.dtype == "bfloat16" else "float32",
+        precision=trainer.precision_for(cfg.dtype),
     )
     rank, world = trainer.distributed()
     if world > 1:  # under torchrun: rank r trains layers r, r + W, ... each on its own; rank 0 sums up

@@ -39,7 +39,7 @@ import contextlib
 import math
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Protocol
 
@@ -70,6 +70,16 @@ class LoopConfig:
     device: str = "cpu"
     precision: str = "float32"
     shuffle_window: int = 512  # sequences shuffled together; bounds the memory of a read
+
+
+def loop_config(cfg) -> LoopConfig:
+    """The loop's settings out of a part's config (bridge, prior or decoder), by field name."""
+    return LoopConfig(**{f.name: getattr(cfg, f.name) for f in fields(LoopConfig)})
+
+
+def precision_for(dtype: str) -> str:
+    """Training precision for a --dtype name: bf16 autocast for bfloat16, float32 otherwise."""
+    return "bfloat16" if dtype == "bfloat16" else "float32"
 
 
 class Task(Protocol):
