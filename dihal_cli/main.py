@@ -17,6 +17,7 @@ import typer
 from artifacts.errors import DihalError
 from artifacts.store import ArtifactStore
 from dihal_cli.ui import LOG_EVERY, console, fmt, human_size, make_progress, print_json, table, user_errors
+from stages.compare import CompareConfig
 from stages.diffusion.trainer import precision_for
 from stages.evaluate import FidelityConfig, SamplesConfig
 from stages.extract import ExtractConfig
@@ -799,10 +800,12 @@ def compare(
     layer: int | None = typer.Option(None, "--layer", help="l* (default: the score's argmax S)."),
     oracle: int | None = typer.Option(None, "--oracle", help="A sweep's oracle layer: one more DiHAL row."),
     protocol: str = Protocol,
-    seeds: str = typer.Option("0,1", "--seeds", help="Comma list; every part is trained and sampled per seed."),
-    num_samples: int = typer.Option(256, "--num-samples", help="Samples per row and seed."),
-    prior_steps: int = opt(GenerateConfig, "prior_steps"), sample_steps: int = opt(GenerateConfig, "sample_steps"),
-    condition_noise: float = typer.Option(0.5, "--condition-noise"),
+    seeds: str = typer.Option(
+        ",".join(map(str, CompareConfig().seeds)), "--seeds", help="Comma list; each part is trained per seed."
+    ),
+    num_samples: int = opt(CompareConfig, "num_samples", help="Samples per row and seed."),
+    prior_steps: int = opt(CompareConfig, "prior_steps"), sample_steps: int = opt(CompareConfig, "sample_steps"),
+    condition_noise: float = opt(CompareConfig, "condition_noise"),
     train_steps: int | None = TrainSteps, width: int | None = typer.Option(None, "--width"),
     depth: int | None = typer.Option(None, "--depth", help="Of the priors and bridges (the decoder has depth 2)."),
     evaluator: str | None = typer.Option(None, "--evaluator", help="Second evaluator (default: the other builtin)."),
@@ -810,7 +813,7 @@ def compare(
     score: str | None = typer.Option(None, "--score", help="Score of that extract (omitted: score now)."),
     tokens: int = opt(ScoreConfig, "tokens", help="Score sample size when scoring now."),
     model: str = Model, dataset: str = Dataset, max_sequences: int | None = MaxSeq, seq_len: int = SeqLen,
-    store_dtype: str = StoreDtype, batch_size: int = typer.Option(32, "--batch-size", help="Samples per batch."),
+    store_dtype: str = StoreDtype, batch_size: int = opt(CompareConfig, "batch_size", help="Samples per batch."),
     device: str = Device, dtype: str = Dtype, force: bool = Force, dry_run: bool = DryRun,
     trust_remote_code: bool = Trust, root: str = Root,
 ) -> None:  # fmt: skip

@@ -49,8 +49,8 @@ class CompareConfig:
     protocol: str = "compare-cpu"
     seeds: tuple[int, ...] = (0, 1)
     num_samples: int = 256
-    prior_steps: int = 50
-    sample_steps: int = 8
+    prior_steps: int = gen_stage.GenerateConfig.prior_steps
+    sample_steps: int = gen_stage.GenerateConfig.sample_steps
     condition_noise: float = 0.5
     evaluator: str | None = None  # the second evaluator; None: the other builtin
     batch_size: int = 32  # samples per generation batch
@@ -324,12 +324,13 @@ def run(
         loaded = load_model(backbone)
         evaluators = {"backbone": loaded, "evaluator": load_model(config["evaluator"])}
         texts, ids = held_out_texts(extract, loaded, cfg.num_samples)
+        real = real_text_row(texts, ids, evaluators)  # the same held-out text for every seed: scored once
         per_seed, parts_table = [], []
         for seed in cfg.seeds:
             parts = train_parts(cfg, extract, store, seed, l_star, worst, progress)
             parts_table += [{"seed": seed, **part_row(name, a)} for name, a in parts.items()]
             gens = generate_rows(cfg, parts, store, loaded, seed, l_star, worst, progress)
-            rows = score_rows(gens, evaluators, store, cfg) + [real_text_row(texts, ids, evaluators)]
+            rows = score_rows(gens, evaluators, store, cfg) + [real]
             per_seed += [{"seed": seed, **r} for r in rows]
         per_seed_df, parts_df = pd.DataFrame(per_seed), pd.DataFrame(parts_table)
         summary = summarize(per_seed_df)
