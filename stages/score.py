@@ -7,6 +7,12 @@ positions. Proxies:
     k_hat  = tr(Sigma) / lambda_max(Sigma)
     S_l    = z(m_curv)_l + z(m_mono)_l - z(k_hat)_l,   l* = argmax S
 
+Options beyond the paper (the default is the paper's definition alone):
+    --bootstrap B     B more draws of n positions (seeds [seed, 0, b]): per layer the spread of S,
+                      its rank range, and how often it is l* (bootstrap.csv, columns S_boot_*)
+    --outlier-mads M  also the robust proxies, from the positions whose norm at that layer is at most
+                      median + M * 1.4826 * MAD (columns *_robust, S_robust, l*_robust)
+
 How m_curv is computed: K = X X^T once (n x n, symmetric blocks); each point's k nearest come from
 a top-k over its row of K, and lambda_max(C_i) from the k x k Gram matrix K[N_i, N_i], centered,
 which has the same nonzero spectrum as (k-1) C_i. Beyond FULL_PRODUCTS_MAX_BYTES the rows of K
@@ -48,13 +54,22 @@ class ScoreConfig:
     seed: int = 0
     device: str = "cpu"
     chunk: int = 512  # points per batched kNN / Gram block; bounds memory, not results
+    bootstrap: int = 0  # B more draws of --tokens positions, for the stability of S and l*
+    outlier_mads: float | None = None  # also the robust proxies, outlier-norm positions left out
 
     def __post_init__(self) -> None:
         validate(self)
 
 
 # -- sampling and normalization -----------------------------------------------------------------
-def sample_positions(group, split: str, n: int, exclude: list[int], seed: int) -> tuple[np.ndarray, np.ndarray]:
+def draw_rng(seed: int, draw: int) -> np.random.Generator:
+    """Draw 0 is the score itself; draws 1..B are the bootstrap's fresh samples of positions."""
+    return np.random.default_rng([seed, 0] if draw == 0 else [seed, 0, draw])
+
+
+def sample_positions(
+    group, split: str, n: int, exclude: list[int], seed: int, draw: int = 0
+) -> tuple[np.ndarray, np.ndarray]:
     """n (sequence, position) pairs uniformly without replacement from the valid positions."""
     seqs = hs.split_indices(group, split)
     mask = np.asarray(group["attention_mask"].oindex[seqs]).astype(bool)
@@ -65,7 +80,7 @@ def sample_positions(group, split: str, n: int, exclude: list[int], seed: int) -
             f"--tokens {n} asked for, but the {split} split has only {rows.size} valid positions; "
             f"lower --tokens or extract more sequences"
         )
-    pick = np.sort(np.random.default_rng([seed, 0]).choice(rows.size, size=n, replace=False))
+    pick = np.sort(draw_rng(seed, draw).choice(rows.size, size=n, replace=False))
     return seqs[rows[pick]], cols[pick]
 
 
@@ -205,6 +220,30 @@ def layer_proxies(x: torch.Tensor, cfg: ScoreConfig, pairs: tuple[np.ndarray, np
     }
 
 
+def inliers(raw: torch.Tensor, mads: float) -> torch.Tensor:
+    """Positions whose norm is at most median + mads * 1.4826 * MAD (all of them when MAD = 0)."""
+    norms = raw.norm(dim=1)
+    median = norms.median()
+    mad = (norms - median).abs().median()
+    if float(mad) == 0:
+        return torch.ones_like(norms, dtype=torch.bool)
+    return norms <= median + mads * 1.4826 * mad
+
+
+def layer_row(raw: torch.Tensor, cfg: ScoreConfig, pairs: tuple[np.ndarray, np.ndarray]) -> dict[str, float]:
+    """The proxies of one layer's raw states (float64), and with --outlier-mads the robust ones."""
+    row = {**layer_proxies(normalize(raw, cfg.normalize), cfg, pairs), "mean_token_norm": float(raw.norm(dim=1).mean())}
+    if cfg.outlier_mads is not None:
+        keep = inliers(raw, cfg.outlier_mads)
+        kept = int(keep.sum())
+        if kept <= cfg.k:
+            raise DihalError(f"--outlier-mads {cfg.outlier_mads} leaves {kept} positions, not more than --k; raise it")
+        robust = layer_proxies(normalize(raw[keep], cfg.normalize), cfg, sample_pairs(kept, cfg.pairs, cfg.seed))
+        row.update({f"{p}_robust": robust[p] for p in PROXIES})
+        row["n_outliers"] = raw.shape[0] - kept
+    return row
+
+
 # -- the combined score -----------------------------------------------------------------------
 def zscore(values: pd.Series) -> pd.Series:
     std = values.std(ddof=0)
@@ -214,13 +253,30 @@ def zscore(values: pd.Series) -> pd.Series:
 
 
 def combine(table: pd.DataFrame) -> pd.DataFrame:
-    """Adds z_m_curv, z_m_mono, z_k_hat, S and rank (1 = best) to a per-layer proxy table."""
+    """Adds z_m_curv, z_m_mono, z_k_hat, S and rank (1 = best) to a per-layer proxy table, and the
+    same with the suffix _robust where the robust proxies are there."""
     out = table.copy()
-    for proxy in PROXIES:
-        out[f"z_{proxy}"] = zscore(out[proxy])
-    out["S"] = out["z_m_curv"] + out["z_m_mono"] - out["z_k_hat"]
-    out["rank"] = out["S"].rank(ascending=False, method="first").astype(int)
+    for suffix in ("", "_robust") if "m_curv_robust" in out else ("",):
+        for proxy in PROXIES:
+            out[f"z_{proxy}{suffix}"] = zscore(out[f"{proxy}{suffix}"])
+        out[f"S{suffix}"] = out[f"z_m_curv{suffix}"] + out[f"z_m_mono{suffix}"] - out[f"z_k_hat{suffix}"]
+        out[f"rank{suffix}"] = out[f"S{suffix}"].rank(ascending=False, method="first").astype(int)
     return out.sort_values("layer").reset_index(drop=True)
+
+
+def stability(table: pd.DataFrame, draws: pd.DataFrame) -> pd.DataFrame:
+    """Per layer over the bootstrap draws: mean, std and 95% interval of S, the rank range, and the
+    fraction of draws in which the layer is l* (and of S_robust where it is there)."""
+    out = table.set_index("layer")
+    for suffix in ("", "_robust") if "S_robust" in draws else ("",):
+        by_layer = draws.groupby("layer")[f"S{suffix}"]
+        out[f"S{suffix}_boot_mean"], out[f"S{suffix}_boot_std"] = by_layer.mean(), by_layer.std(ddof=1)
+        out[f"S{suffix}_boot_lo"], out[f"S{suffix}_boot_hi"] = by_layer.quantile(0.025), by_layer.quantile(0.975)
+        ranks = draws.groupby("layer")[f"rank{suffix}"]
+        out[f"rank{suffix}_min"], out[f"rank{suffix}_max"] = ranks.min(), ranks.max()
+        winners = draws.loc[draws.groupby("draw")[f"S{suffix}"].idxmax(), "layer"]
+        out[f"l_star{suffix}_freq"] = winners.value_counts().reindex(out.index, fill_value=0) / draws["draw"].nunique()
+    return out.reset_index()
 
 
 # -- the stage ----------------------------------------------------------------------------------
@@ -277,6 +333,10 @@ def validate(cfg: ScoreConfig) -> None:
         raise DihalError("--pairs must be at least 1")
     if cfg.split not in hs.SPLITS:
         raise DihalError("--split must be train or validation")
+    if cfg.bootstrap < 0:
+        raise DihalError(f"--bootstrap must be >= 0, got {cfg.bootstrap}")
+    if cfg.outlier_mads is not None and cfg.outlier_mads <= 0:
+        raise DihalError(f"--outlier-mads must be > 0, got {cfg.outlier_mads}")
 
 
 def uses_pool(group, cfg: ScoreConfig) -> bool:
@@ -294,18 +354,24 @@ def uses_pool(group, cfg: ScoreConfig) -> bool:
 def score_layers(
     group, cfg: ScoreConfig, layers: list[int], progress: Progress
 ) -> tuple[pd.DataFrame, np.ndarray, np.ndarray]:
+    """(the score's table, the bootstrap draws' long table or None, the sampled positions)."""
     exclude = excluded_positions(cfg.exclude_positions)
+    draws = range(1 + cfg.bootstrap)
     if uses_pool(group, cfg):  # the extract's pool: O(pool x D) read per layer
         pool_seq, pool_pos, _ = hs.read_pool(group, layers[0])
-        pick = np.sort(np.random.default_rng([cfg.seed, 0]).choice(pool_seq.size, size=cfg.tokens, replace=False))
-        seq_idx, pos_idx = pool_seq[pick], pool_pos[pick]
-        read_layer = lambda layer: hs.read_pool(group, layer)[2][pick]  # noqa: E731
+        picks = [np.sort(draw_rng(cfg.seed, d).choice(pool_seq.size, size=cfg.tokens, replace=False)) for d in draws]
+        positions = [(pool_seq[p], pool_pos[p]) for p in picks]
+
+        def read_layer(layer: int) -> list[np.ndarray]:
+            states = hs.read_pool(group, layer)[2]
+            return [states[p] for p in picks]
+
     else:  # reads the chunks that hold the sampled positions
-        seq_idx, pos_idx = sample_positions(group, cfg.split, cfg.tokens, exclude, cfg.seed)
-        read_layer = lambda layer: hs.read_positions(group, layer, seq_idx, pos_idx)  # noqa: E731
+        positions = [sample_positions(group, cfg.split, cfg.tokens, exclude, cfg.seed, d) for d in draws]
+        read_layer = lambda layer: [hs.read_positions(group, layer, s, p) for s, p in positions]  # noqa: E731
     pairs = sample_pairs(cfg.tokens, cfg.pairs, cfg.seed)
     rows = []
-    progress.start("score", len(layers), "layer")
+    progress.start("score", len(layers) * len(draws), "layer x draw" if cfg.bootstrap else "layer")
     with ThreadPoolExecutor(max_workers=1) as reader:  # reads layer l+1 while layer l is scored
 
         def read(layer: int):
@@ -313,15 +379,21 @@ def score_layers(
 
         pending = read(layers[0])
         for position, layer in enumerate(layers):
-            states = pending.result()
+            per_draw = pending.result()
             if position + 1 < len(layers):
                 pending = read(layers[position + 1])
-            raw = torch.from_numpy(states).to(cfg.device, torch.float64)
-            proxies = layer_proxies(normalize(raw, cfg.normalize), cfg, pairs)
-            rows.append({"layer": layer, **proxies, "mean_token_norm": float(raw.norm(dim=1).mean())})
-            progress.advance(1)
+            for draw, states in enumerate(per_draw):
+                raw = torch.from_numpy(states).to(cfg.device, torch.float64)
+                rows.append({"draw": draw, "layer": layer, **layer_row(raw, cfg, pairs)})
+                progress.advance(1)
     progress.stop()
-    return combine(pd.DataFrame(rows)), seq_idx, pos_idx
+    long = pd.DataFrame(rows)
+    scored = pd.concat([combine(g).assign(draw=d) for d, g in long.groupby("draw")], ignore_index=True)
+    table = scored[scored["draw"] == 0].drop(columns="draw").reset_index(drop=True)
+    boot = scored[scored["draw"] > 0].reset_index(drop=True) if cfg.bootstrap else None
+    if boot is not None:
+        table = stability(table, boot)
+    return table, boot, *positions[0]
 
 
 def run(
@@ -344,15 +416,24 @@ def run(
         device=cfg.device,
         extra={"model": extract.manifest.get("model")},
     ) as art:
-        table, seq_idx, pos_idx = score_layers(group, cfg, layers, progress)
+        table, boot, seq_idx, pos_idx = score_layers(group, cfg, layers, progress)
         write_outputs(art, table, seq_idx, pos_idx)
+        if boot is not None:
+            boot.to_csv(art.file("bootstrap.csv"), index=False)
         best = int(table.loc[table["S"].idxmax(), "layer"])
-        art.manifest["metrics"] = {
+        metrics = {
             "l_star": best,
             "n_tokens": cfg.tokens,
             "candidates": layers,
             "positions_from": "extract pool" if uses_pool(group, cfg) else "layers",
         }
+        for suffix in ("", "_robust") if "S_robust" in table else ("",):
+            winner = int(table.loc[table[f"S{suffix}"].idxmax(), "layer"])
+            metrics[f"l_star{suffix}"] = winner
+            if boot is not None:
+                freq = table.set_index("layer")[f"l_star{suffix}_freq"]
+                metrics[f"l_star{suffix}_frequency"] = float(freq[winner])
+        art.manifest["metrics"] = metrics
     return art
 
 

@@ -288,3 +288,73 @@ def test_extract_keeps_a_uniform_pool_that_the_score_reads(tiny_dirs, root):
         bigger.exit_code == 0
         and ArtifactStore(root).resolve("latest", "score").manifest["metrics"]["positions_from"] == "layers"
     )
+
+
+def test_inliers_leave_out_planted_outlier_norms_and_robust_proxies_use_the_rest():
+    rng = np.random.default_rng(5)
+    x = rng.normal(size=(500, 16))
+    x[[7, 99, 300]] *= 40.0  # a few massive activations, as on real LMs
+    raw = torch.from_numpy(x)
+    keep = sc.inliers(raw, 5.0)
+    assert sorted(np.flatnonzero(~keep.numpy()).tolist()) == [7, 99, 300]
+    cfg = _cfg(tokens=500, pairs=800, outlier_mads=5.0)
+    row = sc.layer_row(raw, cfg, sc.sample_pairs(500, 800, 0))
+    clean = sc.layer_proxies(raw[keep], cfg, sc.sample_pairs(497, 800, 0))
+    assert row["n_outliers"] == 3
+    for p in sc.PROXIES:
+        assert row[f"{p}_robust"] == pytest.approx(clean[p], rel=1e-12)
+    assert row["k_hat"] < 0.5 * row["k_hat_robust"]  # the outliers dominated the top eigenvalue
+
+
+def test_stability_on_hand_made_draws():
+    table = sc.combine(
+        pd.DataFrame({"layer": [1, 2, 3], "m_curv": [1.0, 2, 3], "m_mono": [1.0, 1, 1], "k_hat": [1.0, 1, 1]})
+    )
+    draws = pd.concat(
+        [
+            sc.combine(pd.DataFrame({"layer": [1, 2, 3], "m_curv": c, "m_mono": [1.0] * 3, "k_hat": [1.0] * 3})).assign(
+                draw=d
+            )
+            for d, c in enumerate([[1.0, 2, 3], [3.0, 2, 1], [1.0, 3, 2], [1.0, 2, 3]], start=1)
+        ],
+        ignore_index=True,
+    )
+    out = sc.stability(table, draws).set_index("layer")
+    assert out["l_star_freq"].tolist() == [0.25, 0.25, 0.5]  # layer 3 wins draws 1 and 4
+    s3 = draws.loc[draws.layer == 3, "S"].to_numpy()
+    assert out.loc[3, "S_boot_mean"] == pytest.approx(s3.mean()) and out.loc[3, "S_boot_std"] == pytest.approx(
+        s3.std(ddof=1)
+    )
+    assert (out.loc[3, "rank_min"], out.loc[3, "rank_max"]) == (1, 3)
+
+
+def test_score_bootstrap_and_robust_through_the_cli(tiny_extract):
+    from artifacts import hidden_states as hs
+    from artifacts.store import ArtifactStore
+
+    res = invoke(
+        "score", "--tokens", "200", "--k", "8", "--pairs", "300", "--bootstrap", "3", "--outlier-mads", "4", "--json"
+    )
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.output)
+    store = ArtifactStore(tiny_extract)
+    art = store.resolve(out["id"], "score")
+    boot = pd.read_csv(art.file("bootstrap.csv"))
+    assert sorted(boot["draw"].unique()) == [1, 2, 3] and len(boot) == 9
+    table = sc.load_table(art).set_index("layer")
+    assert table["l_star_freq"].sum() == pytest.approx(1.0) and table["l_star_robust_freq"].sum() == pytest.approx(1.0)
+    assert out["l_star_frequency"] == table.loc[out["l_star"], "l_star_freq"]
+    # draw 2 recomputed by hand from the extract's pool: the same positions give the same proxies
+    group = hs.open_group(store.resolve("latest", "extract").path / "hidden.zarr")
+    _, _, states = hs.read_pool(group, 2)
+    pick = np.sort(sc.draw_rng(0, 2).choice(len(states), size=200, replace=False))
+    cfg = sc.ScoreConfig(tokens=200, k=8, pairs=300, outlier_mads=4.0)
+    again = sc.layer_row(torch.from_numpy(states[pick]).double(), cfg, sc.sample_pairs(200, 300, 0))
+    row = boot[(boot.draw == 2) & (boot.layer == 2)].iloc[0]
+    for p in ("m_curv", "m_mono", "k_hat", "m_curv_robust", "k_hat_robust"):
+        assert row[p] == pytest.approx(again[p], rel=1e-9)
+    assert not np.allclose(boot.loc[boot.draw == 1, "k_hat"], table["k_hat"])  # the draws are fresh samples
+    view = invoke("score", "--tokens", "200", "--k", "8", "--pairs", "300", "--bootstrap", "3", "--outlier-mads", "4")
+    assert view.exit_code == 0 and "of 3 draws" in view.output and "robust l* =" in view.output
+    bad = invoke("score", "--bootstrap", "-1")
+    assert bad.exit_code == 2 and "--bootstrap must be >= 0" in bad.output
