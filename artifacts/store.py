@@ -139,6 +139,14 @@ class Artifact:
         return self.manifest.get("status", "missing")
 
     @property
+    def wall_seconds(self) -> float:
+        """Seconds from start to finish of the run that completed it (NaN while unfinished)."""
+        started, finished = self.manifest.get("started"), self.manifest.get("finished")
+        if not started or not finished:
+            return float("nan")
+        return (_dt.datetime.fromisoformat(finished) - _dt.datetime.fromisoformat(started)).total_seconds()
+
+    @property
     def complete(self) -> bool:
         return self.status == "complete"
 

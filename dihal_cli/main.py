@@ -18,6 +18,7 @@ from artifacts.errors import DihalError
 from artifacts.store import ArtifactStore
 from dihal_cli.ui import LOG_EVERY, console, fmt, human_size, make_progress, print_json, table, user_errors
 from stages.compare import CompareConfig
+from stages.confirm import ConfirmConfig
 from stages.diffusion.trainer import precision_for
 from stages.evaluate import FidelityConfig, SamplesConfig
 from stages.extract import ExtractConfig
@@ -227,6 +228,10 @@ def score(
     exclude_positions: str = opt(ScoreConfig, "exclude_positions", help="Comma list; '' keeps all."),
     candidates: str | None = opt(ScoreConfig, "candidates", help="Layers to rank (default 1..L-1)."),
     split: str = opt(ScoreConfig, "split"),
+    bootstrap: int = opt(ScoreConfig, "bootstrap", help="B more draws of positions: spread of S, how often l*."),
+    outlier_mads: float | None = opt(
+        ScoreConfig, "outlier_mads", help="Also robust proxies without positions of outlier norm (e.g. 5)."
+    ),
     seed: int = Seed,
     device: str = typer.Option("cpu", "--device"),
     force: bool = Force,
@@ -247,6 +252,8 @@ def score(
         exclude_positions=exclude_positions,
         candidates=candidates,
         split=split,
+        bootstrap=bootstrap,
+        outlier_mads=outlier_mads,
         seed=seed,
         device=device,
     )
@@ -261,10 +268,22 @@ def score(
         return print_json(
             {"id": art.id, "path": str(art.path), **art.manifest["metrics"], "table": result.to_dict("records")}
         )
+    m = art.manifest["metrics"]
     cols = ["rank", "layer", "S", "m_curv", "m_mono", "k_hat", "participation_ratio", "entropy_rank", "mean_token_norm"]
     names = ["rank", "layer", "S", "m_curv", "m_mono", "k_hat", "PR", "erank", "|h|"]
+    if bootstrap or outlier_mads is not None:  # the stability columns instead of the extra spectra
+        cols, names = cols[:6], names[:6]
+        if bootstrap:
+            cols, names = cols + ["S_boot_std", "l_star_freq"], names + ["S std", "l* freq"]
+        if outlier_mads is not None:
+            cols, names = cols + ["S_robust", "rank_robust"], names + ["S robust", "rank rob."]
     rows = [[r[c] for c in cols] for r in result.to_dict("records")]
-    console.print(table(f"layer ranking (l* = {art.manifest['metrics']['l_star']})", names, rows, highlight_row=0))
+    title = f"layer ranking (l* = {m['l_star']}"
+    if bootstrap:
+        title += f", l* in {m['l_star_frequency']:.0%} of {bootstrap} draws"
+    if outlier_mads is not None:
+        title += f"; robust l* = {m['l_star_robust']}"
+    console.print(table(title + ")", names, rows, highlight_row=0))
     _report(art)
 
 
@@ -363,13 +382,16 @@ def train_bridge(
 @user_errors
 def evaluate(
     bridge: str | None = typer.Option(None, "--bridge", help="Bridge artifact: fidelity, teacher forced."),
-    samples: str | None = typer.Option(None, "--samples", help="Generate artifact: Gen.PPL and diversity."),
+    samples: str | None = typer.Option(
+        None, "--samples", help="Generate artifact: Gen.PPL, diversity (with --bridge: fidelity on it)."
+    ),
     sample_steps: str = typer.Option(
         ",".join(map(str, default(FidelityConfig, "sample_steps"))),
         "--sample-steps",
         help="Bridge Euler steps to compare (fidelity).",
     ),
     limit: int = opt(FidelityConfig, "limit", help="Held-out sequences (fidelity) or samples to score."),
+    dataset: str | None = opt(FidelityConfig, "dataset", help="Fidelity on this dataset spec instead (--bridge)."),
     evaluator: str | None = opt(SamplesConfig, "evaluator", help="Model for Gen.PPL (default: the backbone)."),
     batch_size: int = opt(FidelityConfig, "batch_size"),
     device: str = Device,
@@ -381,11 +403,13 @@ def evaluate(
     as_json: bool = typer.Option(False, "--json"),
     root: str = Root,
 ) -> None:
-    """Bridge fidelity (--bridge) or generation quality (--samples); results JSON + table."""
+    """Bridge fidelity (--bridge [--dataset | --samples]) or generation quality (--samples)."""
     from stages import evaluate as stage
 
-    if (bridge is None) == (samples is None):
-        raise DihalError("give exactly one of --bridge ID (fidelity) or --samples ID (generation quality)")
+    if dataset is not None and bridge is None:
+        raise DihalError("--dataset measures a bridge's fidelity; give --bridge ID with it")
+    if bridge is None and samples is None:
+        raise DihalError("give --bridge ID (fidelity) or --samples ID (generation quality), or both")
     device = _device(device, dry_run)
     if bridge is not None:
         cfg = FidelityConfig(
@@ -393,6 +417,7 @@ def evaluate(
             limit=limit,
             batch_size=batch_size,
             seed=seed,
+            dataset=dataset,
             device=device,
             dtype=_dtype(dtype, device),
         )
@@ -404,10 +429,12 @@ def evaluate(
         return _dry("evaluate", cfg)
     store = ArtifactStore(root)
     if bridge is not None:
+        on = store.resolve(samples, "generate") if samples else None
         art = stage.run_fidelity(
-            cfg, store.resolve(bridge, "bridge"), store, force=force, trust_remote_code=trust_remote_code
+            cfg, store.resolve(bridge, "bridge"), store, force=force, trust_remote_code=trust_remote_code, samples=on
         )
-        rows, title = art.manifest["metrics"]["fidelity"], f"bridge fidelity, layer {art.manifest['metrics']['layer']}"
+        m = art.manifest["metrics"]
+        rows, title = m["fidelity"], f"bridge fidelity, layer {m['layer']}, on {m.get('source', 'validation')}"
     else:
         art = stage.run_samples(
             cfg, store.resolve(samples, "generate"), store, force=force, trust_remote_code=trust_remote_code
@@ -434,6 +461,8 @@ def sweep(
     extract: str | None = typer.Option(None, "--extract", help="Extract holding layer 0 and the swept layers."),
     score: str | None = typer.Option(None, "--score", help="Score artifact (default: score the extract now)."),
     tokens: int = opt(ScoreConfig, "tokens", help="Score sample size when scoring now."),
+    bootstrap: int = opt(ScoreConfig, "bootstrap", help="Score draws behind each rho interval (scoring now)."),
+    outlier_mads: float | None = opt(ScoreConfig, "outlier_mads", help="Also the robust proxies (scoring now)."),
     model: str = Model,
     dataset: str = Dataset,
     max_sequences: int | None = MaxSeq,
@@ -441,9 +470,12 @@ def sweep(
     store_dtype: str = StoreDtype,
     sample_steps: int = opt(SweepConfig, "sample_steps", help="Bridge Euler steps for each layer's fidelity."),
     eval_limit: int = opt(SweepConfig, "eval_limit"),
+    seeds: str = typer.Option(
+        ",".join(map(str, default(SweepConfig, "seeds"))), "--seeds", help="A bridge per layer and seed, e.g. 0,1,2."
+    ),
     device: str = Device,
     dtype: str = Dtype,
-    seed: int = Seed,
+    seed: int = typer.Option(0, "--seed", help="Seed of the data split and the score's positions."),
     force: bool = Force,
     dry_run: bool = DryRun,
     trust_remote_code: bool = Trust,
@@ -464,18 +496,14 @@ def sweep(
         )
         layers = f"1-{num_blocks - 1}"
     layer_list = ex.parse_layers(layers, None)
-    overrides = tuple(
-        (k, v)
-        for k, v in (("steps", train_steps), ("width", width), ("depth", depth), ("batch_size", batch_size))
-        if v is not None
-    )
+    overrides = _overrides(steps=train_steps, width=width, depth=depth, batch_size=batch_size)
     cfg = SweepConfig(
         layers=tuple(layer_list),
         protocol=protocol,
         overrides=overrides,
         sample_steps=sample_steps,
         eval_limit=eval_limit,
-        seed=seed,
+        seeds=_seeds(seeds),
         device=device,
         dtype=_dtype(dtype, device),
     )
@@ -491,7 +519,7 @@ def sweep(
         seed,
         trust_remote_code,
     )
-    scfg = ScoreConfig(tokens=tokens, seed=seed, device=device)
+    scfg = ScoreConfig(tokens=tokens, bootstrap=bootstrap, outlier_mads=outlier_mads, seed=seed, device=device)
     if dry_run:
         if extract is None:
             ex.plan(ecfg)
@@ -510,18 +538,40 @@ def sweep(
     if art is None:  # a rank other than 0 of a layer-sharded sweep: its bridges are in the store
         return
     result = stage.pd.read_csv(art.file("sweep.csv"))
-    cols = ["layer", "S", "score_rank", "val_loss", "top1_agreement", "kl", "ppl_ratio", "rel_recon_error"]
-    names = ["layer", "S", "S rank", "val loss", "top-1", "KL", "ppl ratio", "rel err"]
+    cols = ["layer", "S", "score_rank", "val_loss", "val_loss_std", "top1_agreement", "kl", "ppl_ratio"]
+    names = ["layer", "S", "S rank", "val loss", "± std", "top-1", "KL", "ppl ratio"]
     m = art.manifest["metrics"]
     console.print(
         table(
-            f"sweep ({protocol}): rho = {m['spearman_rho']:.3f} (p = {m['p_value']:.2g}), "
-            f"l* = {m['l_star']}, oracle = {m['oracle_layer']}, worst = {m['worst_layer']}",
+            f"sweep ({protocol}, seeds {seeds}): l* = {m['l_star']}, oracle = {m['oracle_layer']} "
+            f"(agreed by {m['oracle_agreement']:.0%} of seeds), worst = {m['worst_layer']}",
             names,
             [[r[c] for c in cols] for r in result.to_dict("records")],
         )
     )
+    variants = stage.pd.read_csv(art.file("variants.csv"))
+    vcols = ["variant", "rho", "rho_lo", "rho_hi", "rho_shallow", "kendall_tau", "partial_rho_given_depth"]
+    lo, hi = m["shallow_window"]
+    console.print(
+        table(
+            f"which predictor of -loss (shallow: layers {lo}..{hi}; interval: 95% bootstrap)",
+            ["variant", "rho", "lo", "hi", "shallow", "tau", "partial|depth"],
+            [[r[c] for c in vcols] for r in variants.to_dict("records")],
+        )
+    )
     _report(art)
+
+
+def _overrides(**fields) -> tuple[tuple[str, object], ...]:
+    """The protocol fields given on the command line, for every trained part alike."""
+    return tuple((k, v) for k, v in fields.items() if v is not None)
+
+
+def _seeds(spec: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in spec.split(",") if x.strip())
+    except ValueError:
+        raise DihalError(f"cannot read --seeds '{spec}'; use a comma list like 0,1,2") from None
 
 
 @app.command()
@@ -823,10 +873,7 @@ def compare(
     from stages.lm.models import load_model
 
     device = _device(device, dry_run)
-    try:
-        seed_list = tuple(int(x) for x in seeds.split(",") if x.strip())
-    except ValueError:
-        raise DihalError(f"cannot read --seeds '{seeds}'; use a comma list like 0,1,2") from None
+    seed_list = _seeds(seeds)
     cfg = stage.CompareConfig(
         layer=layer,
         oracle=oracle,
@@ -840,9 +887,7 @@ def compare(
         batch_size=batch_size,
         device=device,
         dtype=_dtype(dtype, device),
-        overrides=tuple(
-            (k, v) for k, v in (("steps", train_steps), ("width", width), ("depth", depth)) if v is not None
-        ),
+        overrides=_overrides(steps=train_steps, width=width, depth=depth),
     )
     stage.part_configs(cfg, seed_list[0], 1, 1)  # every part's recipe is valid before anything runs
     ecfg = _extract_config(
@@ -864,10 +909,7 @@ def compare(
     art = stage.run(cfg, parent, score_art, store, load, force=force, progress=make_progress())
     rows = json.loads(art.file("compare.json").read_text())["rows"]
 
-    def pm(r, key):
-        mean, std = r[key + "_mean"], r[key + "_std"]
-        return f"{fmt(mean)}±{std:.2g}" if r["seeds"] > 1 else fmt(mean)
-
+    pm = _pm
     m = art.manifest["metrics"]
     names = ["row", "PPL backbone", f"PPL {Path(m['evaluators']['evaluator']).name[:12]}", "entropy", "diversity"]
     cells = [
@@ -887,4 +929,65 @@ def compare(
             cells,
         )
     )
+    _report(art)
+
+
+def _pm(r: dict, key: str) -> str:
+    """mean±std of a summary row over seeds (the mean alone for one seed)."""
+    mean, std = r[key + "_mean"], r[key + "_std"]
+    return f"{fmt(mean)}±{std:.2g}" if r["seeds"] > 1 else fmt(mean)
+
+
+@app.command()
+@user_errors
+def confirm(
+    sweep: str = typer.Option("latest", "--sweep", help="Sweep whose l*, oracle and worst layer to train fully."),
+    protocol: str = opt(ConfirmConfig, "protocol", help="cpu-small, paper, ... (every field overridable)."),
+    at: str = typer.Option(
+        ",".join(default(ConfirmConfig, "at")), "--at", help="Comma list: l_star, oracle, worst or layer numbers."
+    ),
+    seeds: str = typer.Option(",".join(map(str, default(ConfirmConfig, "seeds"))), "--seeds"),
+    train_steps: int | None = TrainSteps,
+    width: int | None = typer.Option(None, "--width"),
+    depth: int | None = typer.Option(None, "--depth"),
+    train_batch: int | None = typer.Option(None, "--train-batch", help="Override the protocol's batch size."),
+    sample_steps: int = opt(ConfirmConfig, "sample_steps", help="Bridge Euler steps (fidelity and generation)."),
+    eval_limit: int = opt(ConfirmConfig, "eval_limit", help="Held-out sequences for fidelity."),
+    num_samples: int = opt(ConfirmConfig, "num_samples", help="AR hybrid samples per layer and seed."),
+    evaluator: str | None = opt(ConfirmConfig, "evaluator", help="Second evaluator (default: the other builtin)."),
+    batch_size: int = opt(ConfirmConfig, "batch_size", help="Samples per generation batch."),
+    device: str = Device, dtype: str = Dtype, force: bool = Force, dry_run: bool = DryRun,
+    trust_remote_code: bool = Trust, root: str = Root,
+) -> None:  # fmt: skip
+    """Claim 4: l*, the oracle and the worst layer fully trained per seed; fidelity and generations."""
+    from stages import confirm as stage
+    from stages.lm.models import load_model
+
+    device = _device(device, dry_run)
+    cfg = ConfirmConfig(
+        protocol=protocol,
+        at=tuple(a.strip() for a in at.split(",") if a.strip()),
+        seeds=_seeds(seeds),
+        overrides=_overrides(steps=train_steps, width=width, depth=depth, batch_size=train_batch),
+        sample_steps=sample_steps,
+        eval_limit=eval_limit,
+        num_samples=num_samples,
+        evaluator=evaluator,
+        batch_size=batch_size,
+        device=device,
+        dtype=_dtype(dtype, device),
+    )
+    if dry_run:
+        return _dry("confirm", cfg)
+    store = ArtifactStore(root)
+    sweep_art = store.resolve(sweep, "sweep")
+    extract = store.resolve(sweep_art.manifest["parents"]["extract"], "extract")
+    load = lambda spec: load_model(spec, device, cfg.dtype, trust_remote_code=trust_remote_code)  # noqa: E731
+    art = stage.run(cfg, sweep_art, extract, store, load, force=force, progress=make_progress())
+    rows = json.loads(art.file("confirm.json").read_text())["rows"]
+    keys = ["val_loss", "top1_agreement", "ppl_ratio", "gen_ppl_token_backbone", "gen_ppl_token_evaluator", "diversity"]
+    names = ["layer", "val loss", "top-1", "ppl ratio", "PPL bb", "PPL ev", "diversity"]
+    cells = [[f"{r['label']} ({r['layer']})"] + [_pm(r, k) for k in keys] for r in rows]
+    ev = Path(art.manifest["metrics"]["evaluator"]).name[:16]
+    console.print(table(f"claim 4 under {protocol}, seeds {seeds} (PPL ev: {ev})", names, cells))
     _report(art)

@@ -16,7 +16,6 @@ at l*, and held-out text.
 
 from __future__ import annotations
 
-import datetime as dt
 import json
 import time
 from dataclasses import asdict, dataclass
@@ -39,7 +38,6 @@ from stages.runtime.progress import NullProgress, Progress
 from stages.text.text_metrics import text_metrics, token_entropy
 
 STAGE = "compare"
-OTHER_BUILTIN = {"smollm2-135m": "gemma3-270m", "gemma3-270m": "smollm2-135m"}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -73,25 +71,10 @@ class CompareConfig:
                 raise DihalError(f"--{name} must be at least 1")
 
 
-def second_evaluator(cfg: CompareConfig, backbone: str) -> str:
-    if cfg.evaluator:
-        return cfg.evaluator
-    if backbone in OTHER_BUILTIN:
-        return OTHER_BUILTIN[backbone]
-    raise DihalError(f"name a second evaluator for {backbone} with --evaluator (a model other than the backbone)")
-
-
 def layers_from_score(score_art: Artifact, cfg: CompareConfig) -> tuple[int, int]:
     table = score_stage.load_table(score_art).set_index("layer")["S"]
     l_star = cfg.layer if cfg.layer is not None else int(table.idxmax())
     return l_star, int(table.idxmin())
-
-
-def _wall_seconds(art: Artifact) -> float:
-    started, finished = art.manifest.get("started"), art.manifest.get("finished")
-    if not started or not finished:
-        return float("nan")
-    return (dt.datetime.fromisoformat(finished) - dt.datetime.fromisoformat(started)).total_seconds()
 
 
 def part_row(name: str, art: Artifact) -> dict:
@@ -103,7 +86,7 @@ def part_row(name: str, art: Artifact) -> dict:
         "steps": m.get("steps"),
         "global_batch": m.get("global_batch"),
         "tokens_seen": m.get("tokens_seen"),
-        "wall_seconds": _wall_seconds(art),
+        "wall_seconds": art.wall_seconds,
     }
 
 
@@ -313,7 +296,12 @@ def run(
             "compare needs layers 0, l*, argmin S (and the oracle)"
         )
     backbone = extract.config["model"]
-    config = {**asdict(cfg), "l_star": l_star, "worst": worst, "evaluator": second_evaluator(cfg, backbone)}
+    config = {
+        **asdict(cfg),
+        "l_star": l_star,
+        "worst": worst,
+        "evaluator": eval_stage.second_evaluator(cfg.evaluator, backbone),
+    }
     parents = {"extract": extract.id, "score": score_art.id}
     if cached := store.cached(STAGE, config, parents, force=force):
         return cached

@@ -16,6 +16,7 @@ from stages.bridge import Bridge
 from stages.fidelity import evaluate_fidelity
 from stages.lm.hybrid import lm_logits
 from stages.lm.models import LoadedModel, load_model
+from stages.text.data import DataConfig, check, pack, start_token
 
 STAGE = "evaluate"
 
@@ -26,6 +27,7 @@ class FidelityConfig:
     limit: int = 64  # held-out sequences
     batch_size: int = 16
     seed: int = 0
+    dataset: str | None = None  # a dataset spec to measure on; None: the extract's validation split
     device: str = "cpu"
     dtype: str = "float32"
 
@@ -33,6 +35,8 @@ class FidelityConfig:
         if not self.sample_steps or min(self.sample_steps) < 1:
             raise DihalError("--sample-steps must list positive integers")
         _positive(limit=self.limit, batch_size=self.batch_size)
+        if self.dataset is not None:
+            check(DataConfig(dataset=self.dataset))
 
 
 def _positive(**values: int) -> None:
@@ -67,6 +71,28 @@ def validation_ids(store: ArtifactStore, bridge_art: Artifact, limit: int) -> to
     return torch.from_numpy(np.asarray(group["input_ids"].oindex[seqs]).astype(np.int64))
 
 
+def dataset_ids(cfg: FidelityConfig, tokenizer, seq_len: int) -> torch.Tensor:
+    """The first --limit sequences of --dataset, tokenized and packed as the extract packs its own."""
+    data = DataConfig(dataset=cfg.dataset, seq_len=seq_len, max_sequences=cfg.limit, val_fraction=0.0)
+    packed = pack(data, tokenizer)
+    return torch.from_numpy(packed.input_ids.astype(np.int64))
+
+
+def sample_ids(gen_art: Artifact, tokenizer, seq_len: int, limit: int) -> tuple[torch.Tensor, str]:
+    """A generate artifact's samples as sequences from the start token: the original backbone's when
+    it has them, else its own. All are cut to the shortest kept sample (at most seq_len tokens)."""
+    name = "samples_original.jsonl" if gen_art.file("samples_original.jsonl").exists() else "samples.jsonl"
+    samples = [json.loads(line) for line in gen_art.file(name).read_text().splitlines()][:limit]
+    start = start_token(tokenizer)[0]
+    seqs = [[start, *s["token_ids"]][:seq_len] for s in samples if not s.get("prompt")]
+    if not seqs:
+        raise DihalError(f"generate {gen_art.id} has no unprompted samples to measure fidelity on")
+    length = min(len(q) for q in seqs)
+    if length < 2:
+        raise DihalError(f"generate {gen_art.id} has a sample with no token after the start token")
+    return torch.tensor([q[:length] for q in seqs], dtype=torch.int64), name
+
+
 def run_fidelity(
     cfg: FidelityConfig,
     bridge_art: Artifact,
@@ -75,8 +101,16 @@ def run_fidelity(
     force: bool = False,
     loaded: LoadedModel | None = None,
     trust_remote_code: bool = False,
+    samples: Artifact | None = None,
 ) -> Artifact:
+    """Teacher-forced fidelity on the extract's validation split, on --dataset, or on `samples`."""
+    if samples is not None and cfg.dataset is not None:
+        raise DihalError("measure fidelity on --dataset or on --samples, not both")
+    if samples is not None and samples.manifest.get("model") != bridge_art.manifest.get("model"):
+        raise DihalError(f"generate {samples.id} did not come from the bridge's backbone; use samples of that model")
     config, parents = {"kind": "fidelity", **asdict(cfg)}, {"bridge": bridge_art.id}
+    if samples is not None:
+        parents["generate"] = samples.id
     if cached := store.cached(STAGE, config, parents, force=force):
         return cached
     with store.writing(
@@ -90,15 +124,35 @@ def run_fidelity(
     ) as art:
         loaded = loaded or backbone_for(bridge_art, cfg.device, cfg.dtype, trust_remote_code)
         bridge = Bridge.load(bridge_art, cfg.device)
-        ids = validation_ids(store, bridge_art, cfg.limit)
-        results = evaluate_fidelity(loaded.model, bridge, ids, list(cfg.sample_steps), cfg.batch_size, cfg.seed)
-        rows = [{"steps": s, **m} for s, m in results.items()]
+        seq_len = int(bridge_art.manifest["extract_config"]["data"]["seq_len"])
+        if samples is not None:
+            ids, source = sample_ids(samples, loaded.tokenizer, seq_len, cfg.limit)
+            source = f"generate {samples.id} ({source})"
+        elif cfg.dataset is not None:
+            ids, source = dataset_ids(cfg, loaded.tokenizer, seq_len), f"dataset {cfg.dataset}"
+        else:
+            ids, source = validation_ids(store, bridge_art, cfg.limit), "extract validation split"
+        totals = evaluate_fidelity(loaded.model, bridge, ids, list(cfg.sample_steps), cfg.batch_size, cfg.seed)
+        rows = [{"steps": s, **t.metrics()} for s, t in totals.items()]
+        by_position = [{"steps": s, **r} for s, t in totals.items() for r in t.position_metrics()]
         pd.DataFrame(rows).to_csv(art.file("fidelity.csv"), index=False)
-        art.file("results.json").write_text(
-            json.dumps({"layer": bridge.layer, "n_sequences": int(ids.shape[0]), "fidelity": rows}, indent=2)
-        )
-        art.manifest["metrics"] = {"layer": bridge.layer, "fidelity": rows}
+        pd.DataFrame(by_position).to_csv(art.file("fidelity_by_position.csv"), index=False)
+        summary = {"layer": bridge.layer, "source": source, "n_sequences": int(ids.shape[0]), "seq_len": ids.shape[1]}
+        art.file("results.json").write_text(json.dumps({**summary, "fidelity": rows}, indent=2))
+        art.manifest["metrics"] = {**summary, "fidelity": rows}
     return art
+
+
+OTHER_BUILTIN = {"smollm2-135m": "gemma3-270m", "gemma3-270m": "smollm2-135m"}
+
+
+def second_evaluator(evaluator: str | None, backbone: str) -> str:
+    """The evaluator named, else the other builtin; a second opinion on Gen.PPL."""
+    if evaluator:
+        return evaluator
+    if backbone in OTHER_BUILTIN:
+        return OTHER_BUILTIN[backbone]
+    raise DihalError(f"name a second evaluator for {backbone} with --evaluator (a model other than the backbone)")
 
 
 @dataclass(frozen=True, kw_only=True)

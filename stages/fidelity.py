@@ -8,7 +8,7 @@ is the exact BOS state in both).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -29,6 +29,7 @@ class FidelityTotals:
     nll_original: float = 0.0
     positions: int = 0
     targets: int = 0
+    by_position: dict = field(default_factory=dict)  # position -> [kl sum, agreements, count]
 
     def add(self, h_hat, h, mu, logits, hidden_h, hidden_o, ids, rows: int = 256) -> None:
         """logits(hidden) -> float32 logits; taken over slices of positions of about `rows` rows, so
@@ -42,9 +43,14 @@ class FidelityTotals:
             e = min(s + span, t)
             lp_h = F.log_softmax(logits(hidden_h[:, s:e]), -1)
             lp_o = F.log_softmax(logits(hidden_o[:, s:e]), -1)
-            self.kl_sum += float((lp_o.exp() * (lp_o - lp_h)).sum())
-            self.agree += float((lp_h.argmax(-1) == lp_o.argmax(-1)).sum())
+            kl = (lp_o.exp() * (lp_o - lp_h)).sum(-1).sum(0)  # per position, summed over the batch
+            agree = (lp_h.argmax(-1) == lp_o.argmax(-1)).sum(0)
+            self.kl_sum += float(kl.sum())
+            self.agree += float(agree.sum())
             self.positions += b * (e - s)
+            for offset, (k, a) in enumerate(zip(kl.tolist(), agree.tolist())):
+                cell = self.by_position.setdefault(s + offset, [0.0, 0.0, 0])
+                cell[0], cell[1], cell[2] = cell[0] + k, cell[1] + a, cell[2] + b
             last = min(e, t - 1)  # position p predicts token p + 1
             if last > s:
                 tgt = ids[:, s + 1 : last + 1, None]
@@ -65,6 +71,13 @@ class FidelityTotals:
             "ppl_ratio": ppl_h / ppl_o,
         }
 
+    def position_metrics(self) -> list[dict]:
+        """KL and top-1 agreement at each position, over the sequences."""
+        return [
+            {"position": p, "kl": k / n, "top1_agreement": a / n, "n": n}
+            for p, (k, a, n) in sorted(self.by_position.items())
+        ]
+
 
 @torch.no_grad()
 def evaluate_fidelity(
@@ -75,8 +88,9 @@ def evaluate_fidelity(
     batch_size: int = 16,
     seed: int = 0,
     rows: int = 256,
-) -> dict[int, dict[str, float]]:
-    """{steps: metrics} over input_ids (N, T), the same noise for every steps value."""
+) -> dict[int, FidelityTotals]:
+    """{steps: totals} over input_ids (N, T), the same noise for every steps value; .metrics() gives
+    the summary and .position_metrics() the same per position."""
     suffix = suffix_model(model, bridge.layer)
     device = next(model.parameters()).device
     totals = {s: FidelityTotals() for s in steps_list}
@@ -91,4 +105,4 @@ def evaluate_fidelity(
             hidden_h = suffix_hidden(suffix, h_hat)
             head = lambda x: lm_logits(model, x)  # noqa: E731
             totals[steps].add(h_hat.float(), states[bridge.layer], mu, head, hidden_h, hidden_o, ids, rows)
-    return {s: t.metrics() for s, t in totals.items()}
+    return totals

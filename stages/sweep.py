@@ -1,13 +1,22 @@
-"""`dihal sweep`: one bridge per layer under one fixed protocol, then docs/method.md section 4 claim 1:
-Spearman rho between the geometry score S_l and the negated validation bridge loss."""
+"""`dihal sweep`: one bridge per layer and seed under one fixed protocol, then docs/method.md section 4
+claims 1 and 2: does the geometry score S_l predict the validation bridge loss, and is l* the oracle?
+
+The loss of a layer is its mean over --seeds. Every predictor (S, each proxy alone, S under each
+--normalize mode, S of the robust proxies when the score has them, and plain depth) is one row of
+variants.csv with: Spearman rho against -loss over the swept layers and its p-value, rho over the
+shallow window 1..ceil(L/3), Kendall tau, the partial Spearman correlation given depth, and a
+bootstrap 95% interval for rho that resamples the seeds and the score's position draws.
+"""
 
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+import math
+from dataclasses import asdict, dataclass, fields, replace
 
+import numpy as np
 import pandas as pd
-from scipy.stats import spearmanr
+from scipy.stats import kendalltau, spearmanr
 
 from artifacts.errors import DihalError
 from artifacts.store import Artifact, ArtifactStore
@@ -19,6 +28,7 @@ from stages.runtime import plotting
 from stages.runtime.progress import NullProgress, Progress
 
 STAGE = "sweep"
+CI_RESAMPLES = 2000  # bootstrap resamples behind each rho interval
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -28,7 +38,7 @@ class SweepConfig:
     overrides: tuple[tuple[str, object], ...] = ()  # protocol fields changed for every layer alike
     sample_steps: int = 8  # Euler steps for each bridge's fidelity
     eval_limit: int = 32
-    seed: int = 0
+    seeds: tuple[int, ...] = (0,)  # a bridge per layer and seed; the loss of a layer is the mean
     device: str = "cpu"
     dtype: str = "float32"
 
@@ -37,6 +47,8 @@ class SweepConfig:
             raise DihalError("--layers must name at least one layer")
         if self.sample_steps < 1 or self.eval_limit < 1:
             raise DihalError("--sample-steps and --eval-limit must be at least 1")
+        if not self.seeds or len(set(self.seeds)) != len(self.seeds):
+            raise DihalError("--seeds must name distinct seeds, e.g. 0,1,2")
         for layer in self.layers:  # every layer's recipe is valid before the first one trains
             bridge_stage.BridgeConfig.from_protocol(layer, self.protocol, **dict(self.overrides))
 
@@ -65,70 +77,91 @@ def run(
     missing = [layer for layer in cfg.layers if layer not in scores.index]
     if missing:
         raise DihalError(f"layer {missing[0]} is not a candidate of score {score_art.id}; sweep its candidates only")
-    bridge_cfg = lambda layer: bridge_stage.BridgeConfig.from_protocol(  # noqa: E731
+    bridge_cfg = lambda layer, seed: bridge_stage.BridgeConfig.from_protocol(  # noqa: E731
         layer,
         cfg.protocol,
         **dict(cfg.overrides),
-        seed=cfg.seed,
+        seed=seed,
         device=cfg.device,
         precision=trainer.precision_for(cfg.dtype),
     )
+    jobs = [(layer, seed) for layer in cfg.layers for seed in cfg.seeds]
     rank, world = trainer.distributed()
-    if world > 1:  # under torchrun: rank r trains layers r, r + W, ... each on its own; rank 0 sums up
+    if world > 1:  # under torchrun: rank r trains bridges r, r + W, ... each on its own; rank 0 sums up
         with trainer.local():
-            for layer in cfg.layers[rank::world]:
-                progress.log(f"rank {rank}, layer {layer}: bridge under protocol {cfg.protocol}")
-                bridge_stage.run(bridge_cfg(layer), extract, store, progress=progress if rank == 0 else None)
+            for layer, seed in jobs[rank::world]:
+                progress.log(f"rank {rank}, layer {layer}, seed {seed}: bridge under protocol {cfg.protocol}")
+                bridge_stage.run(bridge_cfg(layer, seed), extract, store, progress=progress if rank == 0 else None)
         trainer.barrier()
         if rank != 0:
             return None
+    variant_scores = normalize_variants(score_art, extract, store, progress)  # cheap next to the bridges
     loaded = None
-    rows = []
-    for layer in cfg.layers:
-        progress.log(f"layer {layer}: bridge under protocol {cfg.protocol}")
+    runs = []
+    for layer, seed in jobs:
+        progress.log(f"layer {layer}, seed {seed}: bridge under protocol {cfg.protocol}")
         with trainer.local():
-            bridge_art = bridge_stage.run(bridge_cfg(layer), extract, store, progress=progress)
+            bridge_art = bridge_stage.run(bridge_cfg(layer, seed), extract, store, progress=progress)
         fcfg = eval_stage.FidelityConfig(
-            sample_steps=(cfg.sample_steps,), limit=cfg.eval_limit, seed=cfg.seed, device=cfg.device, dtype=cfg.dtype
+            sample_steps=(cfg.sample_steps,), limit=cfg.eval_limit, seed=seed, device=cfg.device, dtype=cfg.dtype
         )
         if store.cached(eval_stage.STAGE, {"kind": "fidelity", **asdict(fcfg)}, {"bridge": bridge_art.id}) is None:
             loaded = loaded or eval_stage.backbone_for(bridge_art, cfg.device, cfg.dtype, trust_remote_code)
-        fid_art = eval_stage.run_fidelity(fcfg, bridge_art, store, loaded=loaded)
-        fid = fid_art.manifest["metrics"]["fidelity"][0]
-        rows.append(
+        fid = eval_stage.run_fidelity(fcfg, bridge_art, store, loaded=loaded).manifest["metrics"]["fidelity"][0]
+        runs.append(
             {
                 "layer": layer,
-                "S": float(scores.loc[layer, "S"]),
-                "score_rank": int(scores.loc[layer, "rank"]),
+                "seed": seed,
                 "val_loss": bridge_art.manifest["metrics"]["val_loss"],
                 "bridge": bridge_art.id,
                 **{k: v for k, v in fid.items() if k != "steps"},
             }
         )
-    table = pd.DataFrame(rows)
-    summary = summarize(table, int(score_stage.load_table(score_art).set_index("layer")["S"].idxmax()))
+    runs = pd.DataFrame(runs)
+    table = per_layer(runs, scores)
+    num_blocks = int(extract.manifest["metrics"]["num_blocks"])
+    summary = summarize(table, runs, int(scores["S"].idxmax()), num_blocks)
+    main_mode = score_art.manifest["config"]["normalize"]
+    variants = variant_table(table, runs, variant_scores, main_mode, num_blocks, seed=min(cfg.seeds))
+    summary["variants"] = variants.to_dict("records")
+    summary["variant_scores"] = {mode: art.id for mode, art in variant_scores.items()}
     with store.writing(
         STAGE,
         config,
         parents,
         force=force,
-        seed=cfg.seed,
+        seed=min(cfg.seeds),
         device=cfg.device,
         extra={"model": extract.manifest.get("model")},
     ) as art:
         table.to_csv(art.file("sweep.csv"), index=False)
         table.to_parquet(art.file("sweep.parquet"), index=False)
-        art.file("summary.json").write_text(json.dumps(summary, indent=2))
+        runs.to_csv(art.file("sweep_runs.csv"), index=False)
+        variants.to_csv(art.file("variants.csv"), index=False)
+        art.file("summary.json").write_text(json.dumps(summary, indent=2, default=float))
         plot(table, summary, art.file("sweep.png"))
-        art.manifest["metrics"] = summary
+        art.manifest["metrics"] = {k: v for k, v in summary.items() if k != "variants"}
     return art
 
 
-def summarize(table: pd.DataFrame, l_star: int) -> dict:
+def per_layer(runs: pd.DataFrame, scores: pd.DataFrame) -> pd.DataFrame:
+    """One row per layer: S, its rank, and the mean (and std over seeds) of every run metric."""
+    metrics = [c for c in runs.columns if c not in ("layer", "seed", "bridge")]
+    grouped = runs.groupby("layer", sort=True)
+    table = grouped[metrics].mean()
+    table["val_loss_std"] = grouped["val_loss"].std(ddof=1) if runs["seed"].nunique() > 1 else 0.0
+    table["n_seeds"] = grouped["seed"].count()
+    table.insert(0, "score_rank", scores.loc[table.index, "rank"].astype(int))
+    table.insert(0, "S", scores.loc[table.index, "S"].astype(float))
+    return table.reset_index()
+
+
+def summarize(table: pd.DataFrame, runs: pd.DataFrame, l_star: int, num_blocks: int) -> dict:
     rho, p_value = spearmanr(table["S"], -table["val_loss"]) if len(table) > 1 else (float("nan"), float("nan"))
     oracle = int(table.loc[table["val_loss"].idxmin(), "layer"])
     worst = int(table.loc[table["val_loss"].idxmax(), "layer"])
     loss = table.set_index("layer")["val_loss"]
+    per_seed = {int(s): int(g.loc[g["val_loss"].idxmin(), "layer"]) for s, g in runs.groupby("seed")}
     return {
         "spearman_rho": float(rho),
         "p_value": float(p_value),
@@ -136,10 +169,129 @@ def summarize(table: pd.DataFrame, l_star: int) -> dict:
         "worst_layer": worst,
         "l_star": l_star,
         "l_star_val_loss": float(loss.get(l_star, float("nan"))),
+        "l_star_loss_rank": int(loss.rank(method="min")[l_star]) if l_star in loss else None,
         "oracle_val_loss": float(loss[oracle]),
         "worst_val_loss": float(loss[worst]),
+        "oracle_per_seed": per_seed,
+        "oracle_agreement": float(np.mean([o == oracle for o in per_seed.values()])),
+        "l_star_is_oracle_per_seed": float(np.mean([o == l_star for o in per_seed.values()])),
+        "shallow_window": [1, shallow_top(num_blocks)],
         "layers": table["layer"].tolist(),
+        "seeds": sorted(per_seed),
     }
+
+
+# -- the variants: which predictor of the loss, and how sure ------------------------------------
+def shallow_top(num_blocks: int) -> int:
+    """The shallow window is 1..ceil(L/3), L the number of blocks."""
+    return math.ceil(num_blocks / 3)
+
+
+def normalize_variants(score_art: Artifact, extract: Artifact, store: ArtifactStore, progress) -> dict[str, Artifact]:
+    """The same score under every --normalize mode (the given score's own mode included)."""
+    base = score_art.manifest["config"]
+    known = {f.name for f in fields(score_stage.ScoreConfig)}
+    values = {k: v for k, v in base.items() if k in known and k != "device"}
+    if isinstance(values.get("candidates"), list):
+        values["candidates"] = ",".join(map(str, values["candidates"]))
+    cfg = score_stage.ScoreConfig(**values)
+    out = {}
+    for mode in score_stage.NORMALIZATIONS:
+        out[mode] = (
+            score_art
+            if mode == cfg.normalize
+            else score_stage.run(replace(cfg, normalize=mode), extract, store, progress=progress)
+        )
+    return out
+
+
+def draws_of(score_art: Artifact) -> pd.DataFrame | None:
+    path = score_art.path / "bootstrap.csv"
+    return pd.read_csv(path) if path.exists() else None
+
+
+def partial_spearman(x, y, z) -> float:
+    """Spearman correlation of x and y with z partialled out: the correlation of the ranks' residuals
+    after each is regressed on the ranks of z."""
+    rx, ry, rz = (pd.Series(v).rank().to_numpy() for v in (x, y, z))
+    r = np.corrcoef(np.vstack([rx, ry, rz]))
+    denom = math.sqrt(max(0.0, (1 - r[0, 2] ** 2) * (1 - r[1, 2] ** 2)))
+    return float((r[0, 1] - r[0, 2] * r[1, 2]) / denom) if denom > 0 else float("nan")
+
+
+def predictors(scores: pd.DataFrame, mode: str, main: bool) -> dict[str, pd.Series]:
+    """name -> a per-layer predictor where larger should mean a lower bridge loss."""
+    out = {}
+    if main:
+        out["S"] = scores["S"]
+        out["m_curv alone"] = scores["m_curv"]
+        out["m_mono alone"] = scores["m_mono"]
+        out["-k_hat alone"] = -scores["k_hat"]
+        if "S_robust" in scores:
+            out["S (robust proxies)"] = scores["S_robust"]
+    else:
+        out[f"S, normalize={mode}"] = scores["S"]
+    return out
+
+
+def variant_table(
+    table: pd.DataFrame,
+    runs: pd.DataFrame,
+    variant_scores: dict[str, Artifact],
+    main_mode: str,
+    num_blocks: int,
+    seed: int,
+) -> pd.DataFrame:
+    layers = table["layer"].to_numpy()
+    neg_loss = -table.set_index("layer").loc[layers, "val_loss"].to_numpy()
+    shallow = layers <= shallow_top(num_blocks)
+    loss_by_seed = runs.pivot(index="layer", columns="seed", values="val_loss").loc[layers].to_numpy()
+    rng = np.random.default_rng([seed, 7])
+    n_seeds = loss_by_seed.shape[1]
+    losses = [-loss_by_seed[:, rng.integers(0, n_seeds, n_seeds)].mean(axis=1) for _ in range(CI_RESAMPLES)]
+    rows = []
+    for mode, art in variant_scores.items():
+        scores = score_stage.load_table(art).set_index("layer")
+        boot = draws_of(art)
+        draw_tables = [] if boot is None else [g.set_index("layer") for _, g in boot.groupby("draw")]
+        for name, pred in predictors(scores, mode, main=mode == main_mode).items():
+            x = pred.loc[layers].to_numpy()
+            resampled = [predictors(t, mode, main=mode == main_mode)[name].loc[layers].to_numpy() for t in draw_tables]
+            rows.append({"variant": name, **correlations(x, neg_loss, layers, shallow)})
+            rows[-1].update(interval(x, resampled, losses, rng, n_seeds))
+    depth = -layers.astype(float)  # plain depth: shallower predicted better
+    rows.append({"variant": "-depth (baseline)", **correlations(depth, neg_loss, layers, shallow)})
+    rows[-1].update(interval(depth, [], losses, rng, n_seeds))
+    return pd.DataFrame(rows)
+
+
+def correlations(x: np.ndarray, neg_loss: np.ndarray, layers: np.ndarray, shallow: np.ndarray) -> dict:
+    nan = float("nan")
+    rho, p = spearmanr(x, neg_loss) if len(x) > 2 else (nan, nan)
+    tau, _ = kendalltau(x, neg_loss) if len(x) > 2 else (nan, nan)
+    rho_shallow = spearmanr(x[shallow], neg_loss[shallow])[0] if shallow.sum() > 2 else nan
+    return {
+        "rho": float(rho),
+        "p_value": float(p),
+        "kendall_tau": float(tau),
+        "rho_shallow": float(rho_shallow),
+        "n_shallow": int(shallow.sum()),
+        "partial_rho_given_depth": partial_spearman(x, neg_loss, layers) if len(x) > 3 else nan,
+    }
+
+
+def interval(x: np.ndarray, resampled: list[np.ndarray], losses: list[np.ndarray], rng, n_seeds: int) -> dict:
+    """95% percentile interval of rho over resamples of the seeds (with replacement) and of the score's
+    position draws (one drawn at random per resample); NaN when there is nothing to resample."""
+    sources = (["seeds"] if n_seeds > 1 else []) + (["positions"] if resampled else [])
+    if not sources or len(x) < 3:
+        return {"rho_lo": float("nan"), "rho_hi": float("nan"), "resampled": "nothing"}
+    rhos = []
+    for loss in losses:
+        pred = resampled[rng.integers(len(resampled))] if resampled else x
+        rhos.append(spearmanr(pred, loss)[0])
+    lo, hi = np.nanpercentile(rhos, [2.5, 97.5])
+    return {"rho_lo": float(lo), "rho_hi": float(hi), "resampled": "+".join(sources)}
 
 
 def plot(table: pd.DataFrame, summary: dict, path) -> None:
@@ -148,7 +300,15 @@ def plot(table: pd.DataFrame, summary: dict, path) -> None:
     ax.set_xlabel("layer")
     ax.set_ylabel("S")
     ax2 = ax.twinx()
-    ax2.plot(table["layer"], table["val_loss"], marker="s", color="tab:red", label="validation bridge loss")
+    ax2.errorbar(
+        table["layer"],
+        table["val_loss"],
+        yerr=table["val_loss_std"],
+        marker="s",
+        color="tab:red",
+        capsize=2,
+        label=f"validation bridge loss (mean +- std over {int(table['n_seeds'].max())} seeds)",
+    )
     ax2.set_ylabel("validation bridge loss", color="tab:red")
     ax.axvline(summary["l_star"], color="black", linestyle="--", alpha=0.6)
     ax.axvline(summary["oracle_layer"], color="tab:red", linestyle=":", alpha=0.6)

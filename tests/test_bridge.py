@@ -218,6 +218,7 @@ def test_bridge_errors(tiny_bridge_extract):
 def test_sweep_over_tiny_model_writes_table_rho_plot(tiny_dirs, root):
     import json
 
+    import numpy as np
     import pandas as pd
     from scipy.stats import spearmanr
 
@@ -255,20 +256,54 @@ def test_sweep_over_tiny_model_writes_table_rho_plot(tiny_dirs, root):
         "8",
         "--eval-limit",
         "4",
+        "--seeds",
+        "0,1",
+        "--bootstrap",
+        "2",
         "--device",
         "cpu",
     )
     assert res.exit_code == 0, res.output
+    assert "which predictor" in res.output and "-depth (baseline)" in res.output
     store = ArtifactStore(root)
     art = store.resolve("latest", "sweep")
     table = pd.read_csv(art.file("sweep.csv"))
-    assert table["layer"].tolist() == [1, 2, 3]
-    assert len(store.all("bridge")) == 3 and art.file("sweep.png").stat().st_size > 1000
+    runs = pd.read_csv(art.file("sweep_runs.csv"))
+    assert table["layer"].tolist() == [1, 2, 3] and sorted(runs["seed"].unique()) == [0, 1] and len(runs) == 6
+    assert len(store.all("bridge")) == 6 and art.file("sweep.png").stat().st_size > 1000
+    by_layer = runs.groupby("layer")["val_loss"]
+    np.testing.assert_allclose(table["val_loss"], by_layer.mean().to_numpy())
+    np.testing.assert_allclose(table["val_loss_std"], by_layer.std(ddof=1).to_numpy())
     summary = json.loads(art.file("summary.json").read_text())
     rho, p = spearmanr(table["S"], -table["val_loss"])
     assert summary["spearman_rho"] == pytest.approx(rho) and summary["p_value"] == pytest.approx(p)
     assert summary["oracle_layer"] == int(table.loc[table.val_loss.idxmin(), "layer"])
     assert summary["worst_layer"] == int(table.loc[table.val_loss.idxmax(), "layer"])
+    per_seed = {str(s): int(g.loc[g.val_loss.idxmin(), "layer"]) for s, g in runs.groupby("seed")}
+    assert summary["oracle_per_seed"] == per_seed
+    assert summary["oracle_agreement"] == np.mean([o == summary["oracle_layer"] for o in per_seed.values()])
+    variants = pd.read_csv(art.file("variants.csv")).set_index("variant")
+    assert list(variants.index) == [
+        "S",
+        "m_curv alone",
+        "m_mono alone",
+        "-k_hat alone",
+        "S, normalize=rms",
+        "S, normalize=standardize",
+        "-depth (baseline)",
+    ]
+    assert variants.loc["S", "rho"] == pytest.approx(rho)
+    assert variants.loc["-depth (baseline)", "rho"] == pytest.approx(spearmanr(-table["layer"], -table["val_loss"])[0])
+    assert (
+        variants.loc["S", "resampled"] == "seeds+positions"
+        and variants.loc["-depth (baseline)", "resampled"] == "seeds"
+    )
+    assert (variants["rho_lo"] <= variants["rho_hi"]).all()
+    rms = store.resolve(summary["variant_scores"]["rms"], "score")
+    assert (
+        rms.manifest["config"]["normalize"] == "rms"
+        and rms.manifest["parents"]["extract"] == art.manifest["parents"]["extract"]
+    )
     again = invoke(
         "sweep",
         "--layers",
@@ -287,7 +322,36 @@ def test_sweep_over_tiny_model_writes_table_rho_plot(tiny_dirs, root):
         "8",
         "--eval-limit",
         "4",
+        "--seeds",
+        "0,1",
+        "--bootstrap",
+        "2",
         "--device",
         "cpu",
     )
-    assert again.exit_code == 0 and len(store.all("bridge")) == 3  # bridges reused through the cache
+    assert again.exit_code == 0 and len(store.all("bridge")) == 6  # bridges reused through the cache
+
+
+def test_partial_spearman_and_window_correlations_against_plain_computations():
+    import numpy as np
+    from scipy.stats import kendalltau, spearmanr
+
+    from stages import sweep
+
+    rng = np.random.default_rng(3)
+    layers = np.arange(1, 16)
+    neg_loss = -(0.1 * layers + rng.normal(scale=0.5, size=15))
+    x = -layers + rng.normal(scale=2.0, size=15)
+    # partial Spearman: correlate the residuals of the ranks regressed on the depth ranks
+    ranks = [np.argsort(np.argsort(v)).astype(float) for v in (x, neg_loss, layers)]
+    design = np.c_[np.ones(15), ranks[2]]
+    resid = [r - design @ np.linalg.lstsq(design, r, rcond=None)[0] for r in ranks[:2]]
+    expected = np.corrcoef(*resid)[0, 1]
+    assert sweep.partial_spearman(x, neg_loss, layers) == pytest.approx(expected, abs=1e-12)
+    shallow = layers <= sweep.shallow_top(15)
+    out = sweep.correlations(x, neg_loss, layers, shallow)
+    assert sweep.shallow_top(15) == 5 and out["n_shallow"] == 5
+    assert out["rho_shallow"] == pytest.approx(spearmanr(x[:5], neg_loss[:5])[0])
+    assert out["kendall_tau"] == pytest.approx(kendalltau(x, neg_loss)[0])
+    assert out["rho"] == pytest.approx(spearmanr(x, neg_loss)[0])
+    assert np.isnan(sweep.partial_spearman(-layers + 0.0, neg_loss, layers))  # depth given depth: undefined

@@ -82,6 +82,16 @@ def test_fidelity_in_slices_of_positions_equals_one_pass_and_soft_capping_is_kep
         results.append(totals)
     for a, b in zip(results[0], results[1]):
         for steps in (1, 2):
-            for key, value in a[steps].items():
-                assert value == pytest.approx(b[steps][key], rel=1e-5, abs=1e-7), key
-    assert 0 < results[0][0][1]["kl"] and results[0][0][1]["top1_agreement"] <= 1
+            for key, value in a[steps].metrics().items():
+                assert value == pytest.approx(b[steps].metrics()[key], rel=1e-5, abs=1e-7), key
+            by_pos_a, by_pos_b = a[steps].position_metrics(), b[steps].position_metrics()
+            assert [r["position"] for r in by_pos_a] == list(range(1, 20))
+            for ra, rb in zip(by_pos_a, by_pos_b):
+                assert ra["kl"] == pytest.approx(rb["kl"], rel=1e-5, abs=1e-7)
+            # the per-position means, weighted by their counts, are the overall means
+            n = sum(r["n"] for r in by_pos_a)
+            assert sum(r["kl"] * r["n"] for r in by_pos_a) / n == pytest.approx(a[steps].metrics()["kl"], rel=1e-6)
+            agree = sum(r["top1_agreement"] * r["n"] for r in by_pos_a) / n
+            assert agree == pytest.approx(a[steps].metrics()["top1_agreement"], rel=1e-9)
+    first = results[0][0][1].metrics()
+    assert 0 < first["kl"] and first["top1_agreement"] <= 1

@@ -469,6 +469,8 @@ def test_a_sweep_under_torchrun_shards_layers_over_ranks(tiny_dirs, tmp_path):
         "4",
         "--eval-limit",
         "2",
+        "--seeds",
+        "0,1",
         "--device",
         "cpu",
         "--root",
@@ -495,9 +497,11 @@ def test_a_sweep_under_torchrun_shards_layers_over_ranks(tiny_dirs, tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     store = ArtifactStore(tmp_path / "runs")
     bridges = store.all("bridge")
-    assert sorted(b.config["layer"] for b in bridges) == [1, 2] and all(b.complete for b in bridges)
-    assert all(b.manifest["metrics"]["world_size"] == 1 for b in bridges)  # each layer trained by one rank
-    assert "rank 1, layer 2" in proc.stderr and len(store.all("score")) == 1
+    assert sorted((b.config["layer"], b.config["seed"]) for b in bridges) == [(1, 0), (1, 1), (2, 0), (2, 1)]
+    assert all(b.complete and b.manifest["metrics"]["world_size"] == 1 for b in bridges)  # each by one rank
+    # jobs (layer, seed) in order (1,0) (1,1) (2,0) (2,1): rank 1 takes the second and the fourth
+    assert "rank 1, layer 1, seed 1" in proc.stderr and "rank 1, layer 2, seed 1" in proc.stderr
+    assert sorted(s.config["normalize"] for s in store.all("score")) == ["none", "rms", "standardize"]
     sweep = store.resolve("latest", "sweep")
     assert sweep.complete and sweep.manifest["metrics"]["layers"] == [1, 2]
 

@@ -1,0 +1,165 @@
+"""`dihal confirm`: docs/method.md section 4, claim 4 -- fully trained, does the geometry-chosen
+layer stay competitive with the oracle, and ahead of the worst layer?
+
+From a sweep it takes l*, the oracle and the worst layer (or layers named by number), trains a
+bridge at each under a full protocol for every seed, and measures per bridge: fidelity (top-1
+agreement, KL, perplexity ratio at one Euler step count) and the AR hybrid's generations (Gen.PPL
+under the backbone and under a second evaluator, diversity, token entropy). The table is the mean
+and std over seeds per layer. Every part is an ordinary artifact, reused when it is in the store.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+
+import pandas as pd
+
+from artifacts.errors import DihalError
+from artifacts.store import Artifact, ArtifactStore
+from stages import bridge as bridge_stage
+from stages import evaluate as eval_stage
+from stages import generate as gen_stage
+from stages.diffusion import trainer
+from stages.runtime.progress import NullProgress, Progress
+
+STAGE = "confirm"
+NAMED = {"l_star": "l_star", "oracle": "oracle_layer", "worst": "worst_layer"}  # name -> sweep summary key
+
+
+@dataclass(frozen=True, kw_only=True)
+class ConfirmConfig:
+    protocol: str = "cpu-small"
+    at: tuple[str, ...] = ("l_star", "oracle", "worst")  # sweep names or layer numbers
+    seeds: tuple[int, ...] = (0, 1, 2)
+    overrides: tuple[tuple[str, object], ...] = ()  # protocol fields changed for every bridge alike
+    sample_steps: int = gen_stage.GenerateConfig.sample_steps
+    eval_limit: int = eval_stage.FidelityConfig.limit  # held-out sequences for fidelity
+    num_samples: int = 64  # AR hybrid generations per layer and seed
+    evaluator: str | None = None  # the second evaluator; None: the other builtin
+    batch_size: int = 16
+    device: str = "cpu"
+    dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        if not self.at:
+            raise DihalError("--at must name at least one layer: l_star, oracle, worst or a number")
+        for name in self.at:
+            if name not in NAMED and not (name.isdigit() and int(name) >= 1):
+                raise DihalError(f"cannot read --at '{name}'; use l_star, oracle, worst or a layer number >= 1")
+        if not self.seeds or len(set(self.seeds)) != len(self.seeds):
+            raise DihalError("--seeds must name distinct seeds, e.g. 0,1,2")
+        for name in ("sample_steps", "eval_limit", "num_samples", "batch_size"):
+            if getattr(self, name) < 1:
+                raise DihalError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
+        bridge_stage.BridgeConfig.from_protocol(1, self.protocol, **dict(self.overrides))  # a valid recipe
+
+
+def resolve_layers(cfg: ConfirmConfig, sweep_art: Artifact) -> dict[int, str]:
+    """{layer: label}; a layer named twice (l* = oracle) is trained once, under a joined label."""
+    summary = sweep_art.manifest["metrics"]
+    out: dict[int, list[str]] = {}
+    for name in cfg.at:
+        layer = int(summary[NAMED[name]]) if name in NAMED else int(name)
+        out.setdefault(layer, []).append(name if name in NAMED else f"layer {name}")
+    return {layer: "=".join(names) for layer, names in out.items()}
+
+
+def run(
+    cfg: ConfirmConfig,
+    sweep_art: Artifact,
+    extract: Artifact,
+    store: ArtifactStore,
+    load_model,
+    *,
+    force: bool = False,
+    progress: Progress | None = None,
+) -> Artifact:
+    """load_model(spec) -> LoadedModel, called only when there is work to do."""
+    progress = progress or NullProgress()
+    if sweep_art.manifest["parents"]["extract"] != extract.id:
+        raise DihalError(f"sweep {sweep_art.id} was not made from extract {extract.id}")
+    layers = resolve_layers(cfg, sweep_art)
+    backbone = extract.config["model"]
+    config = {**asdict(cfg), "layers": layers, "evaluator": eval_stage.second_evaluator(cfg.evaluator, backbone)}
+    parents = {"sweep": sweep_art.id, "extract": extract.id}
+    if cached := store.cached(STAGE, config, parents, force=force):
+        return cached
+    seq_len = int(extract.manifest["metrics"]["seq_len"])
+    with store.writing(
+        STAGE, config, parents, force=force, device=cfg.device, extra={"model": extract.manifest.get("model")}
+    ) as art:
+        models: dict = {}
+
+        def model(spec: str):
+            if spec not in models:
+                models[spec] = load_model(spec)
+            return models[spec]
+
+        evaluators = {"backbone": backbone, "evaluator": config["evaluator"]}
+        rows = []
+        for layer, label in layers.items():
+            for seed in cfg.seeds:
+                progress.log(f"{label} (layer {layer}), seed {seed}: bridge under protocol {cfg.protocol}")
+                bcfg = bridge_stage.BridgeConfig.from_protocol(
+                    layer,
+                    cfg.protocol,
+                    **dict(cfg.overrides),
+                    seed=seed,
+                    device=cfg.device,
+                    precision=trainer.precision_for(cfg.dtype),
+                )
+                with trainer.local():
+                    bridge_art = bridge_stage.run(bcfg, extract, store, progress=progress)
+                row = {"label": label, "layer": layer, "seed": seed}
+                row.update(measure(cfg, bridge_art, seed, seq_len, store, model, evaluators, progress))
+                rows.append(row)
+        per_seed = pd.DataFrame(rows)
+        numeric = [c for c in per_seed.columns if c not in ("label", "layer", "seed")]
+        grouped = per_seed.groupby(["label", "layer"], sort=False)[numeric]
+        summary = grouped.mean().add_suffix("_mean").join(grouped.std(ddof=1).add_suffix("_std")).reset_index()
+        summary.insert(2, "seeds", len(cfg.seeds))
+        per_seed.to_csv(art.file("confirm_runs.csv"), index=False)
+        summary.to_csv(art.file("confirm.csv"), index=False)
+        result = {"layers": layers, "evaluator": config["evaluator"], "rows": summary.to_dict("records")}
+        art.file("confirm.json").write_text(json.dumps(result, indent=2, default=float))
+        art.manifest["metrics"] = {"layers": layers, "evaluator": config["evaluator"], "seeds": list(cfg.seeds)}
+    return art
+
+
+def measure(
+    cfg: ConfirmConfig, bridge_art: Artifact, seed: int, seq_len: int, store: ArtifactStore, model, evaluators, progress
+) -> dict:
+    """The bridge's fidelity, then its AR generations scored under each evaluator; models load only
+    when an artifact is missing from the store."""
+    fcfg = eval_stage.FidelityConfig(
+        sample_steps=(cfg.sample_steps,), limit=cfg.eval_limit, seed=seed, device=cfg.device, dtype=cfg.dtype
+    )
+    fresh = store.cached(eval_stage.STAGE, {"kind": "fidelity", **asdict(fcfg)}, {"bridge": bridge_art.id}) is None
+    fid = eval_stage.run_fidelity(fcfg, bridge_art, store, loaded=model(evaluators["backbone"]) if fresh else None)
+    fid = fid.manifest["metrics"]["fidelity"][0]
+    gcfg = gen_stage.GenerateConfig(
+        num_samples=cfg.num_samples,
+        max_new_tokens=seq_len - 1,
+        sample_steps=cfg.sample_steps,
+        batch_size=cfg.batch_size,
+        seed=seed,
+        device=cfg.device,
+        dtype=cfg.dtype,
+    )
+    gen = gen_stage.run(gcfg, bridge_art, store, lambda: model(evaluators["backbone"]), progress=progress)
+    row = {
+        "val_loss": bridge_art.manifest["metrics"]["val_loss"],
+        "top1_agreement": fid["top1_agreement"],
+        "kl": fid["kl"],
+        "ppl_ratio": fid["ppl_ratio"],
+    }
+    for name, spec in evaluators.items():
+        scfg = eval_stage.SamplesConfig(evaluator=spec, limit=cfg.num_samples, device=cfg.device, dtype=cfg.dtype)
+        fresh = store.cached(eval_stage.STAGE, {"kind": "samples", **asdict(scfg)}, {"generate": gen.id}) is None
+        res = eval_stage.run_samples(scfg, gen, store, loaded=model(spec) if fresh else None)
+        metrics = res.manifest["metrics"]["rows"][0]
+        row[f"gen_ppl_token_{name}"], row[f"gen_ppl_mean_{name}"] = metrics["gen_ppl_token"], metrics["gen_ppl_mean"]
+        row.update({k: metrics[k] for k in ("diversity", "token_entropy", "distinct_2")})
+    row["bridge_seconds"] = bridge_art.wall_seconds
+    return row
