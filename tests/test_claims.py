@@ -64,6 +64,27 @@ def test_confirm_trains_the_sweeps_layers_per_seed_and_scores_them(tiny_dirs, ro
         assert table.loc[layer, "kl_mean"] == pytest.approx(group["kl"].mean())
         assert table.loc[layer, "val_loss_std"] == pytest.approx(np.std(group["val_loss"], ddof=1))
     assert json.loads(art.file("confirm.json").read_text())["evaluator"] == str(tiny_dirs["qwen3"])
+    # the claims table reads the same artifacts
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    out = root / "claims.md"
+    proc = subprocess.run(
+        [sys.executable, "scripts/summarize.py", "--claims", str(out), str(root)], cwd=ROOT, capture_output=True
+    )
+    assert proc.returncode == 0, proc.stderr
+    lines = out.read_text().splitlines()
+    claim = {int(line[2]): line for line in lines if line[:3] in ("| 1", "| 2", "| 3", "| 4")}
+    assert "**not shown (interval reaches 0 or was not computed)**" in claim[1]  # one seed, no score draws
+    lo, hi = summary["shallow_window"]
+    shallow, near = lo <= summary["l_star"] <= hi, summary["l_star_loss_rank"] <= 3
+    verdict = "holds" if shallow and near else ("partly" if shallow or near else "does not hold")
+    assert f"l* = {summary['l_star']}" in claim[2] and f"**{verdict}**" in claim[2]
+    assert "not run" in claim[3]
+    star = table.set_index("label").filter(like="l_star", axis=0).iloc[0]
+    assert f"ppl ratio {star['ppl_ratio_mean']:.3f}" in claim[4]
 
 
 @pytest.mark.parametrize(
