@@ -188,7 +188,8 @@ def shallow_top(num_blocks: int) -> int:
 
 
 def normalize_variants(score_art: Artifact, extract: Artifact, store: ArtifactStore, progress) -> dict[str, Artifact]:
-    """The same score under every --normalize mode (the given score's own mode included)."""
+    """The same score under every --normalize mode (the given score's own mode included). The other
+    modes are scored once, without draws or robust proxies: their rows' intervals resample seeds."""
     base = score_art.manifest["config"]
     known = {f.name for f in fields(score_stage.ScoreConfig)}
     values = {k: v for k, v in base.items() if k in known and k != "device"}
@@ -200,7 +201,9 @@ def normalize_variants(score_art: Artifact, extract: Artifact, store: ArtifactSt
         out[mode] = (
             score_art
             if mode == cfg.normalize
-            else score_stage.run(replace(cfg, normalize=mode), extract, store, progress=progress)
+            else score_stage.run(
+                replace(cfg, normalize=mode, bootstrap=0, outlier_mads=None), extract, store, progress=progress
+            )
         )
     return out
 
