@@ -442,9 +442,32 @@ def evaluate(
         rows, title = art.manifest["metrics"]["rows"], "generation quality"
     if as_json:
         return print_json({"id": art.id, "path": str(art.path), "results": rows})
-    cols = [c for c in rows[0] if c not in ("mean_words",)]
-    console.print(table(title, cols, [[r[c] for c in cols] for r in rows]))
+    shown = FIDELITY_COLUMNS if bridge is not None else SAMPLES_COLUMNS  # short names: 80 columns hold them
+    cols = [c for c in shown if c in rows[0]]
+    console.print(table(title, [shown[c] for c in cols], [[r[c] for c in cols] for r in rows]))
     _report(art)
+
+
+FIDELITY_COLUMNS = {
+    "steps": "steps",
+    "rel_recon_error": "rel err",
+    "cosine": "cos",
+    "kl": "KL",
+    "top1_agreement": "top-1",
+    "ppl_hybrid": "PPL hyb",
+    "ppl_original": "PPL orig",
+    "ppl_ratio": "ratio",
+}
+SAMPLES_COLUMNS = {
+    "model": "model",
+    "n_samples": "n",
+    "gen_ppl_token": "Gen.PPL",
+    "gen_ppl_mean": "per-sample",
+    "token_entropy": "entropy",
+    "diversity": "diversity",
+    "distinct_2": "dist-2",
+    "mean_tokens": "tokens",
+}
 
 
 @app.command()
