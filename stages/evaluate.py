@@ -78,19 +78,19 @@ def dataset_ids(cfg: FidelityConfig, tokenizer, seq_len: int) -> torch.Tensor:
     return torch.from_numpy(packed.input_ids.astype(np.int64))
 
 
-def sample_ids(gen_art: Artifact, tokenizer, seq_len: int, limit: int) -> tuple[torch.Tensor, str]:
-    """A generate artifact's samples as sequences from the start token: the original backbone's when
-    it has them, else its own. All are cut to the shortest kept sample (at most seq_len tokens)."""
+def sample_ids(gen_art: Artifact, tokenizer, seq_len: int, limit: int) -> tuple[list[torch.Tensor], str]:
+    """A generate artifact's samples as sequences from the start token (at most seq_len tokens): the
+    original backbone's when it has them, else its own; one tensor per length, longest first, so a
+    sample that ended early costs no position of the others. Samples with no token are left out."""
     name = "samples_original.jsonl" if gen_art.file("samples_original.jsonl").exists() else "samples.jsonl"
     samples = [json.loads(line) for line in gen_art.file(name).read_text().splitlines()][:limit]
     start = start_token(tokenizer)[0]
     seqs = [[start, *s["token_ids"]][:seq_len] for s in samples if not s.get("prompt")]
+    seqs = [q for q in seqs if len(q) >= 2]
     if not seqs:
-        raise DihalError(f"generate {gen_art.id} has no unprompted samples to measure fidelity on")
-    length = min(len(q) for q in seqs)
-    if length < 2:
-        raise DihalError(f"generate {gen_art.id} has a sample with no token after the start token")
-    return torch.tensor([q[:length] for q in seqs], dtype=torch.int64), name
+        raise DihalError(f"generate {gen_art.id} has no unprompted sample with a token to measure fidelity on")
+    lengths = sorted({len(q) for q in seqs}, reverse=True)
+    return [torch.tensor([q for q in seqs if len(q) == n], dtype=torch.int64) for n in lengths], name
 
 
 def run_fidelity(
@@ -137,7 +137,13 @@ def run_fidelity(
         by_position = [{"steps": s, **r} for s, t in totals.items() for r in t.position_metrics()]
         pd.DataFrame(rows).to_csv(art.file("fidelity.csv"), index=False)
         pd.DataFrame(by_position).to_csv(art.file("fidelity_by_position.csv"), index=False)
-        summary = {"layer": bridge.layer, "source": source, "n_sequences": int(ids.shape[0]), "seq_len": ids.shape[1]}
+        groups = ids if isinstance(ids, list) else [ids]
+        summary = {
+            "layer": bridge.layer,
+            "source": source,
+            "n_sequences": sum(int(g.shape[0]) for g in groups),
+            "seq_len": max(int(g.shape[1]) for g in groups),
+        }
         art.file("results.json").write_text(json.dumps({**summary, "fidelity": rows}, indent=2))
         art.manifest["metrics"] = {**summary, "fidelity": rows}
     return art

@@ -83,21 +83,24 @@ class FidelityTotals:
 def evaluate_fidelity(
     model: torch.nn.Module,
     bridge: Bridge,
-    input_ids: torch.Tensor,
+    input_ids: torch.Tensor | list[torch.Tensor],
     steps_list: list[int],
     batch_size: int = 16,
     seed: int = 0,
     rows: int = 256,
 ) -> dict[int, FidelityTotals]:
-    """{steps: totals} over input_ids (N, T), the same noise for every steps value; .metrics() gives
-    the summary and .position_metrics() the same per position."""
+    """{steps: totals} over input_ids (N, T), or a list of such tensors of different lengths T, the
+    same noise for every steps value; .metrics() gives the summary and .position_metrics() the same
+    per position."""
     suffix = suffix_model(model, bridge.layer)
     device = next(model.parameters()).device
     totals = {s: FidelityTotals() for s in steps_list}
     gen = torch.Generator().manual_seed(seed)
     mu = bridge.norm.mu_y
-    for start in range(0, input_ids.shape[0], batch_size):
-        ids = input_ids[start : start + batch_size].to(device)
+    groups = input_ids if isinstance(input_ids, list) else [input_ids]
+    batches = [group[start : start + batch_size] for group in groups for start in range(0, group.shape[0], batch_size)]
+    for ids in batches:
+        ids = ids.to(device)
         hidden_o, states = original_forward(model, ids, [0, bridge.layer])
         noise = bridge.noise(ids.shape[0], ids.shape[1], gen)
         for steps in steps_list:

@@ -157,8 +157,14 @@ def test_fidelity_beyond_the_training_text_on_a_dataset_and_on_the_backbones_sam
     art = store.resolve(json.loads(res.output)["id"], "evaluate")
     assert art.manifest["metrics"]["source"] == f"generate {gen_art.id} (samples_original.jsonl)"
     assert art.manifest["parents"] == {"bridge": bridge_art.id, "generate": gen_art.id}
-    expected = ev.sample_ids(gen_art, loaded.tokenizer, 12, 64)[0]
-    assert art.manifest["metrics"]["n_sequences"] == 3 and art.manifest["metrics"]["seq_len"] == expected.shape[1]
+    groups = ev.sample_ids(gen_art, loaded.tokenizer, 12, 64)[0]
+    originals = [json.loads(line) for line in gen_art.file("samples_original.jsonl").read_text().splitlines()]
+    lengths = sorted((1 + len(o["token_ids"]) for o in originals), reverse=True)  # the start token, then each
+    assert [n for g in groups for n in [g.shape[1]] * g.shape[0]] == lengths
+    assert all((g[:, 0] == loaded.tokenizer.bos_token_id).all() for g in groups)
+    assert art.manifest["metrics"]["n_sequences"] == 3 and art.manifest["metrics"]["seq_len"] == lengths[0]
+    direct = evaluate_fidelity(loaded.model, Bridge.load(bridge_art), groups, [2], 16, 0)[2].metrics()
+    assert art.manifest["metrics"]["fidelity"][0]["top1_agreement"] == pytest.approx(direct["top1_agreement"])
     bad = invoke("evaluate", "--dataset", str(other))
     assert bad.exit_code == 2 and "give --bridge ID with it" in bad.output
     missing = invoke("evaluate", "--bridge", bridge_art.id, "--dataset", str(tmp_path / "nope.txt"))
