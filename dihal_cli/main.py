@@ -271,13 +271,16 @@ def score(
     m = art.manifest["metrics"]
     cols = ["rank", "layer", "S", "m_curv", "m_mono", "k_hat", "participation_ratio", "entropy_rank", "mean_token_norm"]
     names = ["rank", "layer", "S", "m_curv", "m_mono", "k_hat", "PR", "erank", "|h|"]
-    if bootstrap or outlier_mads is not None:  # the stability columns instead of the extra spectra
-        cols, names = cols[:6], names[:6]
-        if bootstrap:
-            cols, names = cols + ["S_boot_std", "l_star_freq"], names + ["S std", "l* freq"]
-        if outlier_mads is not None:
-            cols, names = cols + ["S_robust", "rank_robust"], names + ["S robust", "rank rob."]
     rows = [[r[c] for c in cols] for r in result.to_dict("records")]
+    if bootstrap or outlier_mads is not None:  # the stability columns instead of the proxies, short
+        view = {"layer": "{:.0f}", "S": "{:.3f}"}
+        if bootstrap:
+            view |= {"S_boot_std": "{:.2f}", "l_star_freq": "{:.0%}"}
+        if outlier_mads is not None:
+            view |= {"k_hat": "{:.2f}", "k_hat_robust": "{:.2f}", "n_outliers": "{:.0f}", "S_robust": "{:.3f}"}
+            view |= {"rank_robust": "{:.0f}"}
+        names = [STABILITY_NAMES[c] for c in view]
+        rows = [[f.format(r[c]) for c, f in view.items()] for r in result.to_dict("records")]
     title = f"layer ranking (l* = {m['l_star']}"
     if bootstrap:
         title += f", l* in {m['l_star_frequency']:.0%} of {bootstrap} draws"
@@ -285,6 +288,19 @@ def score(
         title += f"; robust l* = {m['l_star_robust']}"
     console.print(table(title + ")", names, rows, highlight_row=0))
     _report(art)
+
+
+STABILITY_NAMES = {
+    "layer": "layer",
+    "S": "S",
+    "S_boot_std": "S std",
+    "l_star_freq": "l* freq",
+    "k_hat": "k_hat",
+    "k_hat_robust": "k rob",
+    "n_outliers": "out",
+    "S_robust": "S rob",
+    "rank_robust": "rk rob",
+}
 
 
 @app.command("train-bridge")
