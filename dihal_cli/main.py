@@ -8,6 +8,7 @@ reused. Defaults come from the config classes, so each is written once.
 from __future__ import annotations
 
 import json
+import math
 import os
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
@@ -948,9 +949,9 @@ def compare(
     art = stage.run(cfg, parent, score_art, store, load, force=force, progress=make_progress())
     rows = json.loads(art.file("compare.json").read_text())["rows"]
 
-    pm = _pm
-    m = art.manifest["metrics"]
-    names = ["row", "PPL backbone", f"PPL {Path(m['evaluators']['evaluator']).name[:12]}", "entropy", "diversity"]
+    pm, m = _pm, art.manifest["metrics"]
+    evaluators = [Path(m["evaluators"][k]).name[:12] for k in ("backbone", "evaluator")]
+    names = ["row", *evaluators, "entropy", "diversity"]
     cells = [
         [
             r["row"],
@@ -963,7 +964,8 @@ def compare(
     ]
     console.print(
         table(
-            f"comparison, l* = {m['l_star']}, argmin S = {m['argmin_S']}, seeds {seeds} (Gen.PPL token-weighted)",
+            f"comparison, l* = {m['l_star']}, argmin S = {m['argmin_S']}, seeds {seeds}; "
+            "Gen.PPL (token-weighted) under each evaluator",
             names,
             cells,
         )
@@ -972,9 +974,13 @@ def compare(
 
 
 def _pm(r: dict, key: str) -> str:
-    """mean±std of a summary row over seeds (the mean alone for one seed)."""
+    """mean±std of a summary row over seeds (the mean alone for one seed), both to the same
+    decimals: about three significant digits of the mean, whole numbers from 100 up."""
     mean, std = r[key + "_mean"], r[key + "_std"]
-    return f"{fmt(mean)}±{std:.2g}" if r["seeds"] > 1 else fmt(mean)
+    if r["seeds"] <= 1 or mean != mean:
+        return fmt(mean)
+    decimals = 0 if abs(mean) >= 100 or mean == 0 else max(0, 2 - math.floor(math.log10(abs(mean))))
+    return f"{mean:.{decimals}f}±{std:.{decimals}f}"
 
 
 @app.command()
