@@ -23,6 +23,8 @@ from pathlib import Path
 import numpy as np
 import zarr
 
+from artifacts.errors import DihalError
+
 LAYER_CONVENTION = (
     "layers/<l> is the residual stream after l blocks, before the final norm: "
     "l=0 is the input to block 1 (scaled token embeddings), l=L the pre-norm output of the last block"
@@ -148,6 +150,20 @@ def layer_dtypes(group: zarr.Group) -> dict[int, str]:
 
 def stored_layers(group: zarr.Group) -> list[int]:
     return sorted(int(k) for k in group["layers"].array_keys())
+
+
+def open_with_layers(extract, needed, why: str = "") -> zarr.Group:
+    """An extract artifact's group, after checking that it holds every layer in `needed`: a missing
+    one is an error naming it and the `--layers` that would hold them all."""
+    group = open_group(extract.path / "hidden.zarr")
+    stored = stored_layers(group)
+    needed = sorted(set(needed))
+    if missing := [layer for layer in needed if layer not in stored]:
+        raise DihalError(
+            f"extract {extract.id} lacks layer {missing[0]} (it holds {stored}){why}; "
+            f"extract with --layers {','.join(map(str, needed))}"
+        )
+    return group
 
 
 def split_indices(group: zarr.Group, split: str) -> np.ndarray:

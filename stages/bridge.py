@@ -315,13 +315,7 @@ def run(
 ) -> Artifact:
     """Under torchrun every rank trains its shard; rank 0 owns the artifact and writes it."""
     progress = progress or NullProgress()
-    group = hs.open_group(extract.path / "hidden.zarr")
-    stored = hs.stored_layers(group)
-    if 0 not in stored or cfg.layer not in stored:
-        raise DihalError(
-            f"extract {extract.id} lacks layer {0 if 0 not in stored else cfg.layer} "
-            f"(it holds {stored}); extract with --layers 0,{cfg.layer}"
-        )
+    group = hs.open_with_layers(extract, (0, cfg.layer))
     config, parents = config_dict(cfg), {"extract": extract.id}
     if cached := store.cached(STAGE, config, parents, force=force):
         return cached

@@ -288,13 +288,8 @@ def run(
     if score_art.manifest.get("parents", {}).get("extract") != extract.id:
         raise DihalError(f"score {score_art.id} was not made from extract {extract.id}; pass its own --score")
     l_star, worst = layers_from_score(score_art, cfg)
-    stored = hs.stored_layers(hs.open_group(extract.path / "hidden.zarr"))
-    needed = sorted({0, l_star, worst} | ({cfg.oracle} if cfg.oracle else set()))
-    if any(layer not in stored for layer in needed):
-        raise DihalError(
-            f"extract {extract.id} lacks layer {[x for x in needed if x not in stored][0]}; "
-            "compare needs layers 0, l*, argmin S (and the oracle)"
-        )
+    needed = {0, l_star, worst} | ({cfg.oracle} if cfg.oracle else set())
+    hs.open_with_layers(extract, needed, ": compare needs layers 0, l*, argmin S (and the oracle)")
     backbone = extract.config["model"]
     config = {
         **asdict(cfg),

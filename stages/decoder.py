@@ -148,9 +148,7 @@ def run(
     progress: Progress | None = None,
 ) -> Artifact:
     progress = progress or NullProgress()
-    group = hs.open_group(extract.path / "hidden.zarr")
-    if 0 not in hs.stored_layers(group):
-        raise DihalError(f"extract {extract.id} lacks layer 0; extract with --layers 0")
+    group = hs.open_with_layers(extract, (0,))
     config, parents = asdict(cfg), {"extract": extract.id}
     if cached := store.cached(STAGE, config, parents, force=force):
         return cached

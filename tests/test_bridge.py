@@ -7,6 +7,7 @@ import signal
 import pytest
 import torch
 
+from artifacts.store import ArtifactStore
 from stages.diffusion import flow
 from stages.diffusion.denoiser import Denoiser, DenoiserConfig
 from tests.conftest import invoke, run_cli
@@ -114,7 +115,6 @@ TINY = ["--protocol", "sweep-tiny", "--width", "32", "--depth", "2", "--heads", 
 
 def test_train_bridge_writes_weights_metrics_plot(tiny_bridge_extract):
     from artifacts import files
-    from artifacts.store import ArtifactStore
 
     res = invoke(
         "train-bridge", "--layer", "2", "--extract", "latest", *TINY, "--train-steps", "12", "--eval-every", "6"
@@ -151,7 +151,6 @@ def test_train_bridge_writes_weights_metrics_plot(tiny_bridge_extract):
 
 def test_resume_after_kill_gives_identical_weights(tiny_bridge_extract, tmp_path):
     from artifacts import files
-    from artifacts.store import ArtifactStore
 
     args = [
         "train-bridge",
@@ -203,8 +202,6 @@ def test_nan_loss_stops_with_clear_message(tiny_bridge_extract):
         "1",
     )
     assert res.exit_code == 2 and "bridge L2 loss became nan" in res.output, res.output
-    from artifacts.store import ArtifactStore
-
     assert ArtifactStore(tiny_bridge_extract).all("bridge")[0].status == "failed"
 
 
@@ -215,14 +212,22 @@ def test_bridge_errors(tiny_bridge_extract):
     assert res.exit_code == 2 and "no bridge artifact 'doesnotexist'" in res.output
 
 
+def test_trained_parts_name_the_layer_their_extract_lacks(tiny_dirs, root):
+    res = invoke("extract", "--model", str(tiny_dirs["llama"]), "--layers", "0,2", "--max-sequences", "8")
+    assert res.exit_code == 0, res.output
+    for stage in ("train-bridge", "train-prior"):
+        res = invoke(stage, "--layer", "3", "--extract", "latest", *TINY, "--train-steps", "2")
+        assert res.exit_code == 2 and len(res.output.strip().splitlines()) == 1, res.output
+        assert "lacks layer 3 (it holds [0, 2])" in res.output and "--layers 0,3" in res.output, res.output
+    assert not ArtifactStore(root).all("bridge") and not ArtifactStore(root).all("prior")
+
+
 def test_sweep_over_tiny_model_writes_table_rho_plot(tiny_dirs, root):
     import json
 
     import numpy as np
     import pandas as pd
     from scipy.stats import spearmanr
-
-    from artifacts.store import ArtifactStore
 
     ok = invoke(
         "extract",
