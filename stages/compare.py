@@ -227,8 +227,10 @@ def score_rows(gen_arts: dict, evaluators: dict, store: ArtifactStore, cfg: Comp
                         )
                     }
                 )
-                if "ms_per_sample" in art.manifest.get("metrics", {}):
-                    row["ms_per_sample"] = art.manifest["metrics"]["ms_per_sample"]
+                metrics = art.manifest.get("metrics", {})
+                ms = metrics.get("ms_per_sample", metrics.get(r["model"], {}).get("ms_per_sample"))
+                if ms is not None:  # an AR artifact records it per model (hybrid, original)
+                    row["ms_per_sample"] = ms
     return list(out.values())
 
 

@@ -205,6 +205,7 @@ def generate_all(loaded: LoadedModel, bridge: Bridge | None, cfg: GenerateConfig
                     "n_tokens": len(kept),
                     "batch_seconds": seconds,
                     "ms_per_token": 1000 * seconds / cfg.max_new_tokens,
+                    "ms_per_sample": 1000 * seconds / count,
                 }
             )
         progress.advance(count)
@@ -248,6 +249,7 @@ def run(
             art.file(name).write_text("".join(json.dumps(r) + "\n" for r in rows))
             metrics[rows[0]["model"]] = {
                 "ms_per_token": sum(r["ms_per_token"] for r in rows) / len(rows),
+                "ms_per_sample": sum(r["ms_per_sample"] for r in rows) / len(rows),
                 "mean_tokens": sum(r["n_tokens"] for r in rows) / len(rows),
             }
         art.manifest["metrics"] = metrics

@@ -362,6 +362,10 @@ def test_compare_end_to_end_writes_the_table_plot_and_budgets(tiny_dirs, root):
         np.testing.assert_allclose(
             summary.set_index("row")[f"{column}_std"], values.std(axis=1, ddof=1).fillna(0), rtol=1e-9, atol=1e-12
         )
+    generated = summary[summary.row != "held-out text"]  # every generated row has its cost, the AR ones too
+    assert (generated["ms_per_sample_mean"] > 0).all() and summary.set_index("row")["ms_per_sample_mean"].isna()[
+        "held-out text"
+    ]
     trained = parts_df[parts_df.seed == 0]  # one budget: every part ran the same steps x batch
     assert trained["steps"].nunique() == 1 and trained["global_batch"].nunique() == 1 and len(trained) == 7
     assert (trained["parameters"] > 0).all() and (trained["tokens_seen"] == 3 * trained["global_batch"] * 11).all()
