@@ -183,13 +183,20 @@ def claim_confirm(store: ArtifactStore) -> tuple[str, str]:
     return ours, "holds" if ahead and near else ("partly" if ahead or near else "does not hold")
 
 
+def backbone(store: ArtifactStore) -> str:
+    """The model a root's runs were made from (its newest extract's --model)."""
+    extract = latest(store, "extract")
+    return extract.config["model"] if extract else "no extract"
+
+
 def claims(out: str, roots: list[str]) -> None:
     checks = {1: claim_rho, 2: claim_layer, 3: claim_compare, 4: claim_confirm}
     stores = {root: ArtifactStore(root) for root in roots}
+    heads = [f"ours: {backbone(store)} ({root})" for root, store in stores.items()]
     table = Table(title="the paper's claims, checked")
-    for column in ("claim", "paper", *(f"ours: {root}" for root in roots)):
+    for column in ("claim", "paper", *heads):
         table.add_column(column)
-    lines = ["| claim | paper | " + " | ".join(f"ours: {r}" for r in roots) + " |", "|---|---|" + "---|" * len(roots)]
+    lines = ["| claim | paper | " + " | ".join(heads) + " |", "|---|---|" + "---|" * len(roots)]
     for number, check in checks.items():
         cells = [f"{ours} -> **{verdict}**" for ours, verdict in (check(store) for store in stores.values())]
         table.add_row(f"{number}. {CLAIMS[number]}", PAPER[number], *cells)

@@ -76,6 +76,7 @@ def test_confirm_trains_the_sweeps_layers_per_seed_and_scores_them(tiny_dirs, ro
     )
     assert proc.returncode == 0, proc.stderr
     lines = out.read_text().splitlines()
+    assert f"ours: {tiny_dirs['llama']} ({root})" in lines[2]  # a column per root, named by its backbone
     claim = {int(line[2]): line for line in lines if line[:3] in ("| 1", "| 2", "| 3", "| 4")}
     assert "**not shown (interval reaches 0 or was not computed)**" in claim[1]  # one seed, no score draws
     lo, hi = summary["shallow_window"]
