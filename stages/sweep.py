@@ -298,7 +298,9 @@ def interval(x: np.ndarray, resampled: list[np.ndarray], losses: list[np.ndarray
 
 
 def plot(table: pd.DataFrame, summary: dict, path) -> None:
-    fig, ax = plotting.figure()
+    """Left: S and the loss per layer (l* dashed, oracle dotted). Right: each predictor's rho with its
+    95% interval, its rho over the shallow window and its partial rho given depth."""
+    fig, (ax, right) = plotting.figure(13, 5, ncols=2, width_ratios=(3, 2))
     ax.plot(table["layer"], table["S"], marker="o", color="black", label="geometry score S")
     ax.set_xlabel("layer")
     ax.set_ylabel("S")
@@ -310,16 +312,31 @@ def plot(table: pd.DataFrame, summary: dict, path) -> None:
         marker="s",
         color="tab:red",
         capsize=2,
-        label=f"validation bridge loss (mean +- std over {int(table['n_seeds'].max())} seeds)",
+        label=f"bridge loss (mean +- std, {int(table['n_seeds'].max())} seeds)",
     )
     ax2.set_ylabel("validation bridge loss", color="tab:red")
     ax.axvline(summary["l_star"], color="black", linestyle="--", alpha=0.6)
     ax.axvline(summary["oracle_layer"], color="tab:red", linestyle=":", alpha=0.6)
-    fig.legend(loc="upper right")
-    plotting.save(
-        fig,
-        ax,
-        path,
-        f"Spearman rho(S, -loss) = {summary['spearman_rho']:.3f} (p = {summary['p_value']:.2g}); "
-        f"l* = {summary['l_star']}, oracle = {summary['oracle_layer']}",
+    handles = ax.get_legend_handles_labels()[0] + ax2.get_legend_handles_labels()[0]
+    ax.legend(handles=handles, loc="lower center", fontsize=8)
+    ax.set_title(
+        f"rho(S, -loss) = {summary['spearman_rho']:.2f}; l* = {summary['l_star']}, "
+        f"oracle = {summary['oracle_layer']}, worst = {summary['worst_layer']}"
     )
+    ax.grid(alpha=0.3)
+
+    variants = pd.DataFrame(summary["variants"])[::-1].reset_index(drop=True)  # the first row on top
+    y = np.arange(len(variants))
+    lo, hi, rho = (variants[c].to_numpy() for c in ("rho_lo", "rho_hi", "rho"))
+    # a percentile interval need not contain the point estimate (k_hat's draws vary widely): drawn apart
+    right.hlines(y, lo, hi, color="black", linewidth=1.5, label="95% interval (seeds, score draws)")
+    right.plot(rho, y, "o", color="black", label="rho, all swept layers")
+    lo_w, hi_w = summary["shallow_window"]
+    right.plot(variants["rho_shallow"], y, "^", color="tab:blue", label=f"rho, layers {lo_w}-{hi_w}")
+    right.plot(variants["partial_rho_given_depth"], y, "x", color="tab:red", label="partial rho given depth")
+    right.axvline(0, color="grey", linewidth=0.8)
+    right.set_yticks(y, variants["variant"], fontsize=8)
+    right.set_xlim(-1.05, 1.05)
+    right.set_xlabel("Spearman rho with -loss")
+    right.legend(loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=2, fontsize=7)
+    plotting.save(fig, right, path, "which predictor ranks the layers")

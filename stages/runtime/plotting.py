@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 
-def figure(width: float = 8, height: float = 4.5):
+def figure(width: float = 8, height: float = 4.5, ncols: int = 1, width_ratios=None):
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    return plt.subplots(figsize=(width, height))
+    return plt.subplots(ncols=ncols, figsize=(width, height), width_ratios=width_ratios)
 
 
 def save(fig, ax, path, title: str, dpi: int = 120) -> None:
