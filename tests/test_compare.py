@@ -4,6 +4,8 @@ and `dihal compare` end to end on a tiny model."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -14,6 +16,7 @@ from stages.diffusion import flow
 from stages.diffusion.denoiser import Denoiser, DenoiserConfig
 from stages.diffusion.normalizer import Normalizer
 from stages.prior import Prior, PriorTask, nearest
+from tests.conftest import ROOT as REPO
 from tests.conftest import build_tiny, invoke
 
 TEMPLATES = torch.tensor(
@@ -366,6 +369,34 @@ def test_compare_end_to_end_writes_the_table_plot_and_budgets(tiny_dirs, root):
     assert (generated["ms_per_sample_mean"] > 0).all() and summary.set_index("row")["ms_per_sample_mean"].isna()[
         "held-out text"
     ]
+    # claim 3 in the claims table, by its rule recomputed here from compare.csv
+    proc = subprocess.run(
+        [sys.executable, "scripts/summarize.py", "--claims", str(root / "claims.md"), str(root)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 0, proc.stderr
+    claim3 = next(line for line in (root / "claims.md").read_text().splitlines() if line.startswith("| 3."))
+    by = summary.set_index("row")
+    ours = by.loc[f"DiHAL (l*={l_star})"]
+    behind = {
+        b: [
+            name
+            for name, worse in (
+                ("Gen.PPL (backbone)", ours.gen_ppl_token_backbone_mean >= by.loc[b, "gen_ppl_token_backbone_mean"]),
+                ("Gen.PPL (evaluator)", ours.gen_ppl_token_evaluator_mean >= by.loc[b, "gen_ppl_token_evaluator_mean"]),
+                ("diversity", ours.diversity_mean <= by.loc[b, "diversity_mean"]),
+            )
+            if worse
+        ]
+        for b in ("Diffusion-LM", "SED", "CoDAR")
+    }
+    for b, names in behind.items():
+        assert (f"{b} on {', '.join(names)}" in claim3) == bool(names), (b, names, claim3)
+    n_behind = sum(bool(v) for v in behind.values())
+    verdict = "holds" if not n_behind else "partly" if n_behind < 3 else "does not hold"
+    assert f"**{verdict}" in claim3, claim3
     trained = parts_df[parts_df.seed == 0]  # one budget: every part ran the same steps x batch
     assert trained["steps"].nunique() == 1 and trained["global_batch"].nunique() == 1 and len(trained) == 7
     assert (trained["parameters"] > 0).all() and (trained["tokens_seen"] == 3 * trained["global_batch"] * 11).all()
