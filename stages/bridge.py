@@ -21,14 +21,12 @@ from artifacts.store import Artifact, ArtifactStore
 from stages.diffusion import flow, trainer
 from stages.diffusion.denoiser import Denoiser, DenoiserConfig
 from stages.diffusion.normalizer import Normalizer
-from stages.diffusion.protocols import PROTOCOLS, from_protocol
+from stages.diffusion.protocols import from_protocol
 from stages.diffusion.trainer import distributed
 from stages.runtime import plotting
 from stages.runtime.progress import NullProgress, Progress
 
 STAGE = "bridge"
-
-PROTOCOL_FIELDS = tuple(PROTOCOLS["cpu-small"])
 
 
 @dataclass(frozen=True, kw_only=True)

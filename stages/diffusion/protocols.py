@@ -9,57 +9,18 @@ from dataclasses import fields
 
 from artifacts.errors import DihalError
 
+# the CPU protocols share one network and batch; each names only what it changes
+_CPU = dict(epochs=None, batch_size=32, schedule="cosine", width=256, depth=4, heads=4, val_sequences=64)
+
 PROTOCOLS: dict[str, dict] = {
     # the measurement setting of docs/method.md section 2 with 1000 steps instead of 600 (about 7 minutes
     # on two CPU cores for smollm2-135m): at layer 3, 600 steps gave top-1 0.642 at 8 steps, 1000 gave 0.659
-    "cpu-small": dict(
-        steps=1000,
-        epochs=None,
-        batch_size=32,
-        lr=1e-3,
-        warmup=30,
-        schedule="cosine",
-        ema=0.995,
-        width=256,
-        depth=4,
-        heads=4,
-        eval_every=100,
-        checkpoint_every=50,
-        val_sequences=64,
-    ),
+    "cpu-small": dict(_CPU, steps=1000, lr=1e-3, warmup=30, ema=0.995, eval_every=100, checkpoint_every=50),
     # one fixed short budget per layer for sweeps (under 2 minutes a layer on CPU)
-    "sweep-tiny": dict(
-        steps=150,
-        epochs=None,
-        batch_size=32,
-        lr=2e-3,
-        warmup=15,
-        schedule="cosine",
-        ema=0.99,
-        width=256,
-        depth=4,
-        heads=4,
-        eval_every=75,
-        checkpoint_every=50,
-        val_sequences=64,
-    ),
+    "sweep-tiny": dict(_CPU, steps=150, lr=2e-3, warmup=15, ema=0.99, eval_every=75, checkpoint_every=50),
     # the comparison on two CPU cores: every part (priors, decoder, bridges) gets this budget, so that
     # `dihal compare` with two seeds and N = 256 samples per row fits in two hours
-    "compare-cpu": dict(
-        steps=200,
-        epochs=None,
-        batch_size=32,
-        lr=2e-3,
-        warmup=20,
-        schedule="cosine",
-        ema=0.99,
-        width=256,
-        depth=4,
-        heads=4,
-        eval_every=100,
-        checkpoint_every=50,
-        val_sequences=64,
-    ),
+    "compare-cpu": dict(_CPU, steps=200, lr=2e-3, warmup=20, ema=0.99, eval_every=100, checkpoint_every=50),
     # GPU scale, as in the paper: one epoch over the train split
     "paper": dict(
         steps=None,
