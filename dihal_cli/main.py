@@ -583,20 +583,26 @@ def sweep(
     m = art.manifest["metrics"]
     console.print(
         table(
-            f"sweep ({protocol}, seeds {seeds}): l* = {m['l_star']}, oracle = {m['oracle_layer']} "
-            f"(agreed by {m['oracle_agreement']:.0%} of seeds), worst = {m['worst_layer']}",
+            f"{protocol}, seeds {seeds}: l* = {m['l_star']}, oracle = {m['oracle_layer']} "
+            f"({m['oracle_agreement']:.0%} of seeds agree), worst = {m['worst_layer']}",
             names,
             [[r[c] for c in cols] for r in result.to_dict("records")],
         )
     )
-    variants = stage.pd.read_csv(art.file("variants.csv"))
-    vcols = ["variant", "rho", "rho_lo", "rho_hi", "rho_shallow", "kendall_tau", "partial_rho_given_depth"]
     lo, hi = m["shallow_window"]
+    three = lambda x: "-" if x != x else f"{x:.3f}"  # noqa: E731  (NaN: not defined, e.g. depth given depth)
+    interval = lambda r: "-" if r["rho_lo"] != r["rho_lo"] else f"{r['rho_lo']:.2f}..{r['rho_hi']:.2f}"  # noqa: E731
+    rows = [
+        [r["variant"], three(r["rho"]), interval(r)]
+        + [three(r[c]) for c in ("rho_shallow", "kendall_tau", "partial_rho_given_depth")]
+        for r in stage.pd.read_csv(art.file("variants.csv")).to_dict("records")
+    ]
     console.print(
         table(
-            f"which predictor of -loss (shallow: layers {lo}..{hi}; interval: 95% bootstrap)",
-            ["variant", "rho", "lo", "hi", "shallow", "tau", "partial|depth"],
-            [[r[c] for c in vcols] for r in variants.to_dict("records")],
+            f"which predictor ranks the layers by -loss (rho with its 95% interval; over the shallow "
+            f"layers {lo}-{hi}; Kendall tau; partial rho given depth)",
+            ["predictor", "rho", "95% CI", "shallow", "tau", "partial"],
+            rows,
         )
     )
     _report(art)

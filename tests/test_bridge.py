@@ -272,6 +272,9 @@ def test_sweep_over_tiny_model_writes_table_rho_plot(tiny_dirs, root):
     assert "which predictor" in res.output and "-depth (baseline)" in res.output
     store = ArtifactStore(root)
     art = store.resolve("latest", "sweep")
+    shown = pd.read_csv(art.file("variants.csv")).set_index("variant").loc["S"]
+    line = next(x for x in res.output.splitlines() if x.strip().startswith("S  "))  # whole at 80 columns
+    assert f"{shown['rho']:.3f}" in line and f"{shown['kendall_tau']:.3f}" in line and "…" not in line, line
     table = pd.read_csv(art.file("sweep.csv"))
     runs = pd.read_csv(art.file("sweep_runs.csv"))
     assert table["layer"].tolist() == [1, 2, 3] and sorted(runs["seed"].unique()) == [0, 1] and len(runs) == 6
