@@ -167,15 +167,17 @@ class CachedSampler:
         self.bridge, self.steps, self.batch = bridge, steps, batch
         self.caches = [bridge.net.new_caches() for _ in range(steps)]
         self.done = 0  # covered positions already sampled
+        self.started = False  # position 0 (the stored start-token state) emitted
 
     @torch.no_grad()
     def extend(self, h0_new: torch.Tensor, noise_new: torch.Tensor) -> torch.Tensor:
         """h0_new: (B, n, D) layer-0 states of the next n positions (absolute positions continue)."""
         b = self.bridge
-        if self.done == 0 and b.start == 1:
-            first, h0_new = h0_new[:, :1], h0_new[:, 1:]
-        else:
-            first = None
+        first = None
+        if not self.started:  # an unprompted prefix is the start token alone: done stays 0 after it
+            self.started = True
+            if b.start == 1:
+                first, h0_new = h0_new[:, :1], h0_new[:, 1:]
         out = []
         if h0_new.shape[1]:
             c = b.norm.c(h0_new.float())

@@ -298,6 +298,7 @@ def run(
         "l_star": l_star,
         "worst": worst,
         "evaluator": eval_stage.second_evaluator(cfg.evaluator, backbone),
+        "revision": gen_stage.REVISION,  # its AR rows are unprompted hybrid generations
     }
     parents = {"extract": extract.id, "score": score_art.id}
     if cached := store.cached(STAGE, config, parents, force=force):

@@ -81,7 +81,12 @@ def run(
         raise DihalError(f"sweep {sweep_art.id} was not made from extract {extract.id}")
     layers = resolve_layers(cfg, sweep_art)
     backbone = extract.config["model"]
-    config = {**asdict(cfg), "layers": layers, "evaluator": eval_stage.second_evaluator(cfg.evaluator, backbone)}
+    config = {
+        **asdict(cfg),
+        "layers": layers,
+        "evaluator": eval_stage.second_evaluator(cfg.evaluator, backbone),
+        "revision": gen_stage.REVISION,  # its generations are unprompted hybrid ones
+    }
     parents = {"sweep": sweep_art.id, "extract": extract.id}
     if cached := store.cached(STAGE, config, parents, force=force):
         return cached

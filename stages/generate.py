@@ -27,6 +27,10 @@ from stages.runtime.progress import NullProgress, Progress
 from stages.text.data import start_token
 
 STAGE = "generate"
+# 2: the cached sampler fed the start token's stored state at every position of an unprompted
+#    hybrid generation (a start-token-only prefix), so its samples ignored the bridge. Only those
+#    artifacts were wrong, so only theirs carry the revision in their cache key.
+REVISION = 2
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -224,6 +228,8 @@ def run(
     """loaded: the backbone, or a function that loads it (called only when there is work to do)."""
     progress = progress or NullProgress()
     config, parents = asdict(cfg), {"bridge": bridge_art.id}
+    if cfg.cache and "" in (cfg.prompts or ("",)):  # unprompted: made before the fix of REVISION 2
+        config["revision"] = REVISION
     if cached := store.cached(STAGE, config, parents, force=force):
         return cached
     with store.writing(

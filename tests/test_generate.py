@@ -81,7 +81,8 @@ def tiny_trained_bridge(tiny_dirs, tmp_path_factory):
     return store, art
 
 
-def test_cached_and_uncached_generation_agree_and_are_deterministic(tiny_trained_bridge, tiny_dirs):
+@pytest.mark.parametrize("prompt", ["The", ""])  # "": the start token alone, as in unprompted generation
+def test_cached_and_uncached_generation_agree_and_are_deterministic(tiny_trained_bridge, tiny_dirs, prompt):
     from stages.bridge import Bridge
     from stages.lm.models import load_model
 
@@ -89,7 +90,7 @@ def test_cached_and_uncached_generation_agree_and_are_deterministic(tiny_trained
     loaded = load_model(str(tiny_dirs["llama"]), "cpu", "float32")
     bridge = Bridge.load(art)
     suffix = gen_stage.suffix_model(loaded.model, 2)
-    prefix = torch.tensor([gen_stage.prompt_ids(loaded.tokenizer, "The")] * 3)
+    prefix = torch.tensor([gen_stage.prompt_ids(loaded.tokenizer, prompt)] * 3)
     outs = {}
     for cache in (True, False):
         cfg = gen_stage.GenerateConfig(max_new_tokens=12, sample_steps=4, cache=cache, top_k=50, top_p=0.9)
