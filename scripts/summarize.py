@@ -146,10 +146,10 @@ def claim_layer(store: ArtifactStore) -> tuple[str, str]:
     return ours, "holds" if shallow and near else ("partly" if shallow or near else "does not hold")
 
 
-COUNTS = {  # claim 3's counts: lower Gen.PPL under each evaluator, higher diversity
-    "gen_ppl_token_backbone_mean": "Gen.PPL (backbone)",
-    "gen_ppl_token_evaluator_mean": "Gen.PPL (evaluator)",
-    "diversity_mean": "diversity",
+COUNTS = {  # claim 3's counts: column -> (name, higher is better)
+    "gen_ppl_token_backbone_mean": ("Gen.PPL (backbone)", False),
+    "gen_ppl_token_evaluator_mean": ("Gen.PPL (evaluator)", False),
+    "diversity_mean": ("diversity", True),
 }
 
 
@@ -161,7 +161,7 @@ def claim_compare(store: ArtifactStore) -> tuple[str, str]:
     dihal = next(r for name, r in rows.items() if name.startswith("DiHAL (l*"))
     baselines = {k: rows[k] for k in ("Diffusion-LM", "SED", "CoDAR") if k in rows}
     behind = {  # per baseline, the counts on which DiHAL does not beat it
-        k: [name for col, name in COUNTS.items() if (r[col] - dihal[col]) * (1 if col == "diversity_mean" else -1) >= 0]
+        k: [name for col, (name, up) in COUNTS.items() if (dihal[col] <= r[col] if up else dihal[col] >= r[col])]
         for k, r in baselines.items()
     }
     behind = {k: lost for k, lost in behind.items() if lost}
