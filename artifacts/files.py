@@ -22,7 +22,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from artifacts.errors import DihalError
+from dihal.artifacts.errors import DihalError
 
 STATE_FILE = "state.safetensors"
 PICKLE_STATE_FILE = "state.pt"  # what older versions wrote; refused, never loaded

@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import zarr
 
-from artifacts.errors import DihalError
+from dihal.artifacts.errors import DihalError
 
 LAYER_CONVENTION = (
     "layers/<l> is the residual stream after l blocks, before the final norm: "

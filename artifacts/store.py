@@ -32,11 +32,22 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from artifacts.errors import DihalError
+from dihal.artifacts.errors import DihalError
 
 SCHEMA_VERSION = 2  # 2: keyword configs (extract holds its data config), per-file checksums
 DEFAULT_ROOT = "runs"
-COMMANDS = {"bridge": "train-bridge", "prior": "train-prior"}  # stage -> the command that makes it
+COMMANDS = {  # stage -> the `dihal` command that makes it
+    "extract": "extract",
+    "score": "score",
+    "bridge": "train-bridge",
+    "prior": "train-prior",
+    "decoder": "train-decoder",
+    "evaluate": "evaluate",
+    "generate": "generate",
+    "sweep": "sweep",
+    "confirm": "confirm",
+    "compare": "compare",
+}
 
 
 def canonical_json(obj: Any) -> str:

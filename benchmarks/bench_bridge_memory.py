@@ -16,15 +16,15 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from artifacts import hidden_states as hs  # noqa: E402
-from artifacts.store import ArtifactStore  # noqa: E402
 from benchmarks.common import Timer, save  # noqa: E402
+from dihal.artifacts import hidden_states as hs  # noqa: E402
+from dihal.artifacts.store import ArtifactStore  # noqa: E402
 
 WIDTH, SEQ_LEN, CHUNK, N_VAL = 4096, 16, 8, 64
 SIZES = (1024, 8192, 32768)
 PEAK = (
     "import sys, runpy; from pathlib import Path\n"
-    "try:\n    sys.argv = ['dihal'] + sys.argv[1:]; runpy.run_module('dihal_cli', run_name='__main__')\n"
+    "try:\n    sys.argv = ['dihal'] + sys.argv[1:]; runpy.run_module('dihal.cli', run_name='__main__')\n"
     "finally:\n    hwm = [l for l in Path('/proc/self/status').read_text().splitlines() if l.startswith('VmHWM')]\n"
     "    print('PEAK_KIB', hwm[0].split()[1], file=sys.stderr)\n"
 )

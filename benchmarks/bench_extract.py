@@ -13,11 +13,11 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1]))
-from artifacts.store import ArtifactStore  # noqa: E402
 from benchmarks.common import Timer, peak_rss_mib, save  # noqa: E402
-from stages import extract as ex  # noqa: E402
-from stages.lm.models import load_model  # noqa: E402
-from stages.text import data as data_mod  # noqa: E402
+from dihal.artifacts.store import ArtifactStore  # noqa: E402
+from dihal.stages import extract as ex  # noqa: E402
+from dihal.stages.lm.models import load_model  # noqa: E402
+from dihal.stages.text import data as data_mod  # noqa: E402
 
 N_SEQ, SEQ_LEN, BATCH = 256, 64, 8
 

@@ -16,12 +16,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import Timer, save, store  # noqa: E402
-from stages import bridge as bstage  # noqa: E402
-from stages import extract as ex  # noqa: E402
-from stages import generate as gen  # noqa: E402
-from stages.bridge import Bridge  # noqa: E402
-from stages.lm.models import load_model  # noqa: E402
-from stages.text.data import DataConfig  # noqa: E402
+from dihal.stages import bridge as bstage  # noqa: E402
+from dihal.stages import extract as ex  # noqa: E402
+from dihal.stages import generate as gen  # noqa: E402
+from dihal.stages.bridge import Bridge  # noqa: E402
+from dihal.stages.lm.models import load_model  # noqa: E402
+from dihal.stages.text.data import DataConfig  # noqa: E402
 
 NEW_TOKENS, BATCH, REPEATS = 48, 1, 2
 
@@ -35,7 +35,7 @@ def main() -> None:
         extract = ex.run(
             ex.ExtractConfig(layers="0,3", data=DataConfig(max_sequences=400, seq_len=64)), s, loaded=loaded
         )
-        art = bstage.run(bstage.BridgeConfig.from_protocol(3, "cpu-small", steps=30, eval_every=30), extract, s)
+        art = bstage.run(bstage.BridgeConfig.from_protocol("cpu-small", layer=3, steps=30, eval_every=30), extract, s)
     bridge = Bridge.load(art)
     suffix = gen.suffix_model(loaded.model, bridge.layer)
     prefix = torch.tensor([gen.prompt_ids(loaded.tokenizer, "The")] * BATCH)

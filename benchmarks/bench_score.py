@@ -20,13 +20,13 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from artifacts import hidden_states as hs  # noqa: E402
 from benchmarks.common import HERE, Timer, peak_rss_mib, save, store  # noqa: E402
-from stages import extract as ex  # noqa: E402
-from stages import score as sc  # noqa: E402
-from stages.runtime.allocator import keep_freed_memory  # noqa: E402
-from stages.runtime.progress import NullProgress  # noqa: E402
-from stages.text.data import DataConfig  # noqa: E402
+from dihal.artifacts import hidden_states as hs  # noqa: E402
+from dihal.stages import extract as ex  # noqa: E402
+from dihal.stages import score as sc  # noqa: E402
+from dihal.stages.runtime.allocator import keep_freed_memory  # noqa: E402
+from dihal.stages.runtime.progress import NullProgress  # noqa: E402
+from dihal.stages.text.data import DataConfig  # noqa: E402
 
 REF_LAYERS = (3,)
 MEMORY_SIZES = (4096, 16384, 50000)
@@ -62,7 +62,7 @@ def whole_command(extract_id: str) -> float:
         [
             sys.executable,
             "-m",
-            "dihal_cli",
+            "dihal.cli",
             "score",
             "--root",
             str(HERE / ".runs"),

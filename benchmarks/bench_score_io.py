@@ -12,8 +12,8 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from artifacts import hidden_states as hs  # noqa: E402
 from benchmarks.common import Timer, save  # noqa: E402
+from dihal.artifacts import hidden_states as hs  # noqa: E402
 
 
 def main() -> None:

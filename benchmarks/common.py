@@ -14,7 +14,7 @@ RESULTS = HERE / "results"
 
 
 def store():
-    from artifacts.store import ArtifactStore
+    from dihal.artifacts.store import ArtifactStore
 
     return ArtifactStore(HERE / ".runs")
 

@@ -1,1 +1,1 @@
-"""The `dihal` command line (Typer). Thin: parses flags, calls stages/, prints results."""
+"""dihal.cli: the `dihal` command (Typer, thin). main.py is the place to start reading."""

@@ -1,3 +1,3 @@
-from dihal_cli.main import app
+from dihal.cli.main import main
 
-app(prog_name="dihal")
+main()

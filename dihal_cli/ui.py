@@ -1,16 +1,14 @@
-"""Terminal side of the CLI: progress (a rich bar on a terminal, plain lines in a piped log),
-tables that fit 80 columns, and the one-line error rule."""
+"""Terminal side of the CLI: progress (a rich bar on a terminal, plain lines in a piped log) and
+the one-line error rule (`error: ...`, exit 2, never a traceback)."""
 
 from __future__ import annotations
 
 import functools
-import json
 import sys
 import time
 from collections.abc import Callable
 
 import typer
-from rich import box
 from rich.console import Console
 from rich.progress import (
     BarColumn,
@@ -21,9 +19,9 @@ from rich.progress import (
     TimeElapsedColumn,
     TimeRemainingColumn,
 )
-from rich.table import Table
 
-from artifacts.errors import DihalError
+from dihal.artifacts.errors import DihalError
+from dihal.cli.tables import fmt
 
 console = Console()
 err_console = Console(stderr=True)
@@ -174,39 +172,18 @@ def user_errors(fn: Callable) -> Callable:
     return wrapper
 
 
-def table(title: str, columns: list[str], rows: list[list], highlight_row: int | None = None) -> Table:
-    """Numbers at 4 significant digits, cells never wrapped, compact enough for 80 columns."""
-    out = Table(title=title, box=box.SIMPLE_HEAD, pad_edge=False, padding=(0, 1), title_justify="left")
-    for column in columns:
-        out.add_column(column, no_wrap=True, overflow="ellipsis", justify="right")
-    for i, row in enumerate(rows):
-        out.add_row(*[fmt(v) for v in row], style="bold green" if i == highlight_row else None)
-    return out
+def dry(command: str, *configs, plan=None) -> None:
+    """--dry-run: every config printed (each has checked itself); with plan=an ExtractConfig, the
+    model's config is read too, so that a missing model fails now and not after an hour."""
+    if plan is not None:
+        from dihal.stages.extract import plan as plan_extract
+
+        plan_extract(plan)
+    for cfg in configs:
+        console.print(f"[yellow]dry run[/yellow] {command}: {cfg}", highlight=False, soft_wrap=True)
 
 
-def fmt(value) -> str:
-    """4 significant digits; scientific as 5.359e-3 (no padded exponent) outside [1e-3, 1e5)."""
-    if isinstance(value, bool) or value is None:
-        return "-" if value is None else str(value)
-    if isinstance(value, float):
-        if value != value or value == 0 or value in (float("inf"), float("-inf")):
-            return "0" if value == 0 else str(value)
-        if 1e-3 <= abs(value) < 1e5:
-            return f"{value:.4g}"
-        mantissa, exponent = f"{value:.3e}".split("e")
-        return f"{mantissa}e{int(exponent)}"
-    return str(value)
-
-
-def print_json(obj) -> None:
-    sys.stdout.write(json.dumps(obj, indent=2, default=str) + "\n")
-
-
-def human_size(n: int | None) -> str:
-    if n is None:
-        return "-"
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024:
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} PiB"
+def report(art) -> None:
+    """One line: what the stage made or reused, and where it lives."""
+    state = "cache hit" if art.reused else "done"
+    console.print(f"[green]{state}[/green]: {art.stage} {art.id} -> {art.path}", highlight=False, soft_wrap=True)

@@ -13,8 +13,8 @@ import sys
 from rich.console import Console
 from rich.table import Table
 
-from artifacts.errors import DihalError
-from artifacts.store import ArtifactStore
+from dihal.artifacts.errors import DihalError
+from dihal.artifacts.store import ArtifactStore
 
 
 def latest(store: ArtifactStore, stage: str, kind: str | None = None, parent: tuple[str, str] | None = None):

@@ -9,96 +9,24 @@ what an uninterrupted one would have done.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 
 import numpy as np
 import torch
 
-from artifacts import files
-from artifacts import hidden_states as hs
-from artifacts.errors import DihalError
-from artifacts.store import Artifact, ArtifactStore
-from stages.diffusion import flow, trainer
-from stages.diffusion.denoiser import Denoiser, DenoiserConfig
-from stages.diffusion.normalizer import Normalizer
-from stages.diffusion.protocols import from_protocol
-from stages.diffusion.trainer import distributed
-from stages.runtime import plotting
-from stages.runtime.progress import NullProgress, Progress
+from dihal.artifacts import files
+from dihal.artifacts import hidden_states as hs
+from dihal.artifacts.errors import DihalError
+from dihal.artifacts.store import Artifact, ArtifactStore
+from dihal.stages.configs import BridgeConfig
+from dihal.stages.diffusion import flow, trainer
+from dihal.stages.diffusion.denoiser import Denoiser, DenoiserConfig
+from dihal.stages.diffusion.normalizer import Normalizer
+from dihal.stages.diffusion.trainer import distributed
+from dihal.stages.runtime import plotting
+from dihal.stages.runtime.progress import NullProgress, Progress
 
 STAGE = "bridge"
-
-
-@dataclass(frozen=True, kw_only=True)
-class BridgeConfig:
-    """A bridge's whole training recipe. Protocol fields have no default here: they come from
-    PROTOCOLS (one place), through BridgeConfig.from_protocol, with named overrides."""
-
-    layer: int
-    protocol: str
-    steps: int | None
-    epochs: int | None
-    batch_size: int
-    lr: float
-    warmup: int
-    schedule: str
-    ema: float
-    width: int
-    depth: int
-    heads: int
-    eval_every: int
-    checkpoint_every: int
-    val_sequences: int
-    objective: str = "flow"
-    prediction: str = "x0"
-    skip_init: str = "ridge"  # "ridge": A starts at the least-squares map c -> y; "zero": plain init
-    condition_noise: float = 0.0  # sigma_max: train on c + sigma z, sigma ~ U(0, sigma_max) (section 5: 0.5)
-    weight_decay: float = 0.0
-    grad_clip: float = 1.0
-    seed: int = 0
-    device: str = "cpu"
-    precision: str = "float32"  # bfloat16: forward under bf16 autocast (CUDA or CPU)
-    shuffle_window: int = 512  # sequences shuffled together in an epoch's order
-
-    @staticmethod
-    def from_protocol(layer: int, protocol: str, **overrides) -> BridgeConfig:
-        """The protocol's settings (stages/diffusion/protocols.py) with named overrides; None keeps a
-        protocol value, and a name that is not a setting is refused (never dropped)."""
-        return from_protocol(BridgeConfig, protocol, overrides, layer=layer)
-
-    def __post_init__(self) -> None:
-        if self.layer < 1:
-            raise DihalError("--layer must be at least 1 (layer 0 is the condition itself)")
-        if self.prediction not in flow.PREDICTIONS:
-            raise DihalError(f"unknown --prediction '{self.prediction}'; use x0 or velocity")
-        if self.objective != "flow":
-            raise DihalError("only --objective flow (rectified flow) is implemented")
-        if self.condition_noise < 0:
-            raise DihalError(f"--condition-noise must be >= 0, got {self.condition_noise}")
-        if self.skip_init not in ("ridge", "zero"):
-            raise DihalError(f"unknown --skip-init '{self.skip_init}'; use ridge or zero")
-        if self.precision not in ("float32", "bfloat16"):
-            raise DihalError(f"training precision must be float32 or bfloat16, got '{self.precision}'")
-        if self.shuffle_window < 1:
-            raise DihalError("the shuffle window must be at least 1 sequence")
-        if self.schedule not in ("cosine", "constant"):
-            raise DihalError(f"unknown schedule '{self.schedule}'; use cosine or constant")
-        if self.steps is None and self.epochs is None:
-            raise DihalError("give --train-steps or --epochs")
-        for name in ("steps", "epochs"):
-            if getattr(self, name) is not None and getattr(self, name) < 1:
-                raise DihalError(f"--{'train-steps' if name == 'steps' else name} must be at least 1")
-        for name in ("batch_size", "width", "depth", "heads", "eval_every", "checkpoint_every", "val_sequences"):
-            if getattr(self, name) < 1:
-                raise DihalError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
-        if self.lr <= 0 or self.warmup < 0 or not 0 <= self.ema < 1 or self.grad_clip < 0 or self.weight_decay < 0:
-            raise DihalError("--lr must be > 0, --warmup >= 0, --ema in [0, 1), grad clip and weight decay >= 0")
-        if self.width % self.heads:
-            raise DihalError(f"--width {self.width} must be divisible by --heads {self.heads}")
-
-
-def resolve_config(layer: int, protocol: str, overrides: dict) -> BridgeConfig:
-    return BridgeConfig.from_protocol(layer, protocol, **overrides)
 
 
 # -- data -----------------------------------------------------------------------------------------

@@ -18,57 +18,28 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 
 import numpy as np
 import pandas as pd
 
-from artifacts import hidden_states as hs
-from artifacts.errors import DihalError
-from artifacts.store import Artifact, ArtifactStore
-from stages import bridge as bridge_stage
-from stages import decoder as decoder_stage
-from stages import evaluate as eval_stage
-from stages import generate as gen_stage
-from stages import prior as prior_stage
-from stages import score as score_stage
-from stages.diffusion import trainer
-from stages.runtime import plotting
-from stages.runtime.progress import NullProgress, Progress
-from stages.text.text_metrics import text_metrics, token_entropy
+from dihal.artifacts import hidden_states as hs
+from dihal.artifacts.errors import DihalError
+from dihal.artifacts.store import Artifact, ArtifactStore
+from dihal.stages import bridge as bridge_stage
+from dihal.stages import decoder as decoder_stage
+from dihal.stages import evaluate as eval_stage
+from dihal.stages import generate as gen_stage
+from dihal.stages import prior as prior_stage
+from dihal.stages import registry
+from dihal.stages import score as score_stage
+from dihal.stages.configs import BridgeConfig, CompareConfig, DecoderTrainConfig, GenerateConfig, PriorConfig
+from dihal.stages.lineage import origin
+from dihal.stages.runtime import plotting
+from dihal.stages.runtime.progress import NullProgress, Progress
+from dihal.stages.text.text_metrics import text_metrics, token_entropy
 
 STAGE = "compare"
-
-
-@dataclass(frozen=True, kw_only=True)
-class CompareConfig:
-    layer: int | None = None  # l*; None: the score's argmax S
-    oracle: int | None = None  # a sweep's oracle layer, for an extra DiHAL row
-    protocol: str = "compare-cpu"
-    seeds: tuple[int, ...] = (0, 1)
-    num_samples: int = 256
-    prior_steps: int = gen_stage.GenerateConfig.prior_steps
-    sample_steps: int = gen_stage.GenerateConfig.sample_steps
-    condition_noise: float = 0.5
-    evaluator: str | None = None  # the second evaluator; None: the other builtin
-    batch_size: int = 32  # samples per generation batch
-    overrides: tuple[tuple[str, object], ...] = ()  # protocol fields changed for every part alike
-    device: str = "cpu"
-    dtype: str = "float32"
-
-    def __post_init__(self) -> None:
-        if not self.seeds:
-            raise DihalError("--seeds must name at least one seed")
-        if len(set(self.seeds)) != len(self.seeds):
-            raise DihalError(f"--seeds repeats a seed: {','.join(map(str, self.seeds))}")
-        for name in ("num_samples", "prior_steps", "sample_steps", "batch_size"):
-            if getattr(self, name) < 1:
-                raise DihalError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
-        if self.condition_noise < 0:
-            raise DihalError("--condition-noise must be >= 0")
-        for name in ("layer", "oracle"):
-            if getattr(self, name) is not None and getattr(self, name) < 1:
-                raise DihalError(f"--{name} must be at least 1")
 
 
 def layers_from_score(score_art: Artifact, cfg: CompareConfig) -> tuple[int, int]:
@@ -90,38 +61,41 @@ def part_row(name: str, art: Artifact) -> dict:
     }
 
 
+def layer_names(l_star: int, worst: int, oracle: int | None) -> dict[str, int]:
+    """What the registry's layer names stand for in this comparison."""
+    return {"0": 0, "l_star": l_star, "worst": worst, **({"oracle": oracle} if oracle is not None else {})}
+
+
+def active_rows(cfg: CompareConfig) -> list[registry.Row]:
+    return [row for row in registry.ROWS if cfg.oracle is not None or not row.needs_oracle]
+
+
 def part_configs(cfg: CompareConfig, seed: int, l_star: int, worst: int) -> dict[str, tuple]:
-    """{part name: (stage run, config)} of one seed: every part under the one protocol."""
-    common = dict(
-        seed=seed,
-        device=cfg.device,
-        precision=trainer.precision_for(cfg.dtype),
-        **dict(cfg.overrides),
-    )
-    decoder_common = {k: v for k, v in common.items() if k != "depth"}  # the decoder's depth is fixed (2)
-    prior = lambda layer, sc=False: prior_stage.PriorConfig.from_protocol(  # noqa: E731
-        layer, cfg.protocol, self_condition=sc, **common
-    )
-    bridge = lambda layer, noise: bridge_stage.BridgeConfig.from_protocol(  # noqa: E731
-        layer, cfg.protocol, condition_noise=noise, **common
-    )
-    plan = {
-        "prior": (prior_stage.run, prior(0)),
-        "prior (self-conditioned)": (prior_stage.run, prior(0, True)),
-        f"prior over h_{l_star}": (prior_stage.run, prior(l_star)),
-        "decoder": (
-            decoder_stage.run,
-            decoder_stage.DecoderTrainConfig.from_protocol(
-                cfg.protocol, condition_noise=cfg.condition_noise, **decoder_common
-            ),
-        ),
-        f"bridge L{l_star} (noisy c)": (bridge_stage.run, bridge(l_star, cfg.condition_noise)),
-        f"bridge L{worst} (noisy c)": (bridge_stage.run, bridge(worst, cfg.condition_noise)),
-        f"bridge L{l_star} (section 2)": (bridge_stage.run, bridge(l_star, 0.0)),
-    }
-    if cfg.oracle is not None:
-        plan[f"bridge L{cfg.oracle} (noisy c)"] = (bridge_stage.run, bridge(cfg.oracle, cfg.condition_noise))
-    return plan
+    """{part label: (stage run, config)} of one seed: each distinct part of the registry's rows (and
+    of the AR references) once, every one under the one protocol."""
+    layers = layer_names(l_star, worst, cfg.oracle)
+    common = dict(seed=seed, device=cfg.device, dtype=cfg.dtype)
+    overrides = dict(cfg.overrides)
+
+    def build(spec) -> tuple:
+        if isinstance(spec, registry.PriorPart):
+            pcfg = PriorConfig.for_run(
+                cfg.protocol, overrides, layer=layers[spec.layer], self_condition=spec.self_condition, **common
+            )
+            return prior_stage.run, pcfg
+        if isinstance(spec, registry.DecoderPart):  # the decoder's depth is fixed (DECODER_DEPTH)
+            decoder_overrides = {k: v for k, v in overrides.items() if k != "depth"}
+            dcfg = DecoderTrainConfig.for_run(
+                cfg.protocol, decoder_overrides, condition_noise=cfg.condition_noise, **common
+            )
+            return decoder_stage.run, dcfg
+        noise = cfg.condition_noise if spec.noisy else 0.0
+        return bridge_stage.run, BridgeConfig.for_run(
+            cfg.protocol, overrides, layer=layers[spec.layer], condition_noise=noise, **common
+        )
+
+    specs = [spec for row in active_rows(cfg) for spec in row.parts()] + [registry.AR_REFERENCE_BRIDGE]
+    return {spec.label(layers): build(spec) for spec in dict.fromkeys(specs)}
 
 
 def train_parts(
@@ -144,45 +118,21 @@ def generate_rows(
     worst: int,
     progress: Progress,
 ) -> dict[str, Artifact]:
-    def parallel(recovery: str, prior_name: str, recovery_part: str | None = None, clamp: bool = False):
-        gcfg = gen_stage.GenerateConfig(
-            mode="parallel",
-            recovery=recovery,
-            clamp=clamp,
-            prior_steps=cfg.prior_steps,
-            sample_steps=cfg.sample_steps,
-            num_samples=cfg.num_samples,
-            batch_size=cfg.batch_size,
-            seed=seed,
-            device=cfg.device,
-            dtype=cfg.dtype,
+    """{row label: generate artifact}: every registry row from its prior's noise, then the AR references."""
+    layers = layer_names(l_star, worst, cfg.oracle)
+    common = dict(sample_steps=cfg.sample_steps, num_samples=cfg.num_samples, batch_size=cfg.batch_size, seed=seed)
+    common |= dict(device=cfg.device, dtype=cfg.dtype)
+    rows = {}
+    for row in active_rows(cfg):
+        gcfg = GenerateConfig(
+            mode="parallel", recovery=row.recovery, clamp=row.clamp, prior_steps=cfg.prior_steps, **common
         )
-        return gen_stage.run_parallel(
-            gcfg, parts[prior_name], store, loaded, parts[recovery_part] if recovery_part else None, progress=progress
-        )
-
-    rows = {
-        "Diffusion-LM": parallel("rounding", "prior", clamp=True),
-        "SED": parallel("rounding", "prior (self-conditioned)"),
-        "CoDAR": parallel("decoder", "prior", "decoder"),
-        f"DiHAL (l*={l_star})": parallel("hidden", "prior", f"bridge L{l_star} (noisy c)"),
-        f"DiHAL (argmin S={worst})": parallel("hidden", "prior", f"bridge L{worst} (noisy c)"),
-        f"DiHAL-direct (l*={l_star})": parallel("hidden", f"prior over h_{l_star}"),
-    }
-    if cfg.oracle is not None:
-        rows[f"DiHAL (oracle={cfg.oracle})"] = parallel("hidden", "prior", f"bridge L{cfg.oracle} (noisy c)")
-    seq_len = parts["prior"].manifest["extract_config"]["data"]["seq_len"]
-    ar = gen_stage.GenerateConfig(
-        num_samples=cfg.num_samples,
-        max_new_tokens=seq_len - 1,
-        sample_steps=cfg.sample_steps,
-        batch_size=cfg.batch_size,
-        baseline="original",
-        seed=seed,
-        device=cfg.device,
-        dtype=cfg.dtype,
-    )
-    rows["AR references"] = gen_stage.run(ar, parts[f"bridge L{l_star} (section 2)"], store, loaded, progress=progress)
+        part = parts[row.part.label(layers)] if row.part is not None else None
+        prior = parts[row.prior.label(layers)]
+        rows[row.label(layers)] = gen_stage.run_parallel(gcfg, prior, store, loaded, part, progress=progress)
+    reference = parts[registry.AR_REFERENCE_BRIDGE.label(layers)]
+    ar = GenerateConfig(max_new_tokens=origin(reference).seq_len - 1, baseline="original", **common)
+    rows["AR references"] = gen_stage.run(ar, reference, store, loaded, progress=progress)
     return rows
 
 

@@ -11,48 +11,21 @@ and std over seeds per layer. Every part is an ordinary artifact, reused when it
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 
 import pandas as pd
 
-from artifacts.errors import DihalError
-from artifacts.store import Artifact, ArtifactStore
-from stages import bridge as bridge_stage
-from stages import evaluate as eval_stage
-from stages import generate as gen_stage
-from stages.diffusion import trainer
-from stages.runtime.progress import NullProgress, Progress
+from dihal.artifacts.errors import DihalError
+from dihal.artifacts.store import Artifact, ArtifactStore
+from dihal.stages import bridge as bridge_stage
+from dihal.stages import evaluate as eval_stage
+from dihal.stages import generate as gen_stage
+from dihal.stages.configs import CONFIRM_NAMED, ConfirmConfig
+from dihal.stages.diffusion import trainer
+from dihal.stages.lineage import origin
+from dihal.stages.runtime.progress import NullProgress, Progress
 
 STAGE = "confirm"
-NAMED = {"l_star": "l_star", "oracle": "oracle_layer", "worst": "worst_layer"}  # name -> sweep summary key
-
-
-@dataclass(frozen=True, kw_only=True)
-class ConfirmConfig:
-    protocol: str = "cpu-small"
-    at: tuple[str, ...] = ("l_star", "oracle", "worst")  # sweep names or layer numbers
-    seeds: tuple[int, ...] = (0, 1, 2)
-    overrides: tuple[tuple[str, object], ...] = ()  # protocol fields changed for every bridge alike
-    sample_steps: int = gen_stage.GenerateConfig.sample_steps
-    eval_limit: int = eval_stage.FidelityConfig.limit  # held-out sequences for fidelity
-    num_samples: int = 64  # AR hybrid generations per layer and seed
-    evaluator: str | None = None  # the second evaluator; None: the other builtin
-    batch_size: int = 16
-    device: str = "cpu"
-    dtype: str = "float32"
-
-    def __post_init__(self) -> None:
-        if not self.at:
-            raise DihalError("--at must name at least one layer: l_star, oracle, worst or a number")
-        for name in self.at:
-            if name not in NAMED and not (name.isdigit() and int(name) >= 1):
-                raise DihalError(f"cannot read --at '{name}'; use l_star, oracle, worst or a layer number >= 1")
-        if not self.seeds or len(set(self.seeds)) != len(self.seeds):
-            raise DihalError("--seeds must name distinct seeds, e.g. 0,1,2")
-        for name in ("sample_steps", "eval_limit", "num_samples", "batch_size"):
-            if getattr(self, name) < 1:
-                raise DihalError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
-        bridge_stage.BridgeConfig.from_protocol(1, self.protocol, **dict(self.overrides))  # a valid recipe
 
 
 def resolve_layers(cfg: ConfirmConfig, sweep_art: Artifact) -> dict[int, str]:
@@ -60,8 +33,8 @@ def resolve_layers(cfg: ConfirmConfig, sweep_art: Artifact) -> dict[int, str]:
     summary = sweep_art.manifest["metrics"]
     out: dict[int, list[str]] = {}
     for name in cfg.at:
-        layer = int(summary[NAMED[name]]) if name in NAMED else int(name)
-        out.setdefault(layer, []).append(name if name in NAMED else f"layer {name}")
+        layer = int(summary[CONFIRM_NAMED[name]]) if name in CONFIRM_NAMED else int(name)
+        out.setdefault(layer, []).append(name if name in CONFIRM_NAMED else f"layer {name}")
     return {layer: "=".join(names) for layer, names in out.items()}
 
 
@@ -90,7 +63,7 @@ def run(
     parents = {"sweep": sweep_art.id, "extract": extract.id}
     if cached := store.cached(STAGE, config, parents, force=force):
         return cached
-    seq_len = int(extract.manifest["metrics"]["seq_len"])
+    seq_len = origin(extract).seq_len
     with store.writing(
         STAGE, config, parents, force=force, device=cfg.device, extra={"model": extract.manifest.get("model")}
     ) as art:
@@ -106,13 +79,8 @@ def run(
         for layer, label in layers.items():
             for seed in cfg.seeds:
                 progress.log(f"{label} (layer {layer}), seed {seed}: bridge under protocol {cfg.protocol}")
-                bcfg = bridge_stage.BridgeConfig.from_protocol(
-                    layer,
-                    cfg.protocol,
-                    **dict(cfg.overrides),
-                    seed=seed,
-                    device=cfg.device,
-                    precision=trainer.precision_for(cfg.dtype),
+                bcfg = bridge_stage.BridgeConfig.for_run(
+                    cfg.protocol, cfg.overrides, seed=seed, device=cfg.device, dtype=cfg.dtype, layer=layer
                 )
                 with trainer.local():
                     bridge_art = bridge_stage.run(bcfg, extract, store, progress=progress)

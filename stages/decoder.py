@@ -1,6 +1,6 @@
 """`dihal train-decoder`: the CoDAR recovery of docs/method.md section 5.
 
-A causal decoder with cross-attention (stages/diffusion/decoder.py) learns to emit a sequence's
+A causal decoder with cross-attention (stages/diffusion/cross_decoder.py) learns to emit a sequence's
 tokens 1..T-1 from its normalized embeddings e = (h_0 - mu_c) / sigma_c at positions 1..T-1,
 teacher forced, with the conditions corrupted as the hidden-state recovery's bridge sees them:
 e + sigma z, sigma ~ U(0, --condition-noise) per sequence. Same protocols and loop as the
@@ -11,63 +11,26 @@ protocol, depth 2.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from artifacts import files
-from artifacts import hidden_states as hs
-from artifacts.errors import DihalError
-from artifacts.store import Artifact, ArtifactStore
-from stages.diffusion import trainer
-from stages.diffusion.decoder import CrossDecoder, DecoderConfig
-from stages.diffusion.flow import corrupt
-from stages.diffusion.normalizer import Normalizer
-from stages.diffusion.protocols import from_protocol
-from stages.diffusion.trainer import distributed
-from stages.runtime import plotting
-from stages.runtime.progress import NullProgress, Progress
+from dihal.artifacts import files
+from dihal.artifacts import hidden_states as hs
+from dihal.artifacts.errors import DihalError
+from dihal.artifacts.store import Artifact, ArtifactStore
+from dihal.stages.configs import DECODER_DEPTH, DecoderTrainConfig
+from dihal.stages.diffusion import trainer
+from dihal.stages.diffusion.cross_decoder import CrossDecoder, DecoderConfig
+from dihal.stages.diffusion.flow import corrupt
+from dihal.stages.diffusion.normalizer import Normalizer
+from dihal.stages.diffusion.trainer import distributed
+from dihal.stages.runtime import plotting
+from dihal.stages.runtime.progress import NullProgress, Progress
 
 STAGE = "decoder"
-DEPTH = 2  # docs/method.md section 5: protocol width, depth 2
-
-
-@dataclass(frozen=True, kw_only=True)
-class DecoderTrainConfig:
-    protocol: str
-    steps: int | None
-    epochs: int | None
-    batch_size: int
-    lr: float
-    warmup: int
-    schedule: str
-    ema: float
-    width: int
-    heads: int
-    eval_every: int
-    checkpoint_every: int
-    val_sequences: int
-    condition_noise: float = 0.5
-    weight_decay: float = 0.0
-    grad_clip: float = 1.0
-    seed: int = 0
-    device: str = "cpu"
-    precision: str = "float32"
-    shuffle_window: int = 512
-
-    @staticmethod
-    def from_protocol(protocol: str, **overrides) -> DecoderTrainConfig:
-        return from_protocol(DecoderTrainConfig, protocol, overrides)
-
-    def __post_init__(self) -> None:
-        if self.condition_noise < 0:
-            raise DihalError(f"--condition-noise must be >= 0, got {self.condition_noise}")
-        if self.width % self.heads:
-            raise DihalError(f"--width {self.width} must be divisible by --heads {self.heads}")
-        if self.steps is None and self.epochs is None or (self.steps is not None and self.steps < 1):
-            raise DihalError("give --train-steps >= 1 or --epochs")
 
 
 class DecoderTask:
@@ -115,7 +78,7 @@ def train(cfg: DecoderTrainConfig, group, art: Artifact, progress: Progress) -> 
         vocab=vocab,
         dim=int(norm.mu_c.shape[0]),
         width=cfg.width,
-        depth=DEPTH,
+        depth=DECODER_DEPTH,
         heads=cfg.heads,
         max_len=task.tokens_per_item,
     )

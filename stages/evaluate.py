@@ -3,63 +3,24 @@
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 
 import numpy as np
 import pandas as pd
 import torch
 
-from artifacts import hidden_states as hs
-from artifacts.errors import DihalError
-from artifacts.store import Artifact, ArtifactStore
-from stages.bridge import Bridge
-from stages.fidelity import evaluate_fidelity
-from stages.lm.hybrid import lm_logits
-from stages.lm.models import LoadedModel, load_model
-from stages.text.data import DataConfig, check, pack, start_token
+from dihal.artifacts import hidden_states as hs
+from dihal.artifacts.errors import DihalError
+from dihal.artifacts.store import Artifact, ArtifactStore
+from dihal.stages.bridge import Bridge
+from dihal.stages.configs import FidelityConfig, SamplesConfig
+from dihal.stages.fidelity import evaluate_fidelity
+from dihal.stages.lineage import backbone_for, origin
+from dihal.stages.lm.hybrid import lm_logits
+from dihal.stages.lm.models import LoadedModel, load_model
+from dihal.stages.text.data import DataConfig, check, pack, start_token
 
 STAGE = "evaluate"
-
-
-@dataclass(frozen=True, kw_only=True)
-class FidelityConfig:
-    sample_steps: tuple[int, ...] = (1, 4, 8, 16)  # Euler steps of the bridge sampler, compared
-    limit: int = 64  # held-out sequences
-    batch_size: int = 16
-    seed: int = 0
-    dataset: str | None = None  # a dataset spec to measure on; None: the extract's validation split
-    device: str = "cpu"
-    dtype: str = "float32"
-
-    def __post_init__(self) -> None:
-        if not self.sample_steps or min(self.sample_steps) < 1:
-            raise DihalError("--sample-steps must list positive integers")
-        _positive(limit=self.limit, batch_size=self.batch_size)
-        if self.dataset is not None:
-            check(DataConfig(dataset=self.dataset))
-
-
-def _positive(**values: int) -> None:
-    for name, value in values.items():
-        if value < 1:
-            raise DihalError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
-
-
-def parse_steps(spec: str) -> tuple[int, ...]:
-    try:
-        steps = tuple(sorted({int(s) for s in spec.split(",") if s.strip()}))
-    except ValueError:
-        raise DihalError(f"cannot read --sample-steps '{spec}'; use a comma list like 4,8,16") from None
-    if not steps or min(steps) < 1:
-        raise DihalError("--sample-steps must list positive integers")
-    return steps
-
-
-def backbone_for(bridge_art: Artifact, device: str, dtype: str, trust_remote_code: bool = False) -> LoadedModel:
-    """The backbone a bridge was trained on. Whether its code may run is this command's flag, never
-    the (untrusted) artifact's record."""
-    ex = bridge_art.manifest["extract_config"]
-    return load_model(ex["model"], device, dtype, ex.get("revision"), trust_remote_code)
 
 
 def validation_ids(store: ArtifactStore, bridge_art: Artifact, limit: int) -> torch.Tensor:
@@ -93,6 +54,12 @@ def sample_ids(gen_art: Artifact, tokenizer, seq_len: int, limit: int) -> tuple[
     return [torch.tensor([q for q in seqs if len(q) == n], dtype=torch.int64) for n in lengths], name
 
 
+def check_inputs(cfg: FidelityConfig) -> None:
+    """Local data named by --dataset is read whole and checked before any work (one error: line)."""
+    if cfg.dataset is not None:
+        check(DataConfig(dataset=cfg.dataset))
+
+
 def run_fidelity(
     cfg: FidelityConfig,
     bridge_art: Artifact,
@@ -108,6 +75,7 @@ def run_fidelity(
         raise DihalError("measure fidelity on --dataset or on --samples, not both")
     if samples is not None and samples.manifest.get("model") != bridge_art.manifest.get("model"):
         raise DihalError(f"generate {samples.id} did not come from the bridge's backbone; use samples of that model")
+    check_inputs(cfg)
     config, parents = {"kind": "fidelity", **asdict(cfg)}, {"bridge": bridge_art.id}
     if samples is not None:
         parents["generate"] = samples.id
@@ -124,7 +92,7 @@ def run_fidelity(
     ) as art:
         loaded = loaded or backbone_for(bridge_art, cfg.device, cfg.dtype, trust_remote_code)
         bridge = Bridge.load(bridge_art, cfg.device)
-        seq_len = int(bridge_art.manifest["extract_config"]["data"]["seq_len"])
+        seq_len = origin(bridge_art).seq_len
         if samples is not None:
             ids, source = sample_ids(samples, loaded.tokenizer, seq_len, cfg.limit)
             source = f"generate {samples.id} ({source})"
@@ -161,22 +129,10 @@ def second_evaluator(evaluator: str | None, backbone: str) -> str:
     raise DihalError(f"name a second evaluator for {backbone} with --evaluator (a model other than the backbone)")
 
 
-@dataclass(frozen=True, kw_only=True)
-class SamplesConfig:
-    evaluator: str | None = None  # model spec; None = the bridge's original backbone
-    limit: int = 64
-    batch_size: int = 16
-    device: str = "cpu"
-    dtype: str = "float32"
-
-    def __post_init__(self) -> None:
-        _positive(limit=self.limit, batch_size=self.batch_size)
-
-
 @torch.no_grad()
 def sample_nlls(loaded: LoadedModel, prompts: list[str], texts: list[str]) -> list[tuple[float, int]]:
     """(summed NLL, token count) of each text's tokens under the evaluator, given BOS + prompt."""
-    from stages.generate import prompt_ids
+    from dihal.stages.generate import prompt_ids
 
     tok, model, device = loaded.tokenizer, loaded.model, loaded.device
     out = []
@@ -214,7 +170,7 @@ def run_samples(
     loaded: LoadedModel | None = None,
     trust_remote_code: bool = False,
 ) -> Artifact:
-    from stages.text.text_metrics import text_metrics, token_entropy
+    from dihal.stages.text.text_metrics import text_metrics, token_entropy
 
     config, parents = {"kind": "samples", **asdict(cfg)}, {"generate": gen_art.id}
     if cached := store.cached(STAGE, config, parents, force=force):
@@ -222,7 +178,7 @@ def run_samples(
     with store.writing(
         STAGE, config, parents, force=force, device=cfg.device, extra={"model": gen_art.manifest.get("model")}
     ) as art:
-        spec = cfg.evaluator or gen_art.manifest["extract_config"]["model"]
+        spec = cfg.evaluator or origin(gen_art).model
         loaded = loaded or load_model(spec, cfg.device, cfg.dtype, trust_remote_code=trust_remote_code)
         rows = []
         for name in ("samples.jsonl", "samples_original.jsonl"):

@@ -16,70 +16,19 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import torch
 
-from artifacts import hidden_states as hs
-from artifacts.errors import DihalError
-from artifacts.store import Artifact, ArtifactStore, artifact_id
-from stages.lm.capture import capture_layers, run_capture
-from stages.lm.models import LoadedModel, check_remote_code, load_model, locate
-from stages.runtime.progress import NullProgress, Progress
-from stages.text import data as data_mod
+from dihal.artifacts import hidden_states as hs
+from dihal.artifacts.errors import DihalError
+from dihal.artifacts.store import Artifact, ArtifactStore, artifact_id
+from dihal.stages.configs import ExtractConfig, parse_layers
+from dihal.stages.lm.capture import capture_layers, run_capture
+from dihal.stages.lm.models import LoadedModel, check_remote_code, load_model, locate
+from dihal.stages.runtime import dist
+from dihal.stages.runtime.progress import NullProgress, Progress
+from dihal.stages.text import data as data_mod
 
 STAGE = "extract"
 FLOAT16_MAX = 65504.0
 AUTO_HEADROOM = 4.0  # --store-dtype auto: float16 only for a layer whose first batch stays under 65504 / 4
-STORE_DTYPES = ("auto", "float16", "float32")
-
-
-@dataclass(frozen=True, kw_only=True)
-class ExtractConfig:
-    model: str = "smollm2-135m"
-    revision: str | None = None
-    data: data_mod.DataConfig = data_mod.DataConfig()
-    layers: str = "all"
-    store_dtype: str = "auto"
-    batch_size: int = 8  # sequences per forward pass and per Zarr chunk
-    score_pool: int = 16384  # train positions whose states are also kept apart for `dihal score` (0: none)
-    device: str = "cpu"
-    dtype: str = "float32"
-    trust_remote_code: bool = False
-
-    def __post_init__(self) -> None:
-        if self.store_dtype not in STORE_DTYPES:
-            raise DihalError(
-                f"--store-dtype {self.store_dtype} would not keep the states; use {', '.join(STORE_DTYPES)}"
-            )
-        if self.batch_size < 1:
-            raise DihalError(f"--batch-size must be at least 1, got {self.batch_size}")
-        if self.score_pool < 0:
-            raise DihalError(f"--score-pool must be >= 0 (0: none), got {self.score_pool}")
-        parse_layers(self.layers, None)  # syntax and order now; the range once the model is known
-
-
-def parse_layers(spec: str, num_blocks: int | None) -> list[int]:
-    """'all' | '0-4' | '0,3,7' (mixed allowed: '0,2-4') -> sorted indices in 0..L (L unknown: syntax only)."""
-    if spec == "all":
-        return list(range(num_blocks + 1)) if num_blocks is not None else []
-    layers: set[int] = set()
-    try:
-        for part in spec.split(","):
-            if "-" in part:
-                lo, hi = (int(x) for x in part.split("-"))
-                if lo > hi:
-                    raise DihalError(f"--layers range {lo}-{hi} is reversed; write {hi}-{lo}")
-                layers.update(range(lo, hi + 1))
-            else:
-                layers.add(int(part))
-    except ValueError:
-        raise DihalError(f"cannot read --layers '{spec}'; use all, a range like 0-4, or a list like 0,3,7") from None
-    if num_blocks is None:
-        return sorted(layers)
-    bad = sorted(x for x in layers if not 0 <= x <= num_blocks)
-    if bad or not layers:
-        raise DihalError(
-            f"layer {bad[0] if bad else spec} is out of range: this model has layers 0..{num_blocks} "
-            f"({num_blocks} blocks)"
-        )
-    return sorted(layers)
 
 
 def resolved_config(cfg: ExtractConfig) -> dict:
@@ -146,16 +95,6 @@ def estimate_bytes(n_seq: int, seq_len: int, width: int, n_layers: int, store_dt
     return n_seq * seq_len * (width * n_layers * itemsize + 5)
 
 
-def _dist_info() -> tuple[int, int]:
-    dist = torch.distributed
-    return (dist.get_rank(), dist.get_world_size()) if dist.is_available() and dist.is_initialized() else (0, 1)
-
-
-def _barrier(world: int) -> None:
-    if world > 1:
-        torch.distributed.barrier()
-
-
 def check_float16(layer: int, values: torch.Tensor, chosen: str) -> None:
     peak = float(values.abs().max())
     if not np.isfinite(peak) or peak > FLOAT16_MAX:
@@ -193,7 +132,7 @@ def run(
         return cached
     store.make_root()
     plan(cfg) if loaded is None else data_mod.check(cfg.data)
-    rank, world = _dist_info()
+    rank, world = dist.world()
     loaded = loaded or load_model(cfg.model, cfg.device, cfg.dtype, cfg.revision, cfg.trust_remote_code)
     layers = parse_layers(cfg.layers, loaded.num_blocks)
     packed = data_mod.pack(cfg.data, loaded.tokenizer, loaded.max_positions)
@@ -254,12 +193,12 @@ def run(
                 if cfg.score_pool:
                     hs.create_pool(group, layers, loaded.width, dtypes, cfg.score_pool, cfg.data.seed)
                 os.replace(building, zarr_path)
-        _barrier(world)
+        dist.barrier_all(world)
         group = hs.open_for_writing(zarr_path)
         try:
             _extract_chunks(loaded, group, packed.input_ids, layers, cfg, rank, world, progress)
         finally:
-            _barrier(world)
+            dist.barrier_all(world)
         if rank == 0:
             art.manifest["metrics"] = {
                 "n_sequences": int(n_seq),

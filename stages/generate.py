@@ -12,71 +12,28 @@ import hashlib
 import json
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, astuple
 
 import torch
 from transformers import DynamicCache
 
-from artifacts.errors import DihalError
-from artifacts.store import COMMANDS, Artifact, ArtifactStore
-from stages.bridge import Bridge
-from stages.lm.capture import hidden_states
-from stages.lm.hybrid import suffix_model
-from stages.lm.models import LoadedModel
-from stages.runtime.progress import NullProgress, Progress
-from stages.text.data import start_token
+from dihal.artifacts.errors import DihalError
+from dihal.artifacts.store import COMMANDS, Artifact, ArtifactStore
+from dihal.stages.bridge import Bridge
+from dihal.stages.configs import GenerateConfig
+from dihal.stages.lineage import origin
+from dihal.stages.lm.capture import hidden_states
+from dihal.stages.lm.hybrid import suffix_model
+from dihal.stages.lm.models import LoadedModel
+from dihal.stages.registry import RECOVERIES, resolve
+from dihal.stages.runtime.progress import NullProgress, Progress
+from dihal.stages.text.data import start_token
 
 STAGE = "generate"
 # 2: the cached sampler fed the start token's stored state at every position of an unprompted
 #    hybrid generation (a start-token-only prefix), so its samples ignored the bridge. Only those
 #    artifacts were wrong, so only theirs carry the revision in their cache key.
 REVISION = 2
-
-
-@dataclass(frozen=True, kw_only=True)
-class GenerateConfig:
-    prompts: tuple[str, ...] = ()
-    num_samples: int = 8
-    max_new_tokens: int = 48
-    temperature: float = 1.0
-    top_k: int = 0
-    top_p: float = 1.0
-    sample_steps: int = 8  # Euler steps of the bridge sampler per position
-    batch_size: int = 8
-    mode: str = "ar"  # ar: the hybrid, token by token; parallel: a prior's samples, recovered (section 5)
-    baseline: str = "none"  # "original": also generate with the unmodified backbone
-    prior_steps: int = 50  # parallel: Euler steps of the prior
-    recovery: str = "rounding"  # parallel: rounding, decoder or hidden
-    clamp: bool = False  # parallel: Diffusion-LM clamping of each step's x0 estimate
-    cache: bool = True
-    seed: int = 0
-    device: str = "cpu"
-    dtype: str = "float32"
-
-    def __post_init__(self) -> None:
-        validate(self)
-
-
-def validate(cfg: GenerateConfig) -> None:
-    if cfg.mode not in ("ar", "parallel"):
-        raise DihalError(f"unknown --mode '{cfg.mode}'; use ar or parallel")
-    if cfg.mode == "parallel" and cfg.prompts:
-        raise DihalError("--mode parallel generates whole sequences from the start token; leave out --prompt")
-    if cfg.recovery not in RECOVERIES:
-        raise DihalError(f"unknown --recovery '{cfg.recovery}'; use {', '.join(RECOVERIES)}")
-    if cfg.prior_steps < 1:
-        raise DihalError(f"--prior-steps must be at least 1, got {cfg.prior_steps}")
-    if not 0 < cfg.top_p <= 1:
-        raise DihalError(f"--top-p must be in (0, 1], got {cfg.top_p}")
-    if cfg.temperature < 0:
-        raise DihalError("--temperature must be >= 0 (0 = greedy)")
-    if cfg.top_k < 0:
-        raise DihalError(f"--top-k must be >= 0 (0 = off), got {cfg.top_k}")
-    for name in ("num_samples", "max_new_tokens", "sample_steps", "batch_size"):
-        if getattr(cfg, name) < 1:
-            raise DihalError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(cfg, name)}")
-    if cfg.baseline not in ("none", "original"):
-        raise DihalError("--baseline must be none or original")
 
 
 def sample_token(logits: torch.Tensor, cfg: GenerateConfig, gen: torch.Generator) -> torch.Tensor:
@@ -263,18 +220,10 @@ def run(
 
 
 # -- parallel generation (docs/method.md section 5) -----------------------------------------------------------
-RECOVERIES = ("rounding", "decoder", "hidden")
-
-
-def _extract_settings(art: Artifact) -> tuple[str, int]:
-    ex = art.manifest.get("extract_config") or {}
-    return ex.get("model"), (ex.get("data") or {}).get("seq_len")
-
-
 def check_parallel(cfg: GenerateConfig, prior_art: Artifact, recovery_art: Artifact | None) -> None:
     """Every way the prior, the recovery and its part can disagree, as one line each."""
     layer = prior_art.config.get("layer", 0)
-    needs = {"hidden": "bridge", "decoder": "decoder", "rounding": None}[cfg.recovery] if layer == 0 else None
+    needs = RECOVERIES[cfg.recovery].needs if layer == 0 else None
     if layer and cfg.recovery != "hidden":
         raise DihalError(
             f"prior {prior_art.id} models h_{layer} (DiHAL-direct), which the upper blocks recover: "
@@ -285,15 +234,13 @@ def check_parallel(cfg: GenerateConfig, prior_art: Artifact, recovery_art: Artif
             f"prior {prior_art.id} models h_{layer} itself; a bridge or decoder has nothing to do, leave them out"
         )
     if needs and (recovery_art is None or recovery_art.stage != needs):
-        raise DihalError(
-            f"--recovery {cfg.recovery} needs --{needs} ID (a `dihal {COMMANDS.get(needs, needs)}` artifact)"
-        )
+        raise DihalError(f"--recovery {cfg.recovery} needs --{needs} ID (a `dihal {COMMANDS[needs]}` artifact)")
     if needs is None and layer == 0 and recovery_art is not None:
         raise DihalError(f"--recovery rounding uses no {recovery_art.stage}; leave --{recovery_art.stage} out")
     if cfg.clamp and layer:
         raise DihalError("--clamp snaps to token embeddings, so it applies to a prior over layer 0 only")
-    if recovery_art is not None and _extract_settings(recovery_art) != _extract_settings(prior_art):
-        (m1, t1), (m2, t2) = _extract_settings(prior_art), _extract_settings(recovery_art)
+    if recovery_art is not None and origin(recovery_art) != origin(prior_art):
+        (m1, _, t1), (m2, _, t2) = astuple(origin(prior_art)), astuple(origin(recovery_art))
         raise DihalError(
             f"prior {prior_art.id} was trained on {m1} at --seq-len {t1} but {recovery_art.stage} "
             f"{recovery_art.id} on {m2} at --seq-len {t2}; use parts of the same model and seq_len"
@@ -317,9 +264,8 @@ def run_parallel(
     progress: Progress | None = None,
 ) -> Artifact:
     """N sequences of seq_len - 1 tokens from the prior's noise (seed), recovered as cfg.recovery says."""
-    from stages import recover
-    from stages.decoder import Decoder
-    from stages.prior import Prior
+    from dihal.stages import recover
+    from dihal.stages.prior import Prior
 
     progress = progress or NullProgress()
     if cfg.mode != "parallel":
@@ -333,31 +279,23 @@ def run_parallel(
     with store.writing(STAGE, config, parents, force=force, seed=cfg.seed, device=cfg.device, extra=extra) as art:
         loaded = loaded() if callable(loaded) else loaded
         prior = Prior.load(prior_art, cfg.device)
-        clamp_to = None
-        if cfg.clamp or cfg.recovery == "rounding":
-            clamp_to = prior.norm.c(recover.embedding_table(loaded.model).to(cfg.device))
+        tables = []  # the normalized embedding table, computed once if clamping or rounding needs it
+
+        def table() -> torch.Tensor:
+            if not tables:
+                tables.append(prior.norm.c(recover.embedding_table(loaded.model).to(cfg.device)))
+            return tables[0]
+
         progress.start("generate", cfg.num_samples, "sample")
         clock = time.perf_counter()
-        e = prior.sample(cfg.num_samples, cfg.prior_steps, cfg.seed, cfg.batch_size, clamp_to if cfg.clamp else None)
+        e = prior.sample(cfg.num_samples, cfg.prior_steps, cfg.seed, cfg.batch_size, table() if cfg.clamp else None)
         prior_seconds, clock = time.perf_counter() - clock, time.perf_counter()
         e_digest = hashlib.sha256(e.detach().cpu().numpy().tobytes()).hexdigest()[:16]
-        suffix = bridge = decoder = None
-        if cfg.recovery == "hidden":
-            bridge = Bridge.load(recovery_art, cfg.device) if recovery_art is not None else None
-            suffix = suffix_model(loaded.model, bridge.layer if bridge is not None else prior.layer)
-        elif cfg.recovery == "decoder":
-            decoder = Decoder.load(recovery_art, cfg.device)
+        recovery = resolve(RECOVERIES[cfg.recovery].fn)(loaded, prior, recovery_art, cfg, table)
         tokens = []
         for first in range(0, cfg.num_samples, cfg.batch_size):
             block = e[first : first + cfg.batch_size]
-            if cfg.recovery == "rounding":
-                tokens.append(recover.rounding(block, clamp_to))
-            elif cfg.recovery == "decoder":
-                tokens.append(decoder.tokens(block))
-            elif bridge is not None:
-                tokens.append(recover.hidden(loaded.model, suffix, bridge, block, cfg.sample_steps, cfg.seed, first))
-            else:
-                tokens.append(recover.direct(loaded.model, suffix, block, prior.mu, prior.sigma, prior.norm.pos0))
+            tokens.append(recovery.tokens(block, first))
             progress.advance(block.shape[0])
         recovery_seconds = time.perf_counter() - clock
         progress.stop()

@@ -15,69 +15,24 @@ Rectified flow, x0-parameterization, MSE over positions 1..T-1, trained by the s
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 
 import numpy as np
 import torch
 
-from artifacts import files
-from artifacts import hidden_states as hs
-from artifacts.errors import DihalError
-from artifacts.store import Artifact, ArtifactStore
-from stages.diffusion import flow, trainer
-from stages.diffusion.denoiser import Denoiser, DenoiserConfig
-from stages.diffusion.normalizer import Normalizer
-from stages.diffusion.protocols import from_protocol
-from stages.diffusion.trainer import distributed
-from stages.runtime import plotting
-from stages.runtime.progress import NullProgress, Progress
+from dihal.artifacts import files
+from dihal.artifacts import hidden_states as hs
+from dihal.artifacts.errors import DihalError
+from dihal.artifacts.store import Artifact, ArtifactStore
+from dihal.stages.configs import PriorConfig
+from dihal.stages.diffusion import flow, trainer
+from dihal.stages.diffusion.denoiser import Denoiser, DenoiserConfig
+from dihal.stages.diffusion.normalizer import Normalizer
+from dihal.stages.diffusion.trainer import distributed
+from dihal.stages.runtime import plotting
+from dihal.stages.runtime.progress import NullProgress, Progress
 
 STAGE = "prior"
-
-
-@dataclass(frozen=True, kw_only=True)
-class PriorConfig:
-    """Protocol fields have no default: they come from the protocol (stages/diffusion/protocols.py)."""
-
-    layer: int  # 0: normalized h_0; l >= 1: normalized h_l (DiHAL-direct)
-    protocol: str
-    steps: int | None
-    epochs: int | None
-    batch_size: int
-    lr: float
-    warmup: int
-    schedule: str
-    ema: float
-    width: int
-    depth: int
-    heads: int
-    eval_every: int
-    checkpoint_every: int
-    val_sequences: int
-    self_condition: bool = False
-    weight_decay: float = 0.0
-    grad_clip: float = 1.0
-    seed: int = 0
-    device: str = "cpu"
-    precision: str = "float32"
-    shuffle_window: int = 512
-
-    @staticmethod
-    def from_protocol(layer: int, protocol: str, **overrides) -> PriorConfig:
-        return from_protocol(PriorConfig, protocol, overrides, layer=layer)
-
-    def __post_init__(self) -> None:
-        if self.layer < 0:
-            raise DihalError(f"--layer must be >= 0 (0: the embeddings), got {self.layer}")
-        if self.width % self.heads:
-            raise DihalError(f"--width {self.width} must be divisible by --heads {self.heads}")
-        for name in ("batch_size", "width", "depth", "heads", "eval_every", "checkpoint_every", "val_sequences"):
-            if getattr(self, name) < 1:
-                raise DihalError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
-        if self.steps is None and self.epochs is None or (self.steps is not None and self.steps < 1):
-            raise DihalError("give --train-steps >= 1 or --epochs")
-        if self.precision not in ("float32", "bfloat16"):
-            raise DihalError(f"training precision must be float32 or bfloat16, got '{self.precision}'")
 
 
 def denoiser_config(cfg: PriorConfig, dim: int, length: int) -> DenoiserConfig:

@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import torch
 
-from stages.bridge import Bridge
-from stages.lm.capture import hidden_states
-from stages.lm.hybrid import lm_logits, suffix_hidden
-from stages.prior import nearest
+from dihal.stages.bridge import Bridge
+from dihal.stages.lm.capture import hidden_states
+from dihal.stages.lm.hybrid import lm_logits, suffix_hidden, suffix_model
+from dihal.stages.prior import nearest
 
 
 @torch.no_grad()
@@ -63,3 +63,39 @@ def hidden(model, suffix, bridge: Bridge, e: torch.Tensor, steps: int, seed: int
 def direct(model, suffix, y: torch.Tensor, mu: torch.Tensor, sigma: torch.Tensor, pos0: torch.Tensor) -> torch.Tensor:
     h = torch.cat([pos0.expand(y.shape[0], 1, -1), y * sigma + mu], dim=1)
     return upper_argmax(model, suffix, h)
+
+
+# -- the recoveries as stages/registry.py's RECOVERIES name them ---------------------------------------
+# Each is built once per generation as Class(loaded, prior, part, cfg, table) -- table() gives the
+# normalized embedding table, computed once -- and maps a block of prior samples to tokens.
+class Rounding:
+    def __init__(self, loaded, prior, part, cfg, table):
+        self.table = table()
+
+    def tokens(self, block: torch.Tensor, first: int) -> torch.Tensor:
+        return rounding(block, self.table)
+
+
+class DecoderRecovery:
+    def __init__(self, loaded, prior, part, cfg, table):
+        from dihal.stages.decoder import Decoder
+
+        self.decoder = Decoder.load(part, cfg.device)
+
+    def tokens(self, block: torch.Tensor, first: int) -> torch.Tensor:
+        return self.decoder.tokens(block)
+
+
+class Hidden:
+    """Through a bridge when one is given; without one the prior models h_l itself (DiHAL-direct)."""
+
+    def __init__(self, loaded, prior, part, cfg, table):
+        self.model, self.prior, self.cfg = loaded.model, prior, cfg
+        self.bridge = Bridge.load(part, cfg.device) if part is not None else None
+        self.suffix = suffix_model(loaded.model, self.bridge.layer if self.bridge is not None else prior.layer)
+
+    def tokens(self, block: torch.Tensor, first: int) -> torch.Tensor:
+        if self.bridge is not None:
+            return hidden(self.model, self.suffix, self.bridge, block, self.cfg.sample_steps, self.cfg.seed, first)
+        p = self.prior
+        return direct(self.model, self.suffix, block, p.mu, p.sigma, p.norm.pos0)

@@ -21,44 +21,25 @@ are computed per block and the Gram matrices from the gathered neighbourhoods in
 
 from __future__ import annotations
 
+import functools
 import json
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 
 import numpy as np
 import pandas as pd
 import torch
 
-from artifacts import hidden_states as hs
-from artifacts.errors import DihalError
-from artifacts.store import Artifact, ArtifactStore
-from stages.runtime import plotting
-from stages.runtime.allocator import keep_freed_memory
-from stages.runtime.progress import NullProgress, Progress
+from dihal.artifacts import hidden_states as hs
+from dihal.artifacts.errors import DihalError
+from dihal.artifacts.store import Artifact, ArtifactStore
+from dihal.stages import registry
+from dihal.stages.configs import NORMALIZATIONS, ScoreConfig, excluded_positions
+from dihal.stages.runtime import plotting
+from dihal.stages.runtime.allocator import keep_freed_memory
+from dihal.stages.runtime.progress import NullProgress, Progress
 
 STAGE = "score"
-NORMALIZATIONS = ("none", "rms", "standardize")
-PROXIES = ("m_curv", "m_mono", "k_hat")
-
-
-@dataclass(frozen=True, kw_only=True)
-class ScoreConfig:
-    tokens: int = 4096
-    k: int = 64
-    eps_rel: float = 1e-3
-    pairs: int = 8192
-    normalize: str = "none"
-    exclude_positions: str = "0"
-    candidates: str | None = None  # None: 1..L-1
-    split: str = "train"
-    seed: int = 0
-    device: str = "cpu"
-    chunk: int = 512  # points per batched kNN / Gram block; bounds memory, not results
-    bootstrap: int = 0  # B more draws of --tokens positions, for the stability of S and l*
-    outlier_mads: float | None = None  # also the robust proxies, outlier-norm positions left out
-
-    def __post_init__(self) -> None:
-        validate(self)
 
 
 # -- sampling and normalization -----------------------------------------------------------------
@@ -210,14 +191,43 @@ def spectrum_stats(eig: torch.Tensor) -> dict[str, float]:
     }
 
 
+class Geometry:
+    """One layer's sampled states X (already normalized, float64), what the proxies read: the
+    score's settings, the m_mono pairs, and the spectrum of Sigma computed once for all."""
+
+    def __init__(self, x: torch.Tensor, cfg: ScoreConfig, pairs: tuple[np.ndarray, np.ndarray]):
+        self.x, self.cfg, self.pairs = x, cfg, pairs
+
+    @functools.cached_property
+    def spectrum(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.linalg.eigh(covariance(self.x))  # Sigma = U diag(eig) U^T, eig ascending
+
+
+# the proxies of stages/registry.py's PROXIES, each a function of one layer's Geometry
+def m_curv(g: Geometry) -> float:
+    return local_curvature(g.x, g.cfg.k, g.cfg.chunk)
+
+
+def m_mono(g: Geometry) -> float:
+    return global_monotonicity(g.x, *g.spectrum, g.cfg.eps_rel, g.pairs)
+
+
+def k_hat(g: Geometry) -> float:
+    return spectrum_stats(g.spectrum[0])["k_hat"]
+
+
+def participation_ratio(g: Geometry) -> float:
+    return spectrum_stats(g.spectrum[0])["participation_ratio"]
+
+
+def entropy_rank(g: Geometry) -> float:
+    return spectrum_stats(g.spectrum[0])["entropy_rank"]
+
+
 def layer_proxies(x: torch.Tensor, cfg: ScoreConfig, pairs: tuple[np.ndarray, np.ndarray]) -> dict[str, float]:
-    """All proxies of one layer, X already normalized, float64."""
-    eig, vecs = torch.linalg.eigh(covariance(x))  # Sigma = U diag(eig) U^T, eig ascending
-    return {
-        "m_curv": local_curvature(x, cfg.k, cfg.chunk),
-        "m_mono": global_monotonicity(x, eig, vecs, cfg.eps_rel, pairs),
-        **spectrum_stats(eig),
-    }
+    """Every registered proxy of one layer, X already normalized, float64."""
+    g = Geometry(x, cfg, pairs)
+    return {p.name: registry.resolve(p.fn)(g) for p in registry.PROXIES.values()}
 
 
 def inliers(raw: torch.Tensor, mads: float) -> torch.Tensor:
@@ -239,7 +249,7 @@ def layer_row(raw: torch.Tensor, cfg: ScoreConfig, pairs: tuple[np.ndarray, np.n
         if kept <= cfg.k:
             raise DihalError(f"--outlier-mads {cfg.outlier_mads} leaves {kept} positions, not more than --k; raise it")
         robust = layer_proxies(normalize(raw[keep], cfg.normalize), cfg, sample_pairs(kept, cfg.pairs, cfg.seed))
-        row.update({f"{p}_robust": robust[p] for p in PROXIES})
+        row.update({f"{p.name}_robust": robust[p.name] for p in registry.score_terms()})
         row["n_outliers"] = raw.shape[0] - kept
     return row
 
@@ -253,13 +263,13 @@ def zscore(values: pd.Series) -> pd.Series:
 
 
 def combine(table: pd.DataFrame) -> pd.DataFrame:
-    """Adds z_m_curv, z_m_mono, z_k_hat, S and rank (1 = best) to a per-layer proxy table, and the
-    same with the suffix _robust where the robust proxies are there."""
-    out = table.copy()
-    for suffix in ("", "_robust") if "m_curv_robust" in out else ("",):
-        for proxy in PROXIES:
-            out[f"z_{proxy}{suffix}"] = zscore(out[f"{proxy}{suffix}"])
-        out[f"S{suffix}"] = out[f"z_m_curv{suffix}"] + out[f"z_m_mono{suffix}"] - out[f"z_k_hat{suffix}"]
+    """Adds z_<proxy> of every term of S, S = sum of sign x z, and rank (1 = best) to a per-layer
+    proxy table, and the same with the suffix _robust where the robust proxies are there."""
+    out, terms = table.copy(), registry.score_terms()
+    for suffix in ("", "_robust") if f"{terms[0].name}_robust" in out else ("",):
+        for p in terms:
+            out[f"z_{p.name}{suffix}"] = zscore(out[f"{p.name}{suffix}"])
+        out[f"S{suffix}"] = sum(p.sign * out[f"z_{p.name}{suffix}"] for p in terms)
         out[f"rank{suffix}"] = out[f"S{suffix}"].rank(ascending=False, method="first").astype(int)
     return out.sort_values("layer").reset_index(drop=True)
 
@@ -281,7 +291,7 @@ def stability(table: pd.DataFrame, draws: pd.DataFrame) -> pd.DataFrame:
 
 # -- the stage ----------------------------------------------------------------------------------
 def parse_candidates(spec: str | None, stored: list[int], num_blocks: int) -> list[int]:
-    from stages.extract import parse_layers
+    from dihal.stages.extract import parse_layers
 
     layers = list(range(1, num_blocks)) if spec is None else parse_layers(spec, num_blocks)
     missing = [l for l in layers if l not in stored]
@@ -299,44 +309,6 @@ def _ranges(layers: list[int]) -> str:
     return (
         f"layers {layers[0]}..{layers[-1]}" if layers == list(range(layers[0], layers[-1] + 1)) else f"layers {layers}"
     )
-
-
-def excluded_positions(spec: str) -> list[int]:
-    try:
-        positions = [int(p) for p in spec.split(",") if p.strip()] if spec else []
-    except ValueError:
-        raise DihalError(f"cannot read --exclude-positions '{spec}'; use a comma list like 0 or 0,1") from None
-    if any(p < 0 for p in positions):
-        raise DihalError("--exclude-positions must be positions >= 0")
-    return positions
-
-
-def validate(cfg: ScoreConfig) -> None:
-    excluded_positions(cfg.exclude_positions)
-    if cfg.tokens < 3:
-        raise DihalError(f"--tokens must be at least 3, got {cfg.tokens}")
-    if cfg.eps_rel <= 0:
-        raise DihalError(f"--eps-rel must be > 0, got {cfg.eps_rel}")
-    if cfg.chunk < 1:
-        raise DihalError("chunk must be at least 1")
-    if cfg.candidates is not None:
-        from stages.extract import parse_layers
-
-        parse_layers(cfg.candidates, None)
-    if cfg.normalize not in NORMALIZATIONS:
-        raise DihalError(f"unknown --normalize '{cfg.normalize}'; use one of {', '.join(NORMALIZATIONS)}")
-    if cfg.k < 2:
-        raise DihalError("--k must be at least 2")
-    if cfg.k >= cfg.tokens:
-        raise DihalError(f"--k {cfg.k} must be smaller than --tokens {cfg.tokens}")
-    if cfg.pairs < 1:
-        raise DihalError("--pairs must be at least 1")
-    if cfg.split not in hs.SPLITS:
-        raise DihalError("--split must be train or validation")
-    if cfg.bootstrap < 0:
-        raise DihalError(f"--bootstrap must be >= 0, got {cfg.bootstrap}")
-    if cfg.outlier_mads is not None and cfg.outlier_mads <= 0:
-        raise DihalError(f"--outlier-mads must be > 0, got {cfg.outlier_mads}")
 
 
 def uses_pool(group, cfg: ScoreConfig) -> bool:
@@ -453,8 +425,8 @@ def write_outputs(art: Artifact, table: pd.DataFrame, seq_idx: np.ndarray, pos_i
 
 def plot(table: pd.DataFrame, l_star: int, path, normalize_mode: str) -> None:
     fig, ax = plotting.figure()
-    for column, label in (("z_m_curv", "z(m_curv)"), ("z_m_mono", "z(m_mono)"), ("z_k_hat", "z(k_hat)")):
-        ax.plot(table["layer"], table[column], marker=".", label=label, alpha=0.8)
+    for p in registry.score_terms():
+        ax.plot(table["layer"], table[f"z_{p.name}"], marker=".", label=f"z({p.name})", alpha=0.8)
     ax.plot(table["layer"], table["S"], marker="o", color="black", linewidth=2, label="S")
     ax.axvline(l_star, color="red", linestyle="--", label=f"l* = {l_star}")
     ax.set_xlabel("layer")

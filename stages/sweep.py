@@ -12,45 +12,26 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, fields, replace
 
 import numpy as np
 import pandas as pd
 from scipy.stats import kendalltau, spearmanr
 
-from artifacts.errors import DihalError
-from artifacts.store import Artifact, ArtifactStore
-from stages import bridge as bridge_stage
-from stages import evaluate as eval_stage
-from stages import score as score_stage
-from stages.diffusion import trainer
-from stages.runtime import plotting
-from stages.runtime.progress import NullProgress, Progress
+from dihal.artifacts import hidden_states as hs
+from dihal.artifacts.errors import DihalError
+from dihal.artifacts.store import Artifact, ArtifactStore
+from dihal.stages import bridge as bridge_stage
+from dihal.stages import evaluate as eval_stage
+from dihal.stages import registry
+from dihal.stages import score as score_stage
+from dihal.stages.configs import NORMALIZATIONS, ScoreConfig, SweepConfig
+from dihal.stages.diffusion import trainer
+from dihal.stages.runtime import dist, plotting
+from dihal.stages.runtime.progress import NullProgress, Progress
 
 STAGE = "sweep"
 CI_RESAMPLES = 2000  # bootstrap resamples behind each rho interval
-
-
-@dataclass(frozen=True, kw_only=True)
-class SweepConfig:
-    layers: tuple[int, ...]
-    protocol: str = "sweep-tiny"
-    overrides: tuple[tuple[str, object], ...] = ()  # protocol fields changed for every layer alike
-    sample_steps: int = 8  # Euler steps for each bridge's fidelity
-    eval_limit: int = 32
-    seeds: tuple[int, ...] = (0,)  # a bridge per layer and seed; the loss of a layer is the mean
-    device: str = "cpu"
-    dtype: str = "float32"
-
-    def __post_init__(self) -> None:
-        if not self.layers:
-            raise DihalError("--layers must name at least one layer")
-        if self.sample_steps < 1 or self.eval_limit < 1:
-            raise DihalError("--sample-steps and --eval-limit must be at least 1")
-        if not self.seeds or len(set(self.seeds)) != len(self.seeds):
-            raise DihalError("--seeds must name distinct seeds, e.g. 0,1,2")
-        for layer in self.layers:  # every layer's recipe is valid before the first one trains
-            bridge_stage.BridgeConfig.from_protocol(layer, self.protocol, **dict(self.overrides))
 
 
 def run(
@@ -77,13 +58,8 @@ def run(
     missing = [layer for layer in cfg.layers if layer not in scores.index]
     if missing:
         raise DihalError(f"layer {missing[0]} is not a candidate of score {score_art.id}; sweep its candidates only")
-    bridge_cfg = lambda layer, seed: bridge_stage.BridgeConfig.from_protocol(  # noqa: E731
-        layer,
-        cfg.protocol,
-        **dict(cfg.overrides),
-        seed=seed,
-        device=cfg.device,
-        precision=trainer.precision_for(cfg.dtype),
+    bridge_cfg = lambda layer, seed: bridge_stage.BridgeConfig.for_run(  # noqa: E731
+        cfg.protocol, cfg.overrides, seed=seed, device=cfg.device, dtype=cfg.dtype, layer=layer
     )
     jobs = [(layer, seed) for layer in cfg.layers for seed in cfg.seeds]
     rank, world = trainer.distributed()
@@ -191,13 +167,13 @@ def normalize_variants(score_art: Artifact, extract: Artifact, store: ArtifactSt
     """The same score under every --normalize mode (the given score's own mode included). The other
     modes are scored once, without draws or robust proxies: their rows' intervals resample seeds."""
     base = score_art.manifest["config"]
-    known = {f.name for f in fields(score_stage.ScoreConfig)}
+    known = {f.name for f in fields(ScoreConfig)}
     values = {k: v for k, v in base.items() if k in known and k != "device"}
     if isinstance(values.get("candidates"), list):
         values["candidates"] = ",".join(map(str, values["candidates"]))
-    cfg = score_stage.ScoreConfig(**values)
+    cfg = ScoreConfig(**values)
     out = {}
-    for mode in score_stage.NORMALIZATIONS:
+    for mode in NORMALIZATIONS:
         out[mode] = (
             score_art
             if mode == cfg.normalize
@@ -227,9 +203,8 @@ def predictors(scores: pd.DataFrame, mode: str, main: bool) -> dict[str, pd.Seri
     out = {}
     if main:
         out["S"] = scores["S"]
-        out["m_curv alone"] = scores["m_curv"]
-        out["m_mono alone"] = scores["m_mono"]
-        out["-k_hat alone"] = -scores["k_hat"]
+        for p in registry.predictors():  # each proxy alone, signed by the registry
+            out[p.predictor] = p.sign * scores[p.name]
         if "S_robust" in scores:
             out["S (robust proxies)"] = scores["S_robust"]
     else:
@@ -340,3 +315,26 @@ def plot(table: pd.DataFrame, summary: dict, path) -> None:
     right.set_xlabel("Spearman rho with -loss")
     right.legend(loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=2, fontsize=7)
     plotting.save(fig, right, path, "which predictor ranks the layers")
+
+
+# -- what the CLI asks of a sweep -----------------------------------------------------------------------------
+def num_blocks(source: Artifact | str, trust_remote_code: bool = False) -> int:
+    """L of an extract artifact, or of a model spec (from its config alone, no weights)."""
+    if isinstance(source, Artifact):
+        return int(hs.open_group(source.path / "hidden.zarr").attrs["num_blocks"])
+    from dihal.stages.extract import model_config
+
+    return int(model_config(source, trust_remote_code)[0].num_hidden_layers)
+
+
+def score_once(cfg: ScoreConfig, extract: Artifact, store: ArtifactStore, progress: Progress) -> Artifact:
+    """The sweep's score; under torchrun rank 0 computes it and the other ranks then find it in the store."""
+    if dist.is_rank0():
+        score_stage.run(cfg, extract, store, progress=progress)
+    dist.barrier_all(dist.world()[1])
+    return score_stage.run(cfg, extract, store)
+
+
+def tables(art: Artifact) -> tuple[list[dict], list[dict]]:
+    """(per-layer rows, predictor rows) of a sweep artifact."""
+    return tuple(pd.read_csv(art.file(name)).to_dict("records") for name in ("sweep.csv", "variants.csv"))

@@ -107,7 +107,7 @@ def run_cli(
 ) -> subprocess.CompletedProcess:
     """`dihal ARGS` in a fresh process, as a user runs it; kill_after=N: SIGKILL after N units of work."""
     full_env = {**os.environ, **(env or {})}
-    entry = ["-m", "dihal_cli"] if kill_after is None else ["-m", "tests.kill_after", str(kill_after)]
+    entry = ["-m", "dihal.cli"] if kill_after is None else ["-m", "tests.kill_after", str(kill_after)]
     proc = subprocess.run([sys.executable, *entry, *args], capture_output=True, text=True, env=full_env, cwd=ROOT)
     if check and proc.returncode != 0:
         raise AssertionError(f"dihal {' '.join(args)} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
@@ -123,7 +123,7 @@ def invoke(*args: str) -> Result:
     """`dihal ARGS` in this process (fast); stdout and stderr together in .output."""
     from typer.testing import CliRunner
 
-    from dihal_cli.main import app
+    from dihal.cli.main import app
 
     result = CliRunner().invoke(app, list(args), catch_exceptions=False)
     return Result(result.exit_code, result.output)

@@ -11,7 +11,7 @@ import os
 import signal
 import sys
 
-from dihal_cli import ui
+from dihal.cli import ui
 
 
 def main() -> None:
@@ -26,7 +26,7 @@ def main() -> None:
                 os.kill(os.getpid(), signal.SIGKILL)
 
     ui.make_progress = lambda: KillingProgress()  # noqa: E731
-    import dihal_cli.main as cli
+    import dihal.cli.main as cli
 
     cli.make_progress = ui.make_progress
     cli.app(args, prog_name="dihal")

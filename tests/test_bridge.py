@@ -7,9 +7,9 @@ import signal
 import pytest
 import torch
 
-from artifacts.store import ArtifactStore
-from stages.diffusion import flow
-from stages.diffusion.denoiser import Denoiser, DenoiserConfig
+from dihal.artifacts.store import ArtifactStore
+from dihal.stages.diffusion import flow
+from dihal.stages.diffusion.denoiser import Denoiser, DenoiserConfig
 from tests.conftest import invoke, run_cli
 
 
@@ -84,7 +84,7 @@ def test_denoiser_is_causal_and_cache_matches_full_pass():
 
 
 def test_lr_schedule_warmup_then_cosine_to_zero():
-    from stages.diffusion.trainer import lr_at
+    from dihal.stages.diffusion.trainer import lr_at
 
     assert lr_at(0, 100, 1.0, 10, "cosine") == pytest.approx(0.1) and lr_at(9, 100, 1.0, 10, "cosine") == 1.0
     assert lr_at(55, 100, 1.0, 10, "cosine") == pytest.approx(0.5) and lr_at(100, 100, 1.0, 10, "cosine") == 0.0
@@ -114,7 +114,7 @@ TINY = ["--protocol", "sweep-tiny", "--width", "32", "--depth", "2", "--heads", 
 
 
 def test_train_bridge_writes_weights_metrics_plot(tiny_bridge_extract):
-    from artifacts import files
+    from dihal.artifacts import files
 
     res = invoke(
         "train-bridge", "--layer", "2", "--extract", "latest", *TINY, "--train-steps", "12", "--eval-every", "6"
@@ -150,7 +150,7 @@ def test_train_bridge_writes_weights_metrics_plot(tiny_bridge_extract):
 
 
 def test_resume_after_kill_gives_identical_weights(tiny_bridge_extract, tmp_path):
-    from artifacts import files
+    from dihal.artifacts import files
 
     args = [
         "train-bridge",
@@ -344,7 +344,7 @@ def test_partial_spearman_and_window_correlations_against_plain_computations():
     import numpy as np
     from scipy.stats import kendalltau, spearmanr
 
-    from stages import sweep
+    from dihal.stages import sweep
 
     rng = np.random.default_rng(3)
     layers = np.arange(1, 16)

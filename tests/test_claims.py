@@ -8,7 +8,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from artifacts.store import ArtifactStore
+from dihal.artifacts.store import ArtifactStore
 from tests.conftest import invoke
 
 SMALL = ["--width", "16", "--depth", "1", "--device", "cpu"]
@@ -113,17 +113,17 @@ def test_fidelity_beyond_the_training_text_on_a_dataset_and_on_the_backbones_sam
     both write the per-position breakdown."""
     import torch
 
-    from stages import bridge as bstage
-    from stages import evaluate as ev
-    from stages.bridge import Bridge
-    from stages.fidelity import evaluate_fidelity
-    from stages.lm.models import load_model
-    from stages.text.data import DataConfig, pack
+    from dihal.stages import bridge as bstage
+    from dihal.stages import evaluate as ev
+    from dihal.stages.bridge import Bridge
+    from dihal.stages.fidelity import evaluate_fidelity
+    from dihal.stages.lm.models import load_model
+    from dihal.stages.text.data import DataConfig, pack
 
     ex = ["extract", "--model", str(tiny_dirs["llama"]), "--max-sequences", "24", "--seq-len", "12", "--layers", "0,2"]
     assert invoke(*ex, "--device", "cpu").exit_code == 0
     store = ArtifactStore(root)
-    cfg = bstage.BridgeConfig.from_protocol(2, "sweep-tiny", steps=4, width=16, depth=1, batch_size=8)
+    cfg = bstage.BridgeConfig.from_protocol("sweep-tiny", layer=2, steps=4, width=16, depth=1, batch_size=8)
     bridge_art = bstage.run(cfg, store.resolve("latest", "extract"), store)
     other = tmp_path / "other.txt"
     other.write_text("\n\n".join(f"Zebra {i} quietly counts {i * 7} stones by the river." for i in range(60)))

@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 import torch
 
-from artifacts.store import ArtifactStore
-from stages.diffusion import flow
-from stages.diffusion.denoiser import Denoiser, DenoiserConfig
-from stages.diffusion.normalizer import Normalizer
-from stages.prior import Prior, PriorTask, nearest
+from dihal.artifacts.store import ArtifactStore
+from dihal.stages.diffusion import flow
+from dihal.stages.diffusion.denoiser import Denoiser, DenoiserConfig
+from dihal.stages.diffusion.normalizer import Normalizer
+from dihal.stages.prior import Prior, PriorTask, nearest
 from tests.conftest import ROOT as REPO
 from tests.conftest import build_tiny, invoke
 
@@ -96,12 +96,12 @@ def test_nearest_matches_a_brute_force_search():
 
 
 def test_rounding_clean_embeddings_recovers_the_tokens_exactly():
-    from stages import recover
+    from dihal.stages import recover
 
     model, _ = build_tiny("gemma3")  # Gemma scales its embeddings by sqrt(d): the table must too
     table = recover.embedding_table(model, batch=50)
     ids = torch.randint(3, model.config.vocab_size, (4, 15), generator=torch.Generator().manual_seed(1))
-    from stages.lm.capture import hidden_states
+    from dihal.stages.lm.capture import hidden_states
 
     h0 = hidden_states(model, ids, [0])[0]
     mu, sigma = h0.reshape(-1, h0.shape[-1]).mean(0), h0.reshape(-1, h0.shape[-1]).std(0)
@@ -110,8 +110,8 @@ def test_rounding_clean_embeddings_recovers_the_tokens_exactly():
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
 def test_hidden_recovery_with_the_true_states_gives_the_original_greedy_tokens(kind):
-    from stages import recover
-    from stages.lm.hybrid import original_forward, suffix_model
+    from dihal.stages import recover
+    from dihal.stages.lm.hybrid import original_forward, suffix_model
 
     model, _ = build_tiny(kind)
     ids = torch.randint(3, model.config.vocab_size, (3, 12), generator=torch.Generator().manual_seed(2))
@@ -124,7 +124,7 @@ def test_hidden_recovery_with_the_true_states_gives_the_original_greedy_tokens(k
 
 
 def test_decoder_learns_the_toy_set_to_99_percent(tiny_dirs, root):
-    from stages import decoder as dec
+    from dihal.stages import decoder as dec
 
     assert (
         invoke(
@@ -151,11 +151,11 @@ def test_decoder_learns_the_toy_set_to_99_percent(tiny_dirs, root):
     )
     art = dec.run(cfg, ex, store)
     assert art.manifest["metrics"]["parameters"] > 0 and art.manifest["metrics"]["tokens_seen"] == 250 * 9 * 11
-    from artifacts import hidden_states as hs
+    from dihal.artifacts import hidden_states as hs
 
     group = hs.open_group(ex.path / "hidden.zarr")
     train = hs.split_indices(group, "train")
-    norm = Normalizer(**__import__("artifacts.files", fromlist=["x"]).load_tensors(art.file("stats.safetensors")))
+    norm = Normalizer(**__import__("dihal.artifacts.files", fromlist=["x"]).load_tensors(art.file("stats.safetensors")))
     e = norm.c(torch.from_numpy(hs.read_sequences(group, 0, train)[:, 1:].astype(np.float32)))
     ids = torch.from_numpy(np.asarray(group["input_ids"].oindex[train])[:, 1:].astype(np.int64))
     tokens = dec.Decoder.load(art).tokens(e)
@@ -305,7 +305,7 @@ def test_bad_parallel_requests_are_one_line(parts, tiny_dirs, root):
     )
     foreign = ArtifactStore(root).resolve("latest", "bridge")
     refused(invoke(*base, "--recovery", "hidden", "--bridge", foreign.id), "use parts of the same model and seq_len")
-    refused(invoke("train-prior", "--train-steps", "0"), "give --train-steps >= 1")
+    refused(invoke("train-prior", "--train-steps", "0"), "--train-steps must be at least 1")
 
 
 def test_compare_end_to_end_writes_the_table_plot_and_budgets(tiny_dirs, root):

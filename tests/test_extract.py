@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from artifacts import hidden_states as hs
-from artifacts.store import ArtifactStore
+from dihal.artifacts import hidden_states as hs
+from dihal.artifacts.store import ArtifactStore
 from tests.conftest import invoke, run_cli
 
 
@@ -162,7 +162,7 @@ def test_two_processes_shard_to_the_same_store(tiny_dirs, tmp_path):
             "--master_port",
             "29533",
             "-m",
-            "dihal_cli",
+            "dihal.cli",
             *args,
             "--root",
             str(tmp_path / "dist"),
@@ -312,7 +312,7 @@ def test_float16_overflow_is_detected_with_the_fix_named(tmp_path, root):
 
 
 def test_auto_store_dtype_rule():
-    from stages.extract import AUTO_HEADROOM, FLOAT16_MAX, check_float16, choose_dtypes
+    from dihal.stages.extract import AUTO_HEADROOM, FLOAT16_MAX, check_float16, choose_dtypes
 
     fits, near, over = (
         torch.full((2, 3), 100.0),

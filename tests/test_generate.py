@@ -8,9 +8,9 @@ import math
 import pytest
 import torch
 
-from stages import generate as gen_stage
-from stages.lm.models import wrap_model
-from stages.text import text_metrics as tm
+from dihal.stages import generate as gen_stage
+from dihal.stages.lm.models import wrap_model
+from dihal.stages.text import text_metrics as tm
 from tests.conftest import build_tiny, invoke
 
 
@@ -24,7 +24,7 @@ class OracleBridge:
         return torch.zeros(batch, length - self.start, 1)
 
     def sample(self, h0, steps, noise):
-        from stages.lm.capture import capture_layers
+        from dihal.stages.lm.capture import capture_layers
 
         with torch.no_grad(), capture_layers(self.model, [self.layer]) as captured:
             try:
@@ -64,10 +64,10 @@ def test_oracle_bridge_greedy_hybrid_equals_original(kind, cache):
 @pytest.fixture(scope="module")
 def tiny_trained_bridge(tiny_dirs, tmp_path_factory):
     """A bridge trained briefly on a tiny Llama extract (its quality is irrelevant here)."""
-    from artifacts.store import ArtifactStore
-    from stages import bridge as bstage
-    from stages import extract as estage
-    from stages.text.data import DataConfig
+    from dihal.artifacts.store import ArtifactStore
+    from dihal.stages import bridge as bstage
+    from dihal.stages import extract as estage
+    from dihal.stages.text.data import DataConfig
 
     store = ArtifactStore(tmp_path_factory.mktemp("gen-runs"))
     ex = estage.run(
@@ -76,15 +76,15 @@ def tiny_trained_bridge(tiny_dirs, tmp_path_factory):
         ),
         store,
     )
-    cfg = bstage.BridgeConfig.from_protocol(2, "sweep-tiny", steps=5, width=32, depth=2, batch_size=8)
+    cfg = bstage.BridgeConfig.from_protocol("sweep-tiny", layer=2, steps=5, width=32, depth=2, batch_size=8)
     art = bstage.run(cfg, ex, store)
     return store, art
 
 
 @pytest.mark.parametrize("prompt", ["The", ""])  # "": the start token alone, as in unprompted generation
 def test_cached_and_uncached_generation_agree_and_are_deterministic(tiny_trained_bridge, tiny_dirs, prompt):
-    from stages.bridge import Bridge
-    from stages.lm.models import load_model
+    from dihal.stages.bridge import Bridge
+    from dihal.stages.lm.models import load_model
 
     store, art = tiny_trained_bridge
     loaded = load_model(str(tiny_dirs["llama"]), "cpu", "float32")
@@ -160,8 +160,8 @@ def test_generate_cli_then_evaluate_samples(tiny_trained_bridge, monkeypatch):
 
 
 def test_gen_ppl_equals_independent_computation(tiny_dirs):
-    from stages.evaluate import gen_ppl, sample_nlls
-    from stages.lm.models import load_model
+    from dihal.stages.evaluate import gen_ppl, sample_nlls
+    from dihal.stages.lm.models import load_model
 
     loaded = load_model(str(tiny_dirs["llama"]), "cpu", "float32")
     tok, model = loaded.tokenizer, loaded.model

@@ -9,8 +9,8 @@ import subprocess
 
 import pytest
 
-from artifacts import hidden_states as hs
-from artifacts.store import ArtifactStore
+from dihal.artifacts import hidden_states as hs
+from dihal.artifacts.store import ArtifactStore
 from tests.conftest import invoke, run_cli
 
 TINY_BRIDGE = ["--protocol", "sweep-tiny", "--width", "16", "--depth", "1", "--heads", "2", "--batch-size", "4"]
@@ -88,7 +88,7 @@ def test_extract_flags_are_validated_alike_in_dry_and_real_runs(args, needle, ti
         (["train-bridge", "--layer", "2", "--train-steps", "0"], "--train-steps must be at least 1"),
         (["train-bridge", "--layer", "2", "--width", "30", "--heads", "4"], "must be divisible by --heads"),
         (["train-bridge", "--layer", "0"], "--layer must be at least 1"),
-        (["train-bridge", "--layer", "2", "--ema", "1.5"], "--ema in [0, 1)"),
+        (["train-bridge", "--layer", "2", "--ema", "1.5"], "--ema must be in [0, 1)"),
         (["score", "--tokens", "2"], "--tokens must be at least 3"),
         (["score", "--exclude-positions", "a"], "cannot read --exclude-positions"),
         (["evaluate", "--bridge", "x", "--sample-steps", "a"], "cannot read --sample-steps"),
@@ -258,7 +258,7 @@ def test_root_under_a_file_is_one_line(tiny_dirs, tmp_path):
 
 
 def test_a_second_identical_extract_refuses_while_the_first_writes(tiny_dirs, root):
-    from stages import extract as ex
+    from dihal.stages import extract as ex
 
     args = _extract(tiny_dirs)
     plan_id = None
@@ -301,7 +301,7 @@ def test_tables_fit_80_columns_with_whole_numbers(tiny_dirs, root):
 
 
 def test_number_format_is_4_significant_digits():
-    from dihal_cli.ui import fmt
+    from dihal.cli.ui import fmt
 
     assert [fmt(v) for v in (0.005359, 5.359e-5, 123456.7, 42.0, 3, 0.0)] == [
         "0.005359",
@@ -339,7 +339,7 @@ def test_pickled_resume_state_is_refused_and_never_run(chain, tmp_path):
 def test_resume_state_round_trips_plain_types_and_tensors(tmp_path):
     import torch
 
-    from artifacts import files
+    from dihal.artifacts import files
 
     state = {
         "step": 7,

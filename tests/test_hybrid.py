@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from stages.lm.hybrid import lm_logits, original_forward, suffix_logits, suffix_model
+from dihal.stages.lm.hybrid import lm_logits, original_forward, suffix_logits, suffix_model
 from tests.conftest import build_tiny
 
 
@@ -50,7 +50,7 @@ def test_suffix_shares_parameters_and_kv_cache_matches_full_pass():
 def test_fidelity_in_slices_of_positions_equals_one_pass_and_soft_capping_is_kept():
     """Fidelity computed over 4-row slices of positions equals the whole-tensor computation, and
     lm_logits applies Gemma's final logit soft-capping as the model's own forward does."""
-    from stages.fidelity import evaluate_fidelity
+    from dihal.stages.fidelity import evaluate_fidelity
 
     model, _ = build_tiny("gemma3", layers=4)
     model.config.final_logit_softcapping = 3.0

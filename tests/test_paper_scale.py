@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 import torch
 
-from artifacts import files
-from artifacts import hidden_states as hs
-from artifacts.store import ArtifactStore
+from dihal.artifacts import files
+from dihal.artifacts import hidden_states as hs
+from dihal.artifacts.store import ArtifactStore
 from tests.conftest import ROOT, invoke
 
 TINY = ["--protocol", "sweep-tiny", "--width", "16", "--depth", "1", "--heads", "2", "--batch-size", "4"]
@@ -153,7 +153,7 @@ def test_cached_decoding_equals_full_forward_logits(tiny_dirs):
 
 
 def test_streaming_moments_equal_two_pass_float64_and_normalizer_reads_in_blocks(tmp_path):
-    from stages.diffusion.normalizer import Normalizer, RunningMoments
+    from dihal.stages.diffusion.normalizer import Normalizer, RunningMoments
 
     rng = np.random.default_rng(3)
     x = rng.normal(1000.0, 0.01, size=(999, 7))  # large mean, tiny spread: a naive one-pass formula fails
@@ -179,7 +179,7 @@ def test_streaming_moments_equal_two_pass_float64_and_normalizer_reads_in_blocks
 
 
 def test_epochs_visit_every_sequence_once_in_a_seeded_chunk_local_order():
-    from stages.diffusion.trainer import LoopConfig, Schedule, epoch_order
+    from dihal.stages.diffusion.trainer import LoopConfig, Schedule, epoch_order
 
     n, chunk, window = 103, 8, 24
     first, again, other = (epoch_order(n, chunk, window, s, e) for s, e in ((0, 0), (0, 0), (0, 1)))
@@ -207,7 +207,7 @@ def test_epochs_visit_every_sequence_once_in_a_seeded_chunk_local_order():
 
 
 def test_loader_serves_exactly_the_scheduled_sequences(tmp_path):
-    from stages.diffusion.trainer import Loader, LoopConfig, Schedule
+    from dihal.stages.diffusion.trainer import Loader, LoopConfig, Schedule
 
     n, t, d = 30, 4, 3
     group = hs.create(tmp_path / "h.zarr", [0], n, t, d, {0: "float32"}, 4, {})
@@ -281,7 +281,7 @@ def test_two_ranks_train_the_same_bridge_as_one_process(tiny_dirs, tmp_path):
         [
             sys.executable,
             "-m",
-            "dihal_cli",
+            "dihal.cli",
             "extract",
             "--model",
             str(tiny_dirs["llama"]),
@@ -305,7 +305,7 @@ def test_two_ranks_train_the_same_bridge_as_one_process(tiny_dirs, tmp_path):
     )
     shutil.copytree(single, dist)
     one = subprocess.run(
-        [sys.executable, "-m", "dihal_cli", *_bridge_args(single)], capture_output=True, text=True, env=env, cwd=ROOT
+        [sys.executable, "-m", "dihal.cli", *_bridge_args(single)], capture_output=True, text=True, env=env, cwd=ROOT
     )
     assert one.returncode == 0, one.stderr[-2000:]
     two = subprocess.run(
@@ -318,7 +318,7 @@ def test_two_ranks_train_the_same_bridge_as_one_process(tiny_dirs, tmp_path):
             "--master_port",
             "29541",
             "-m",
-            "dihal_cli",
+            "dihal.cli",
             *_bridge_args(dist),
         ],
         capture_output=True,
@@ -486,7 +486,7 @@ def test_a_sweep_under_torchrun_shards_layers_over_ranks(tiny_dirs, tmp_path):
             "--master_port",
             "29547",
             "-m",
-            "dihal_cli",
+            "dihal.cli",
             *args,
         ],
         capture_output=True,
@@ -517,7 +517,7 @@ def test_a_killed_data_parallel_run_resumes_to_the_uninterrupted_weights(tiny_di
         [
             sys.executable,
             "-m",
-            "dihal_cli",
+            "dihal.cli",
             "extract",
             "--model",
             str(tiny_dirs["llama"]),
@@ -568,9 +568,9 @@ def test_a_killed_data_parallel_run_resumes_to_the_uninterrupted_weights(tiny_di
     assert killed.returncode != 0
     partial = ArtifactStore(first).all("bridge")[0]
     assert partial.status == "running" and files.load_state(partial.path)["step"] == 6
-    resumed = torchrun(["-m", "dihal_cli"], first, 29552)
+    resumed = torchrun(["-m", "dihal.cli"], first, 29552)
     assert resumed.returncode == 0 and "resuming bridge L2 training at step 6" in resumed.stderr, resumed.stderr[-2000:]
-    whole = torchrun(["-m", "dihal_cli"], again, 29553)
+    whole = torchrun(["-m", "dihal.cli"], again, 29553)
     assert whole.returncode == 0, whole.stderr[-2000:]
     a = files.load_tensors(ArtifactStore(first).resolve("latest", "bridge").file("weights_ema.safetensors"))
     b = files.load_tensors(ArtifactStore(again).resolve("latest", "bridge").file("weights_ema.safetensors"))

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from artifacts.errors import DihalError
-from artifacts.store import SCHEMA_VERSION, ArtifactStore, artifact_id
+from dihal.artifacts.errors import DihalError
+from dihal.artifacts.store import SCHEMA_VERSION, ArtifactStore, artifact_id
 from tests.conftest import invoke
 
 

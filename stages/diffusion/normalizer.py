@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from artifacts import hidden_states as hs
+from dihal.artifacts import hidden_states as hs
 
 
 class RunningMoments:

@@ -39,7 +39,7 @@ import contextlib
 import math
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, fields
+from dataclasses import fields
 from pathlib import Path
 from typing import Protocol
 
@@ -48,38 +48,16 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from artifacts import files
-from artifacts.errors import DihalError
-from stages.runtime.progress import Progress
-
-
-@dataclass(frozen=True, kw_only=True)
-class LoopConfig:
-    steps: int | None
-    epochs: int | None
-    batch_size: int  # global: summed over ranks
-    lr: float
-    warmup: int
-    schedule: str
-    ema: float
-    eval_every: int
-    checkpoint_every: int
-    weight_decay: float = 0.0
-    grad_clip: float = 1.0
-    seed: int = 0
-    device: str = "cpu"
-    precision: str = "float32"
-    shuffle_window: int = 512  # sequences shuffled together; bounds the memory of a read
+from dihal.artifacts import files
+from dihal.artifacts.errors import DihalError
+from dihal.stages.configs import LoopConfig
+from dihal.stages.runtime.dist import barrier, distributed, local  # noqa: F401  (stages use trainer.local())
+from dihal.stages.runtime.progress import Progress
 
 
 def loop_config(cfg) -> LoopConfig:
     """The loop's settings out of a part's config (bridge, prior or decoder), by field name."""
     return LoopConfig(**{f.name: getattr(cfg, f.name) for f in fields(LoopConfig)})
-
-
-def precision_for(dtype: str) -> str:
-    """Training precision for a --dtype name: bf16 autocast for bfloat16, float32 otherwise."""
-    return "bfloat16" if dtype == "bfloat16" else "float32"
 
 
 class Task(Protocol):
@@ -94,31 +72,6 @@ class Task(Protocol):
     ) -> torch.Tensor: ...
 
     def validate(self, net: nn.Module) -> float: ...
-
-
-_LOCAL = {"depth": 0}
-
-
-@contextlib.contextmanager
-def local():
-    """Inside, every rank trains on its own (a sweep shards layers over ranks, not batches)."""
-    _LOCAL["depth"] += 1
-    try:
-        yield
-    finally:
-        _LOCAL["depth"] -= 1
-
-
-def distributed() -> tuple[int, int]:
-    """(rank, world size) of data-parallel training; (0, 1) outside torchrun or inside local()."""
-    if _LOCAL["depth"] or not (dist.is_available() and dist.is_initialized()):
-        return 0, 1
-    return dist.get_rank(), dist.get_world_size()
-
-
-def barrier() -> None:
-    if distributed()[1] > 1:
-        dist.barrier()
 
 
 # -- the order of the data ------------------------------------------------------------------------------------
@@ -379,8 +332,8 @@ def write_trained(
 ):
     """The artifact of a trained part under one or many ranks: rank 0 owns it (lock, manifest,
     files) while every rank runs train_fn(artifact, progress) -> metrics; others get a NullProgress."""
-    from artifacts.store import artifact_id
-    from stages.runtime.progress import NullProgress
+    from dihal.artifacts.store import artifact_id
+    from dihal.stages.runtime.progress import NullProgress
 
     extra = {"model": extract.manifest.get("model"), "extract_config": extract.config}
     if distributed()[0] != 0:

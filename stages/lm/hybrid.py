@@ -72,7 +72,7 @@ def lm_logits(model: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
 def original_forward(model: nn.Module, input_ids: torch.Tensor, layers: list[int]) -> tuple[torch.Tensor, dict]:
     """Final hidden states (after the final norm; lm_logits turns them into logits) plus the residual
     states at `layers` (docs/method.md section 0)."""
-    from stages.lm.capture import capture_layers
+    from dihal.stages.lm.capture import capture_layers
 
     with torch.no_grad(), capture_layers(model, layers, stop_early=False) as captured:
         hidden = model.model(input_ids=input_ids, use_cache=False).last_hidden_state

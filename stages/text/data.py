@@ -23,7 +23,8 @@ from pathlib import Path
 
 import numpy as np
 
-from artifacts.errors import DihalError
+from dihal.artifacts.errors import DihalError
+from dihal.stages.configs import DataConfig
 
 # stdlib modules whose docstrings join pydoc_data.topics in the builtin corpus, in this order
 PYDOC_MODULES = (
@@ -35,30 +36,6 @@ PYDOC_MODULES = (
     "weakref zipfile zlib"
 ).split()
 LOCAL_SUFFIXES = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
-
-
-@dataclass(frozen=True, kw_only=True)
-class DataConfig:
-    dataset: str = "pydoc"
-    dataset_config: str | None = None
-    split: str = "train"  # the hub split to stream
-    text_field: str = "text"
-    seq_len: int = 64
-    val_fraction: float = 0.1
-    max_sequences: int | None = None
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        if self.seq_len < 2:
-            raise DihalError(f"--seq-len must be at least 2 (a start token and one more), got {self.seq_len}")
-        if not 0 <= self.val_fraction < 1:
-            raise DihalError(f"--val-fraction must be in [0, 1), got {self.val_fraction}")
-        if self.max_sequences is not None and self.max_sequences < 1:
-            raise DihalError(f"--max-sequences must be at least 1, got {self.max_sequences}")
-        if not self.text_field:
-            raise DihalError("--text-field must name a field")
-        if not self.dataset:
-            raise DihalError("--dataset must name a builtin, local files or a hub id")
 
 
 def pydoc_documents() -> Iterator[str]:

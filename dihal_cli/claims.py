@@ -1,0 +1,99 @@
+"""The paper's claims as commands: `dihal compare` (claim 3, docs/method.md section 5) and
+`dihal confirm` (claim 4). `dihal sweep` (claims 1 and 2) is in locate.py.
+
+The comparison's rows come from dihal/stages/registry.py's ROWS; every trained part runs under
+one protocol with the same overrides, so the budget is matched.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import typer
+
+from dihal.artifacts.store import ArtifactStore
+from dihal.cli import options as o
+from dihal.cli.locate import extract_config, extract_parent
+from dihal.cli.tables import compare_table, confirm_tables
+from dihal.cli.ui import console, dry, make_progress, report
+from dihal.stages.configs import CompareConfig, ConfirmConfig, ScoreConfig
+
+
+@o.command()
+@o.recipe_options(batch_flag="--train-batch")
+def compare(
+    layer: int | None = o.opt(CompareConfig, "layer", help="l* (default: the score's argmax S)."),
+    oracle: int | None = o.opt(CompareConfig, "oracle", help="A sweep's oracle layer: one more DiHAL row."),
+    protocol: str = o.opt(CompareConfig, "protocol"),
+    seeds: str = o.opt(CompareConfig, "seeds", help="Comma list; each part is trained per seed."),
+    num_samples: int = o.opt(CompareConfig, "num_samples", help="Samples per row and seed."),
+    prior_steps: int = o.opt(CompareConfig, "prior_steps"), sample_steps: int = o.opt(CompareConfig, "sample_steps"),
+    condition_noise: float = o.opt(CompareConfig, "condition_noise"),
+    evaluator: str | None = o.opt(CompareConfig, "evaluator", help="Second evaluator (default: the other builtin)."),
+    extract: str | None = typer.Option(None, "--extract", help="Extract of every layer (omitted: extract now)."),
+    score: str | None = typer.Option(None, "--score", help="Score of that extract (omitted: score now)."),
+    tokens: int = o.opt(ScoreConfig, "tokens", help="Score sample size when scoring now."),
+    model: str = o.Model, dataset: str = o.Dataset, max_sequences: int | None = o.MaxSeq, seq_len: int = o.SeqLen,
+    store_dtype: str = o.StoreDtype, batch_size: int = o.opt(CompareConfig, "batch_size", help="Samples per batch."),
+    device: str = o.Device, dtype: str = o.Dtype, force: bool = o.Force, dry_run: bool = o.DryRun,
+    trust_remote_code: bool = o.Trust, root: str = o.Root, recipe: tuple = (),
+) -> None:  # fmt: skip
+    """Diffusion-LM, SED, CoDAR and DiHAL from one prior at a matched budget, with references (section 5)."""
+    device, dtype = o.device_and_dtype(device, dtype, dry_run)
+    cfg = o.build(CompareConfig, locals(), seeds=o.seeds(seeds), overrides=recipe)
+    seed = 0  # the extract and score of the comparison
+    ecfg = extract_config(locals(), device, dtype, "all")
+    scfg = ScoreConfig(tokens=tokens, device=device)
+    if dry_run:
+        return dry(
+            "compare", cfg, *([] if extract else [ecfg]), *([] if score else [scfg]), plan=None if extract else ecfg
+        )
+    from dihal.stages import compare as stage
+    from dihal.stages import score as score_stage
+    from dihal.stages.lm.models import load_model
+
+    store = ArtifactStore(root)
+    parent = extract_parent(store, extract, ecfg)
+    score_art = (
+        store.resolve(score, "score") if score else score_stage.run(scfg, parent, store, progress=make_progress())
+    )
+    load = lambda spec: load_model(spec, device, dtype, trust_remote_code=trust_remote_code)  # noqa: E731
+    art = stage.run(cfg, parent, score_art, store, load, force=force, progress=make_progress())
+    rows = json.loads(art.file("compare.json").read_text())["rows"]
+    console.print(compare_table(rows, art.manifest["metrics"], seeds))
+    report(art)
+
+
+@o.command()
+@o.recipe_options(batch_flag="--train-batch")
+def confirm(
+    sweep: str = typer.Option("latest", "--sweep", help="Sweep whose l*, oracle and worst layer to train fully."),
+    protocol: str = o.protocol_opt(ConfirmConfig),
+    at: str = o.opt(ConfirmConfig, "at", help="l_star, oracle, worst, layers"),
+    seeds: str = o.opt(ConfirmConfig, "seeds", help="A bridge per layer and seed."),
+    sample_steps: int = o.opt(ConfirmConfig, "sample_steps", help="Bridge Euler steps (fidelity and generation)."),
+    eval_limit: int = o.opt(ConfirmConfig, "eval_limit", help="Held-out sequences for fidelity."),
+    num_samples: int = o.opt(ConfirmConfig, "num_samples", help="AR hybrid samples per layer and seed."),
+    evaluator: str | None = o.opt(ConfirmConfig, "evaluator", help="Second evaluator (default: the other builtin)."),
+    batch_size: int = o.opt(ConfirmConfig, "batch_size", help="Samples per generation batch."),
+    device: str = o.Device, dtype: str = o.Dtype, force: bool = o.Force, dry_run: bool = o.DryRun,
+    trust_remote_code: bool = o.Trust, root: str = o.Root, recipe: tuple = (),
+) -> None:  # fmt: skip
+    """Claim 4: l*, the oracle and the worst layer fully trained per seed; fidelity and generations."""
+    device, dtype = o.device_and_dtype(device, dtype, dry_run)
+    cfg = o.build(ConfirmConfig, locals(), at=o.comma_list(at), seeds=o.seeds(seeds), overrides=recipe)
+    if dry_run:
+        return dry("confirm", cfg)
+    from dihal.stages import confirm as stage
+    from dihal.stages.lm.models import load_model
+
+    store = ArtifactStore(root)
+    sweep_art = store.resolve(sweep, "sweep")
+    extract = store.resolve(sweep_art.manifest["parents"]["extract"], "extract")
+    load = lambda spec: load_model(spec, device, dtype, trust_remote_code=trust_remote_code)  # noqa: E731
+    art = stage.run(cfg, sweep_art, extract, store, load, force=force, progress=make_progress())
+    rows = json.loads(art.file("confirm.json").read_text())["rows"]
+    for out in confirm_tables(rows, Path(art.manifest["metrics"]["evaluator"]).name, protocol, seeds):
+        console.print(out)
+    report(art)

@@ -1,0 +1,150 @@
+"""Locate: `dihal extract`, `dihal score`, `dihal sweep` (docs/method.md sections 0, 1 and claim 1).
+
+Each command: parse, build the config (which checks itself), print it under --dry-run, or run the
+stage and print its table. The stage (and torch) is imported inside the command.
+"""
+
+from __future__ import annotations
+
+import typer
+
+from dihal.artifacts.store import ArtifactStore
+from dihal.cli import options as o
+from dihal.cli.tables import human_size, print_json, score_table, sweep_tables
+from dihal.cli.ui import console, dry, make_progress, report
+from dihal.stages.configs import DataConfig, ExtractConfig, ScoreConfig, SweepConfig
+
+
+def extract_config(values: dict, device: str, dtype: str, layers: str) -> ExtractConfig:
+    """The extract another command runs first when no --extract is given: its model and data options
+    (the rest at their defaults)."""
+    data = DataConfig(**{k: values[k] for k in ("dataset", "seq_len", "max_sequences", "seed")})
+    picked = {k: values[k] for k in ("model", "store_dtype", "trust_remote_code")}
+    return ExtractConfig(**picked, layers=layers, device=device, dtype=dtype, data=data)
+
+
+def extract_parent(store, ref: str | None, cfg: ExtractConfig):
+    """The named extract, or run the extract stage now so the lineage stays explicit."""
+    from dihal.stages import extract as stage
+
+    return store.resolve(ref, "extract") if ref else stage.run(cfg, store, progress=make_progress())
+
+
+@o.command()
+def extract(
+    model: str = o.Model,
+    dataset: str = o.Dataset,
+    dataset_config: str | None = o.opt(DataConfig, "dataset_config"),
+    split: str = o.opt(DataConfig, "split", help="Hub split to stream."),
+    text_field: str = o.opt(DataConfig, "text_field"),
+    seq_len: int = o.SeqLen,
+    val_fraction: float = o.opt(DataConfig, "val_fraction"),
+    max_sequences: int | None = o.MaxSeq,
+    layers: str = o.opt(ExtractConfig, "layers", help="all, a range 0-4, or a list 0,3,7."),
+    store_dtype: str = o.StoreDtype,
+    batch_size: int = o.opt(ExtractConfig, "batch_size", help="Sequences per forward pass and per Zarr chunk."),
+    revision: str | None = o.opt(ExtractConfig, "revision"),
+    score_pool: int = o.opt(ExtractConfig, "score_pool", help="Train positions kept apart for a fast score (0: none)."),
+    device: str = o.Device, dtype: str = o.Dtype, seed: int = o.Seed, force: bool = o.Force, dry_run: bool = o.DryRun,
+    trust_remote_code: bool = o.Trust, root: str = o.Root,
+) -> None:  # fmt: skip
+    """Per-layer hidden states -> chunked Zarr (docs/method.md, layer convention)."""
+    from dihal.stages import extract as stage
+
+    device, dtype = o.device_and_dtype(device, dtype, dry_run)
+    cfg = o.build(ExtractConfig, locals(), data=o.build(DataConfig, locals()))
+    if dry_run:
+        plan = stage.plan(cfg)
+        span = f"{plan.layers[0]}..{plan.layers[-1]} ({len(plan.layers)})" if plan.layers else f"'{layers}' (unchecked)"
+        return console.print(
+            f"model {plan.identity['name']}: {plan.num_blocks} blocks, width {plan.width}; layers {span}; "
+            f"sequences {plan.n_sequences or 'all'}; estimated size {human_size(plan.bytes_estimate)}; "
+            f"artifact {stage.STAGE}/{stage.artifact_id_for(cfg)}",
+            highlight=False,
+            soft_wrap=True,
+        )
+    art = stage.run(cfg, ArtifactStore(root), force=force, progress=make_progress())
+    if o.rank0():
+        report(art)
+
+
+@o.command()
+def score(
+    extract: str = typer.Option("latest", "--extract", help="Extract artifact: id, unique prefix or 'latest'."),
+    tokens: int = o.opt(ScoreConfig, "tokens", help="n sampled token positions (same for every layer)."),
+    k: int = o.opt(ScoreConfig, "k", help="Neighbours per point for m_curv (self included)."),
+    eps_rel: float = o.opt(ScoreConfig, "eps_rel"), pairs: int = o.opt(ScoreConfig, "pairs", help="Pairs for m_mono."),
+    normalize: str = o.opt(ScoreConfig, "normalize", help="none, rms or standardize."),
+    exclude_positions: str = o.opt(ScoreConfig, "exclude_positions", help="Comma list; '' keeps all."),
+    candidates: str | None = o.opt(ScoreConfig, "candidates", help="Layers to rank (default 1..L-1)."),
+    split: str = o.opt(ScoreConfig, "split"),
+    bootstrap: int = o.opt(ScoreConfig, "bootstrap", help="B more draws of positions: spread of S, how often l*."),
+    outlier_mads: float | None = o.opt(ScoreConfig, "outlier_mads", help="Also robust proxies without outliers (5)."),
+    seed: int = o.Seed, device: str = o.opt(ScoreConfig, "device"), force: bool = o.Force, dry_run: bool = o.DryRun,
+    as_json: bool = o.AsJson, root: str = o.Root,
+) -> None:  # fmt: skip
+    """Geometry proxies per layer -> ranked table, scores.json and a plot (docs/method.md, locate)."""
+    device, _ = o.device_and_dtype(device, "float32", dry_run)
+    cfg = o.build(ScoreConfig, locals())
+    if dry_run:
+        return dry("score", cfg)
+    from dihal.stages import score as stage
+
+    store = ArtifactStore(root)
+    art = stage.run(
+        cfg, store.resolve(extract, "extract"), store, force=force, progress=None if as_json else make_progress()
+    )
+    records = stage.load_table(art).sort_values("rank").to_dict("records")
+    if as_json:
+        return print_json({"id": art.id, "path": str(art.path), **art.manifest["metrics"], "table": records})
+    console.print(score_table(records, art.manifest["metrics"], bootstrap, outlier_mads is not None))
+    report(art)
+
+
+@o.command()
+@o.recipe_options()
+def sweep(
+    layers: str | None = typer.Option(None, "--layers", help="Layers to bridge, e.g. 1-29 or 1,3,5 (default 1..L-1)."),
+    protocol: str = o.opt(SweepConfig, "protocol"),
+    extract: str | None = typer.Option(None, "--extract", help="Extract holding layer 0 and the swept layers."),
+    score: str | None = typer.Option(None, "--score", help="Score artifact (default: score the extract now)."),
+    tokens: int = o.opt(ScoreConfig, "tokens", help="Score sample size when scoring now."),
+    bootstrap: int = o.opt(ScoreConfig, "bootstrap", help="Score draws behind each rho interval (scoring now)."),
+    outlier_mads: float | None = o.opt(ScoreConfig, "outlier_mads", help="Also the robust proxies (scoring now)."),
+    model: str = o.Model, dataset: str = o.Dataset, max_sequences: int | None = o.MaxSeq, seq_len: int = o.SeqLen,
+    store_dtype: str = o.StoreDtype,
+    sample_steps: int = o.opt(SweepConfig, "sample_steps", help="Bridge Euler steps for each layer's fidelity."),
+    eval_limit: int = o.opt(SweepConfig, "eval_limit"),
+    seeds: str = o.opt(SweepConfig, "seeds", help="A bridge per layer and seed, e.g. 0,1,2."),
+    device: str = o.Device, dtype: str = o.Dtype,
+    seed: int = typer.Option(0, "--seed", help="Seed of the data split and the score's positions."),
+    force: bool = o.Force, dry_run: bool = o.DryRun, trust_remote_code: bool = o.Trust, root: str = o.Root,
+    recipe: tuple = (),
+) -> None:  # fmt: skip
+    """A bridge per layer under one protocol; Spearman rho between S and -validation loss."""
+    from dihal.stages import extract as ex
+    from dihal.stages import sweep as stage
+
+    device, dtype = o.device_and_dtype(device, dtype, dry_run)
+    store = ArtifactStore(root)
+    if layers is None:  # every candidate of this model: 1..L-1
+        layers = f"1-{stage.num_blocks(store.resolve(extract, 'extract') if extract else model, trust_remote_code) - 1}"
+    layer_list = tuple(ex.parse_layers(layers, None))
+    cfg = o.build(SweepConfig, locals(), layers=layer_list, overrides=recipe, seeds=o.seeds(seeds))
+    ecfg = extract_config(locals(), device, dtype, "all")  # S z-scores over every candidate, whichever are swept
+    scfg = o.build(ScoreConfig, locals())
+    if dry_run:
+        if extract is None:
+            ex.plan(ecfg)
+        return dry("sweep", cfg, *([] if extract else [ecfg]), *([] if score else [scfg]))
+    parent = extract_parent(store, extract, ecfg)
+    score_art = store.resolve(score, "score") if score else stage.score_once(scfg, parent, store, make_progress())
+    art = stage.run(
+        cfg, parent, score_art, store, force=force, progress=make_progress(), trust_remote_code=trust_remote_code
+    )
+    if art is None:  # a rank other than 0 of a layer-sharded sweep: its bridges are in the store
+        return
+    per_layer, variants = stage.tables(art)
+    for out in sweep_tables(per_layer, variants, art.manifest["metrics"], protocol, seeds):
+        console.print(out)
+    report(art)

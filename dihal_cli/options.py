@@ -1,0 +1,148 @@
+"""The options several commands share, and the few steps every command takes.
+
+Every default is read from the config classes (dihal/stages/configs.py), so it is written once;
+an option that defaults to None takes the protocol's value. Nothing here imports torch: a
+command imports its stage (and with it torch) inside its body, after --help has been answered.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from dataclasses import MISSING, fields
+from typing import get_type_hints
+
+import typer
+
+from dihal.artifacts.errors import DihalError
+from dihal.stages.configs import DataConfig, ExtractConfig
+
+COMMANDS: list[tuple[str, object]] = []  # (name, function), registered by dihal_cli/main.py
+
+
+def command(name: str | None = None):
+    """Marks a function as a `dihal` command (its name with dashes unless given)."""
+
+    def mark(fn):
+        COMMANDS.append((name or fn.__name__.replace("_", "-"), fn))
+        return fn
+
+    return mark
+
+
+def default(cls, name: str):
+    """The one default of a config field (a part's protocol: the class's PROTOCOL)."""
+    if name == "protocol" and hasattr(cls, "PROTOCOL"):
+        return cls.PROTOCOL
+    field = cls.__dataclass_fields__[name]
+    value = field.default if field.default is not MISSING else field.default_factory()
+    return ",".join(map(str, value)) if isinstance(value, tuple) else value  # a tuple is a comma list
+
+
+def opt(cls, name: str, *flags: str, **kw):
+    return typer.Option(default(cls, name), *(flags or ("--" + name.replace("_", "-"),)), **kw)
+
+
+def build(cls, values: dict, **extra):
+    """cls from the command's parameters that are its fields (by name), with `extra` on top."""
+    names = {f.name for f in fields(cls)}
+    return cls(**{**{k: v for k, v in values.items() if k in names}, **extra})
+
+
+# -- shared options -------------------------------------------------------------------------------------
+Root = typer.Option("runs", "--root", envvar="DIHAL_ROOT", help="Artifact root.")
+Model = opt(ExtractConfig, "model", help="Builtin name, local directory, .gguf file, or hub id.")
+Dataset = opt(DataConfig, "dataset", help="Builtin 'pydoc', local .txt/.jsonl/.json/.parquet files or glob, or hub id.")
+SeqLen = opt(DataConfig, "seq_len")
+MaxSeq = opt(DataConfig, "max_sequences")
+StoreDtype = opt(ExtractConfig, "store_dtype", help="auto (float16 per layer where it fits), float16 or float32.")
+Device = typer.Option("auto", "--device", help="auto, cpu, cuda or cuda:N.")
+Dtype = typer.Option("auto", "--dtype", help="auto, float32, bfloat16 or float16.")
+Seed = typer.Option(0, "--seed")
+Seeds = typer.Option(..., "--seeds", help="Comma list of seeds, e.g. 0,1,2.")
+Force = typer.Option(False, "--force", help="Recompute even when a complete artifact exists.")
+DryRun = typer.Option(False, "--dry-run", help="Validate every argument, print the plan; load no weights or data.")
+Trust = typer.Option(False, "--trust-remote-code", help="Allow code shipped with a model to run (read it first).")
+AsJson = typer.Option(False, "--json", help="Print JSON.")
+
+# -- a trained part's recipe on the command line ----------------------------------------------------------
+# field -> (flag, type, help); None (the default) keeps the protocol's value. This order is the order
+# of a sweep's, a comparison's and a confirm's `overrides`, which their artifact ids hash.
+RECIPE = {
+    "steps": ("--train-steps", int, "Optimizer steps (the protocol's if omitted)."),
+    "width": ("--width", int, "Network width."),
+    "depth": ("--depth", int, "Network depth (the decoder's is fixed)."),
+    "batch_size": ("--batch-size", int, "Sequences per optimizer step."),
+    "epochs": ("--epochs", int, "Epochs instead of steps."),
+    "lr": ("--lr", float, "Peak learning rate."),
+    "warmup": ("--warmup", int, "Warm-up steps."),
+    "ema": ("--ema", float, "EMA decay, in [0, 1)."),
+    "heads": ("--heads", int, "Attention heads."),
+    "eval_every": ("--eval-every", int, "Steps between validations."),
+    "checkpoint_every": ("--checkpoint-every", int, "Steps between checkpoints."),
+}
+
+
+def recipe_options(batch_flag: str = "--batch-size", exclude: tuple[str, ...] = ()):
+    """Adds every RECIPE option to a command (written once, here) and hands the command the ones the
+    user gave as `recipe`, a tuple of (field, value) pairs in RECIPE's order."""
+    names = [k for k in RECIPE if k not in exclude]
+
+    def wrap(fn):
+        sig = inspect.signature(fn)
+        added = []
+        for name in names:
+            flag, kind, text = RECIPE[name]
+            flag = batch_flag if name == "batch_size" else flag
+            param = "train_" + name if name == "batch_size" and batch_flag != "--batch-size" else name
+            option = typer.Option(None, flag, help=text, rich_help_panel="Recipe (default: the protocol's)")
+            added.append((name, inspect.Parameter(param, inspect.Parameter.KEYWORD_ONLY, default=option,
+                                                  annotation=kind | None)))  # fmt: skip
+
+        @functools.wraps(fn)
+        def command(**kwargs):
+            given = tuple((name, kwargs.pop(p.name)) for name, p in added)
+            return fn(**kwargs, recipe=tuple((k, v) for k, v in given if v is not None))
+
+        kept = [p for p in sig.parameters.values() if p.name != "recipe"]
+        command.__signature__ = sig.replace(parameters=kept + [p for _, p in added])
+        command.__annotations__ = {**get_type_hints(fn), **{p.name: p.annotation for _, p in added}}
+        return command
+
+    return wrap
+
+
+def protocol_opt(cls):
+    from dihal.stages.configs import PROTOCOLS
+
+    return opt(cls, "protocol", help=f"One of {', '.join(PROTOCOLS)} (every recipe field overridable).")
+
+
+def seeds(spec: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in spec.split(",") if x.strip())
+    except ValueError:
+        raise DihalError(f"cannot read --seeds '{spec}'; use a comma list like 0,1,2") from None
+
+
+def comma_list(spec: str) -> tuple[str, ...]:
+    return tuple(a.strip() for a in spec.split(",") if a.strip())
+
+
+# -- hardware and the process group -----------------------------------------------------------------------
+def device_and_dtype(device: str, dtype: str, dry_run: bool = False) -> tuple[str, str]:
+    """--device and --dtype resolved ('auto' -> what this machine has); under torchrun each rank joins
+    the process group and takes its own GPU."""
+    from dihal.stages.lm.models import dtype_name, resolve_device
+    from dihal.stages.runtime import dist
+
+    device = resolve_device(device, check=not dry_run)
+    if not dry_run:
+        device = dist.join(device)
+    return device, dtype_name(dtype, device)
+
+
+def rank0() -> bool:
+    from dihal.stages.runtime import dist
+
+    return dist.is_rank0()

@@ -1,0 +1,138 @@
+"""Use: `dihal generate` and `dihal evaluate` (docs/method.md sections 3 and 5).
+
+Each command: parse, build the config (which checks itself), print it under --dry-run, or run the
+stage and print what it made. The stage (and torch) is imported inside the command.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import typer
+
+from dihal.artifacts.errors import DihalError
+from dihal.artifacts.store import ArtifactStore
+from dihal.cli import options as o
+from dihal.cli.tables import FIDELITY, SAMPLES, columns, print_json, table
+from dihal.cli.ui import console, dry, make_progress, report
+from dihal.stages.configs import FidelityConfig, GenerateConfig, SamplesConfig, parse_steps
+from dihal.stages.lineage import backbone_for
+from dihal.stages.registry import RECOVERIES
+
+
+def read_prompts(prompt: list[str], prompts_file: str | None) -> tuple[str, ...]:
+    if prompts_file is None:
+        return tuple(prompt)
+    path = Path(prompts_file)
+    if not path.is_file():
+        raise DihalError(f"prompts file '{prompts_file}' does not exist")
+    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    if not lines:
+        raise DihalError(f"prompts file '{prompts_file}' is empty; put one prompt per line")
+    return (*prompt, *lines)
+
+
+@o.command()
+def generate(
+    bridge: str | None = typer.Option(None, "--bridge", help="Bridge artifact: id, prefix or latest (ar: latest)."),
+    mode: str = o.opt(GenerateConfig, "mode", help="ar: the hybrid, token by token; parallel: a prior's samples."),
+    prior: str | None = typer.Option(None, "--prior", help="parallel: the prior artifact (dihal train-prior)."),
+    recovery: str = o.opt(GenerateConfig, "recovery", help=f"parallel: {', '.join(RECOVERIES)}."),
+    decoder: str | None = typer.Option(None, "--decoder", help="parallel, --recovery decoder: the decoder artifact."),
+    prior_steps: int = o.opt(GenerateConfig, "prior_steps", help="parallel: Euler steps of the prior."),
+    clamp: bool = o.opt(GenerateConfig, "clamp", help="parallel: Diffusion-LM clamping to token embeddings."),
+    prompt: list[str] = typer.Option([], "--prompt", help="A prompt (repeatable); none: start from the start token."),
+    prompts_file: str | None = typer.Option(None, "--prompts-file", help="One prompt per line."),
+    num_samples: int = o.opt(GenerateConfig, "num_samples", help="Samples per prompt."),
+    max_new_tokens: int = o.opt(GenerateConfig, "max_new_tokens"),
+    temperature: float = o.opt(GenerateConfig, "temperature"), top_k: int = o.opt(GenerateConfig, "top_k"),
+    top_p: float = o.opt(GenerateConfig, "top_p"),
+    sample_steps: int = o.opt(GenerateConfig, "sample_steps", help="Bridge Euler steps per position."),
+    batch_size: int = o.opt(GenerateConfig, "batch_size"),
+    baseline: str = o.opt(GenerateConfig, "baseline", help="original: also sample the unmodified backbone."),
+    no_cache: bool = typer.Option(False, "--no-cache", help="Recompute every position each step (reference path)."),
+    device: str = o.Device, dtype: str = o.Dtype, seed: int = o.Seed, force: bool = o.Force, dry_run: bool = o.DryRun,
+    trust_remote_code: bool = o.Trust, root: str = o.Root,
+) -> None:  # fmt: skip
+    """Hybrid generation: bridge -> upper blocks -> LM head (docs/method.md, use)."""
+    prompts = read_prompts(prompt, prompts_file)
+    device, dtype = o.device_and_dtype(device, dtype, dry_run)
+    cfg = o.build(GenerateConfig, locals(), prompts=prompts, cache=not no_cache)
+    if dry_run:
+        return dry("generate", cfg)
+    from dihal.stages import generate as stage
+
+    store = ArtifactStore(root)
+    if mode == "parallel":
+        if prior is None:
+            raise DihalError("--mode parallel needs --prior ID (a `dihal train-prior` artifact)")
+        if bridge is not None and decoder is not None:
+            raise DihalError("give --bridge (recovery hidden) or --decoder (recovery decoder), not both")
+        prior_art = store.resolve(prior, "prior")
+        part = store.resolve(bridge, "bridge") if bridge else store.resolve(decoder, "decoder") if decoder else None
+        load = lambda: backbone_for(prior_art, device, dtype, trust_remote_code)  # noqa: E731
+        art = stage.run_parallel(cfg, prior_art, store, load, part, force=force, progress=make_progress())
+        m = art.manifest["metrics"]
+        cost = f"{m['prior_ms_per_sample']:.1f} prior, {m['recovery_ms_per_sample']:.1f} recovery"
+        console.print(f"{m['label']}: {m['ms_per_sample']:.1f} ms per sample ({cost}), {m['mean_tokens']:.1f} tokens")
+    else:
+        bridge_art = store.resolve(bridge or "latest", "bridge")
+        load = lambda: backbone_for(bridge_art, device, dtype, trust_remote_code)  # noqa: E731
+        art = stage.run(cfg, bridge_art, store, load, force=force, progress=make_progress())
+        for name, m in art.manifest["metrics"].items():
+            console.print(f"{name}: {m['ms_per_token']:.1f} ms per token (batch step), {m['mean_tokens']:.1f} tokens")
+    for line in art.file("samples.jsonl").read_text().splitlines()[:3]:
+        row = json.loads(line)
+        console.print(f"[bold]{row['model']}[/bold] {row['prompt']!r} -> {row['text'][:200]!r}", highlight=False)
+    report(art)
+
+
+@o.command()
+def evaluate(
+    bridge: str | None = typer.Option(None, "--bridge", help="Bridge artifact: fidelity, teacher forced."),
+    samples: str | None = typer.Option(None, "--samples", help="Generate artifact: Gen.PPL, diversity (with --bridge: "
+                                       "fidelity on it)."),  # fmt: skip
+    sample_steps: str = o.opt(FidelityConfig, "sample_steps", help="Bridge Euler steps to compare (fidelity)."),
+    limit: int = o.opt(FidelityConfig, "limit", help="Held-out sequences (fidelity) or samples to score."),
+    dataset: str | None = o.opt(FidelityConfig, "dataset", help="Fidelity on this dataset spec instead (--bridge)."),
+    evaluator: str | None = o.opt(SamplesConfig, "evaluator", help="Model for Gen.PPL (default: the backbone)."),
+    batch_size: int = o.opt(FidelityConfig, "batch_size"),
+    device: str = o.Device, dtype: str = o.Dtype, seed: int = o.Seed, force: bool = o.Force, dry_run: bool = o.DryRun,
+    trust_remote_code: bool = o.Trust, as_json: bool = o.AsJson, root: str = o.Root,
+) -> None:  # fmt: skip
+    """Bridge fidelity (--bridge [--dataset | --samples]) or generation quality (--samples)."""
+    if dataset is not None and bridge is None:
+        raise DihalError("--dataset measures a bridge's fidelity; give --bridge ID with it")
+    if bridge is None and samples is None:
+        raise DihalError("give --bridge ID (fidelity) or --samples ID (generation quality), or both")
+    device, dtype = o.device_and_dtype(device, dtype, dry_run)
+    if bridge is not None:
+        cfg = o.build(FidelityConfig, locals(), sample_steps=parse_steps(sample_steps))
+    else:
+        cfg = o.build(SamplesConfig, locals())
+    from dihal.stages import evaluate as stage
+
+    if bridge is not None:
+        stage.check_inputs(cfg)
+    if dry_run:
+        return dry("evaluate", cfg)
+    store = ArtifactStore(root)
+    if bridge is not None:
+        on = store.resolve(samples, "generate") if samples else None
+        art = stage.run_fidelity(cfg, store.resolve(bridge, "bridge"), store, force=force,
+                                 trust_remote_code=trust_remote_code, samples=on)  # fmt: skip
+        m = art.manifest["metrics"]
+        rows, title, shown = (
+            m["fidelity"],
+            f"bridge fidelity, layer {m['layer']}, on {m.get('source', 'validation')}",
+            FIDELITY,
+        )
+    else:
+        art = stage.run_samples(cfg, store.resolve(samples, "generate"), store, force=force,
+                                trust_remote_code=trust_remote_code)  # fmt: skip
+        rows, title, shown = art.manifest["metrics"]["rows"], "generation quality", SAMPLES
+    if as_json:
+        return print_json({"id": art.id, "path": str(art.path), "results": rows})
+    console.print(table(title, *columns(rows, shown)))
+    report(art)

@@ -1,0 +1,505 @@
+"""Every stage's configuration, and the training protocols: frozen keyword-only dataclasses that
+check themselves when they are built.
+
+This module imports no torch, transformers, scipy or pandas, so the CLI builds and validates a
+config (and `dihal --help` shows every default) without loading the numeric stack. Each default
+is written here once; the CLI reads it from here (dihal_cli/options.py).
+
+    Config       the base: NaN and infinity are refused in every float field, then `check()`
+    Recipe       what the one training loop needs (stages/diffusion/trainer.py); the only place
+                 that validates batch, lr, warm-up, schedule, EMA, clipping and precision
+    PartRecipe   a trained part under a named protocol (PROTOCOLS): network width and heads
+    BridgeConfig, PriorConfig, DecoderTrainConfig     the three trained parts
+    DataConfig, ExtractConfig, ScoreConfig, FidelityConfig, SamplesConfig, GenerateConfig,
+    SweepConfig, CompareConfig, ConfirmConfig        the other stages
+
+An artifact's id hashes `asdict(config)` (artifacts/store.py), so a field's name, default and
+meaning never change silently: a change that moves ids says so in README.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+
+from dihal.artifacts.errors import DihalError
+from dihal.stages.registry import RECOVERIES
+
+# -- names a config may take --------------------------------------------------------------------
+STORE_DTYPES = ("auto", "float16", "float32")
+NORMALIZATIONS = ("none", "rms", "standardize")
+SPLITS = ("train", "validation")
+PREDICTIONS = ("x0", "velocity")
+SCHEDULES = ("cosine", "constant")
+PRECISIONS = ("float32", "bfloat16")
+CONFIRM_NAMED = {"l_star": "l_star", "oracle": "oracle_layer", "worst": "worst_layer"}  # --at name -> sweep key
+COMPARISON_CONDITION_NOISE = 0.5  # section 5: sigma_max of the corrupted conditions of decoder and bridges
+DECODER_DEPTH = 2  # section 5: the decoder has the protocol's width and depth 2
+
+# the CPU protocols share one network and batch; each names only what it changes
+_CPU = dict(epochs=None, batch_size=32, schedule="cosine", width=256, depth=4, heads=4, val_sequences=64)
+
+PROTOCOLS: dict[str, dict] = {
+    # the measurement setting of docs/method.md section 2 with 1000 steps instead of 600 (about 7 minutes
+    # on two CPU cores for smollm2-135m): at layer 3, 600 steps gave top-1 0.642 at 8 steps, 1000 gave 0.659
+    "cpu-small": dict(_CPU, steps=1000, lr=1e-3, warmup=30, ema=0.995, eval_every=100, checkpoint_every=50),
+    # one fixed short budget per layer for sweeps (under 2 minutes a layer on CPU)
+    "sweep-tiny": dict(_CPU, steps=150, lr=2e-3, warmup=15, ema=0.99, eval_every=75, checkpoint_every=50),
+    # the comparison on two CPU cores: every part (priors, decoder, bridges) gets this budget, so that
+    # `dihal compare` with two seeds and N = 256 samples per row fits in two hours
+    "compare-cpu": dict(_CPU, steps=200, lr=2e-3, warmup=20, ema=0.99, eval_every=100, checkpoint_every=50),
+    # GPU scale, as in the paper: one epoch over the train split
+    "paper": dict(
+        steps=None,
+        epochs=1,
+        batch_size=64,
+        lr=3e-4,
+        warmup=500,
+        schedule="cosine",
+        ema=0.9999,
+        width=1024,
+        depth=8,
+        heads=16,
+        eval_every=1000,
+        checkpoint_every=1000,
+        val_sequences=512,
+    ),
+}
+
+FLAGS = {"steps": "--train-steps"}  # a field whose flag is not --<field with dashes>
+
+
+def flag(name: str) -> str:
+    return FLAGS.get(name, "--" + name.replace("_", "-"))
+
+
+def require(condition: bool, message: str) -> None:
+    if not condition:
+        raise DihalError(message)
+
+
+def at_least(cfg, minimum: int, *names: str) -> None:
+    """Each named field (None skipped) is at least `minimum`."""
+    for name in names:
+        value = getattr(cfg, name)
+        if value is not None and value < minimum:
+            raise DihalError(f"{flag(name)} must be at least {minimum}, got {value}")
+
+
+def one_of(cfg, name: str, allowed) -> None:
+    value = getattr(cfg, name)
+    require(value in allowed, f"unknown {flag(name)} '{value}'; use one of {', '.join(allowed)}")
+
+
+def distinct_seeds(seeds: tuple[int, ...]) -> None:
+    require(bool(seeds) and len(set(seeds)) == len(seeds), "--seeds must name distinct seeds, e.g. 0,1,2")
+    require(min(seeds) >= 0, f"--seeds must be >= 0, got {min(seeds)}")
+
+
+def _floats(value):
+    if isinstance(value, float):
+        yield value
+    elif isinstance(value, tuple):
+        for item in value:
+            yield from _floats(item)
+
+
+def precision_for(dtype: str) -> str:
+    """Training precision for a --dtype name: bf16 autocast for bfloat16, float32 otherwise."""
+    return "bfloat16" if dtype == "bfloat16" else "float32"
+
+
+class Config:
+    """The base of every config: a float field that is NaN or infinite is refused (every range
+    check `x <= 0` is False for NaN), seeds are >= 0, then the class's own `check()`."""
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if any(not math.isfinite(v) for v in _floats(value)):
+                raise DihalError(f"{flag(f.name)} must be a finite number, got {value}")
+        if getattr(self, "seed", 0) < 0:
+            raise DihalError(f"--seed must be >= 0, got {self.seed}")
+        self.check()
+
+    def check(self) -> None:
+        """The class's own checks (every one raises DihalError, naming the flag)."""
+
+
+# -- training ---------------------------------------------------------------------------------------
+@dataclass(frozen=True, kw_only=True)
+class Recipe(Config):
+    """The training loop's settings, shared by every trained part (the loop's own config)."""
+
+    steps: int | None
+    epochs: int | None
+    batch_size: int  # global: summed over ranks
+    lr: float
+    warmup: int
+    schedule: str
+    ema: float
+    eval_every: int
+    checkpoint_every: int
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    seed: int = 0
+    device: str = "cpu"
+    precision: str = "float32"  # bfloat16: forward under bf16 autocast (CUDA or CPU)
+    shuffle_window: int = 512  # sequences shuffled together in an epoch's order; bounds a read
+
+    def check(self) -> None:
+        require(self.steps is not None or self.epochs is not None, "give --train-steps or --epochs")
+        at_least(self, 1, "steps", "epochs", "batch_size", "eval_every", "checkpoint_every", "shuffle_window")
+        require(self.lr > 0, f"--lr must be > 0, got {self.lr}")
+        at_least(self, 0, "warmup")
+        require(0 <= self.ema < 1, f"--ema must be in [0, 1), got {self.ema}")
+        require(self.grad_clip >= 0, f"the gradient clip must be >= 0, got {self.grad_clip}")
+        require(self.weight_decay >= 0, f"the weight decay must be >= 0, got {self.weight_decay}")
+        one_of(self, "schedule", SCHEDULES)
+        one_of(self, "precision", PRECISIONS)
+
+
+LoopConfig = Recipe  # the name trainer.py's loop knows it by
+
+
+@dataclass(frozen=True, kw_only=True)
+class PartRecipe(Recipe):
+    """A trained part's recipe: the loop's settings and the network's, from a named protocol."""
+
+    protocol: str
+    width: int
+    heads: int
+    val_sequences: int
+
+    @classmethod
+    def from_protocol(cls, protocol: str | None = None, **settings):
+        """PROTOCOLS[protocol] (the fields cls has) with the non-None settings on top; None keeps the
+        protocol's value, and a name that is not a field is refused (never dropped). --epochs alone
+        means the run length comes from the epochs."""
+        protocol = protocol or cls.PROTOCOL
+        require(protocol in PROTOCOLS, f"unknown --protocol '{protocol}'; use one of {', '.join(PROTOCOLS)}")
+        names = {f.name for f in fields(cls)} - {"protocol"}
+        unknown = sorted(k for k in settings if k not in names)
+        if unknown:
+            raise DihalError(f"unknown setting '{unknown[0]}'; settings are {', '.join(sorted(names))}")
+        values = {k: v for k, v in PROTOCOLS[protocol].items() if k in names}
+        values |= {k: v for k, v in settings.items() if v is not None}
+        if settings.get("epochs") is not None and settings.get("steps") is None:
+            values["steps"] = None
+        return cls(protocol=protocol, **values)
+
+    @classmethod
+    def for_run(cls, protocol: str, overrides=(), *, seed: int, device: str, dtype: str, **settings):
+        """The protocol's recipe with the run's overrides, seed, device and the training precision
+        of its --dtype (bf16 autocast for bfloat16, float32 otherwise)."""
+        merged = {**dict(overrides), **settings}
+        return cls.from_protocol(protocol, seed=seed, device=device, precision=precision_for(dtype), **merged)
+
+    def check(self) -> None:
+        super().check()
+        at_least(self, 1, *(n for n in ("width", "heads", "val_sequences", "depth") if hasattr(self, n)))
+        require(self.width % self.heads == 0, f"--width {self.width} must be divisible by --heads {self.heads}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class BridgeConfig(PartRecipe):
+    """A bridge's whole recipe (docs/method.md section 2); protocol fields come from PROTOCOLS."""
+
+    PROTOCOL = "cpu-small"
+    layer: int
+    depth: int
+    objective: str = "flow"
+    prediction: str = "x0"
+    skip_init: str = "ridge"  # "ridge": A starts at the least-squares map c -> y; "zero": plain init
+    condition_noise: float = 0.0  # sigma_max: train on c + sigma z, sigma ~ U(0, sigma_max)
+
+    def check(self) -> None:
+        super().check()
+        require(self.layer >= 1, "--layer must be at least 1 (layer 0 is the condition itself)")
+        one_of(self, "prediction", PREDICTIONS)
+        require(self.objective == "flow", "only --objective flow (rectified flow) is implemented")
+        require(self.condition_noise >= 0, f"--condition-noise must be >= 0, got {self.condition_noise}")
+        one_of(self, "skip_init", ("ridge", "zero"))
+
+
+@dataclass(frozen=True, kw_only=True)
+class PriorConfig(PartRecipe):
+    """A sequence prior over normalized states (section 5); protocol fields come from PROTOCOLS."""
+
+    PROTOCOL = "compare-cpu"
+    layer: int = 0  # 0: normalized h_0; l >= 1: normalized h_l (DiHAL-direct)
+    depth: int
+    self_condition: bool = False  # SED
+
+    def check(self) -> None:
+        super().check()
+        require(self.layer >= 0, f"--layer must be >= 0 (0: the embeddings), got {self.layer}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class DecoderTrainConfig(PartRecipe):
+    """CoDAR's decoder (section 5): the protocol's width, depth DECODER_DEPTH."""
+
+    PROTOCOL = "compare-cpu"
+    condition_noise: float = COMPARISON_CONDITION_NOISE
+
+    def check(self) -> None:
+        super().check()
+        require(self.condition_noise >= 0, f"--condition-noise must be >= 0, got {self.condition_noise}")
+
+
+# -- locate ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True, kw_only=True)
+class DataConfig(Config):
+    dataset: str = "pydoc"
+    dataset_config: str | None = None
+    split: str = "train"  # the hub split to stream
+    text_field: str = "text"
+    seq_len: int = 64
+    val_fraction: float = 0.1
+    max_sequences: int | None = None
+    seed: int = 0
+
+    def check(self) -> None:
+        require(self.seq_len >= 2, f"--seq-len must be at least 2 (a start token and one more), got {self.seq_len}")
+        require(0 <= self.val_fraction < 1, f"--val-fraction must be in [0, 1), got {self.val_fraction}")
+        at_least(self, 1, "max_sequences")
+        require(bool(self.text_field), "--text-field must name a field")
+        require(bool(self.dataset), "--dataset must name a builtin, local files or a hub id")
+
+
+def parse_layers(spec: str, num_blocks: int | None) -> list[int]:
+    """'all' | '0-4' | '0,3,7' (mixed allowed: '0,2-4') -> sorted indices in 0..L (L unknown: syntax only)."""
+    if spec == "all":
+        return list(range(num_blocks + 1)) if num_blocks is not None else []
+    layers: set[int] = set()
+    try:
+        for part in spec.split(","):
+            if "-" in part:
+                lo, hi = (int(x) for x in part.split("-"))
+                require(lo <= hi, f"--layers range {lo}-{hi} is reversed; write {hi}-{lo}")
+                layers.update(range(lo, hi + 1))
+            else:
+                layers.add(int(part))
+    except ValueError:
+        raise DihalError(f"cannot read --layers '{spec}'; use all, a range like 0-4, or a list like 0,3,7") from None
+    if num_blocks is None:
+        return sorted(layers)
+    bad = sorted(x for x in layers if not 0 <= x <= num_blocks)
+    if bad or not layers:
+        raise DihalError(
+            f"layer {bad[0] if bad else spec} is out of range: this model has layers 0..{num_blocks} "
+            f"({num_blocks} blocks)"
+        )
+    return sorted(layers)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ExtractConfig(Config):
+    model: str = "smollm2-135m"
+    revision: str | None = None
+    data: DataConfig = DataConfig()
+    layers: str = "all"
+    store_dtype: str = "auto"
+    batch_size: int = 8  # sequences per forward pass and per Zarr chunk
+    score_pool: int = 16384  # train positions whose states are also kept apart for `dihal score` (0: none)
+    device: str = "cpu"
+    dtype: str = "float32"
+    trust_remote_code: bool = False
+
+    def check(self) -> None:
+        require(
+            self.store_dtype in STORE_DTYPES,
+            f"--store-dtype {self.store_dtype} would not keep the states; use {', '.join(STORE_DTYPES)}",
+        )
+        at_least(self, 1, "batch_size")
+        require(self.score_pool >= 0, f"--score-pool must be >= 0 (0: none), got {self.score_pool}")
+        parse_layers(self.layers, None)  # syntax and order now; the range once the model is known
+
+
+def excluded_positions(spec: str) -> list[int]:
+    try:
+        positions = [int(p) for p in spec.split(",") if p.strip()] if spec else []
+    except ValueError:
+        raise DihalError(f"cannot read --exclude-positions '{spec}'; use a comma list like 0 or 0,1") from None
+    require(all(p >= 0 for p in positions), "--exclude-positions must be positions >= 0")
+    return positions
+
+
+@dataclass(frozen=True, kw_only=True)
+class ScoreConfig(Config):
+    tokens: int = 4096
+    k: int = 64
+    eps_rel: float = 1e-3
+    pairs: int = 8192
+    normalize: str = "none"
+    exclude_positions: str = "0"
+    candidates: str | None = None  # None: 1..L-1
+    split: str = "train"
+    seed: int = 0
+    device: str = "cpu"
+    chunk: int = 512  # points per batched kNN / Gram block; bounds memory, not results
+    bootstrap: int = 0  # B more draws of --tokens positions, for the stability of S and l*
+    outlier_mads: float | None = None  # also the robust proxies, outlier-norm positions left out
+
+    def check(self) -> None:
+        excluded_positions(self.exclude_positions)
+        at_least(self, 3, "tokens")
+        at_least(self, 2, "k")
+        at_least(self, 1, "pairs", "chunk")
+        at_least(self, 0, "bootstrap")
+        require(self.k < self.tokens, f"--k {self.k} must be smaller than --tokens {self.tokens}")
+        require(self.eps_rel > 0, f"--eps-rel must be > 0, got {self.eps_rel}")
+        if self.candidates is not None:
+            parse_layers(self.candidates, None)
+        one_of(self, "normalize", NORMALIZATIONS)
+        one_of(self, "split", SPLITS)
+        require(
+            self.outlier_mads is None or self.outlier_mads > 0, f"--outlier-mads must be > 0, got {self.outlier_mads}"
+        )
+
+
+# -- use ------------------------------------------------------------------------------------------------
+def parse_steps(spec: str) -> tuple[int, ...]:
+    try:
+        steps = tuple(sorted({int(s) for s in spec.split(",") if s.strip()}))
+    except ValueError:
+        raise DihalError(f"cannot read --sample-steps '{spec}'; use a comma list like 4,8,16") from None
+    require(bool(steps) and min(steps) >= 1, "--sample-steps must list positive integers")
+    return steps
+
+
+@dataclass(frozen=True, kw_only=True)
+class FidelityConfig(Config):
+    sample_steps: tuple[int, ...] = (1, 4, 8, 16)  # Euler steps of the bridge sampler, compared
+    limit: int = 64  # held-out sequences
+    batch_size: int = 16
+    seed: int = 0
+    dataset: str | None = None  # a dataset spec to measure on; None: the extract's validation split
+    device: str = "cpu"
+    dtype: str = "float32"
+
+    def check(self) -> None:
+        require(bool(self.sample_steps) and min(self.sample_steps) >= 1, "--sample-steps must list positive integers")
+        at_least(self, 1, "limit", "batch_size")
+        require(self.dataset is None or bool(self.dataset), "--dataset must name a builtin, local files or a hub id")
+
+
+@dataclass(frozen=True, kw_only=True)
+class SamplesConfig(Config):
+    evaluator: str | None = None  # model spec; None = the bridge's original backbone
+    limit: int = 64
+    batch_size: int = 16
+    device: str = "cpu"
+    dtype: str = "float32"
+
+    def check(self) -> None:
+        at_least(self, 1, "limit", "batch_size")
+
+
+@dataclass(frozen=True, kw_only=True)
+class GenerateConfig(Config):
+    prompts: tuple[str, ...] = ()
+    num_samples: int = 8
+    max_new_tokens: int = 48
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    sample_steps: int = 8  # Euler steps of the bridge sampler per position
+    batch_size: int = 8
+    mode: str = "ar"  # ar: the hybrid, token by token; parallel: a prior's samples, recovered (section 5)
+    baseline: str = "none"  # "original": also generate with the unmodified backbone
+    prior_steps: int = 50  # parallel: Euler steps of the prior
+    recovery: str = "rounding"  # parallel: a name of stages/registry.py's RECOVERIES
+    clamp: bool = False  # parallel: Diffusion-LM clamping of each step's x0 estimate
+    cache: bool = True
+    seed: int = 0
+    device: str = "cpu"
+    dtype: str = "float32"
+
+    def check(self) -> None:
+        one_of(self, "mode", ("ar", "parallel"))
+        require(
+            self.mode != "parallel" or not self.prompts,
+            "--mode parallel generates whole sequences from the start token; leave out --prompt",
+        )
+        one_of(self, "recovery", tuple(RECOVERIES))
+        require(0 < self.top_p <= 1, f"--top-p must be in (0, 1], got {self.top_p}")
+        require(self.temperature >= 0, f"--temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        at_least(self, 0, "top_k")
+        at_least(self, 1, "prior_steps", "num_samples", "max_new_tokens", "sample_steps", "batch_size")
+        one_of(self, "baseline", ("none", "original"))
+
+
+# -- claims ----------------------------------------------------------------------------------------------
+def overrides_recipe(protocol: str, overrides: tuple, layer: int = 1) -> None:
+    """The protocol with these overrides makes a valid bridge recipe (checked before any work)."""
+    BridgeConfig.from_protocol(protocol, layer=layer, **dict(overrides))
+
+
+@dataclass(frozen=True, kw_only=True)
+class SweepConfig(Config):
+    layers: tuple[int, ...]
+    protocol: str = "sweep-tiny"
+    overrides: tuple[tuple[str, object], ...] = ()  # protocol fields changed for every layer alike
+    sample_steps: int = 8  # Euler steps for each bridge's fidelity
+    eval_limit: int = 32
+    seeds: tuple[int, ...] = (0,)  # a bridge per layer and seed; the loss of a layer is the mean
+    device: str = "cpu"
+    dtype: str = "float32"
+
+    def check(self) -> None:
+        require(bool(self.layers), "--layers must name at least one layer")
+        at_least(self, 1, "sample_steps", "eval_limit")
+        distinct_seeds(self.seeds)
+        for layer in self.layers:  # every layer's recipe is valid before the first one trains
+            overrides_recipe(self.protocol, self.overrides, layer)
+
+
+@dataclass(frozen=True, kw_only=True)
+class CompareConfig(Config):
+    layer: int | None = None  # l*; None: the score's argmax S
+    oracle: int | None = None  # a sweep's oracle layer, for an extra DiHAL row
+    protocol: str = "compare-cpu"
+    seeds: tuple[int, ...] = (0, 1)
+    num_samples: int = 256
+    prior_steps: int = GenerateConfig.prior_steps
+    sample_steps: int = GenerateConfig.sample_steps
+    condition_noise: float = COMPARISON_CONDITION_NOISE
+    evaluator: str | None = None  # the second evaluator; None: the other builtin
+    batch_size: int = 32  # samples per generation batch
+    overrides: tuple[tuple[str, object], ...] = ()  # protocol fields changed for every part alike
+    device: str = "cpu"
+    dtype: str = "float32"
+
+    def check(self) -> None:
+        distinct_seeds(self.seeds)
+        at_least(self, 1, "num_samples", "prior_steps", "sample_steps", "batch_size", "layer", "oracle")
+        require(self.condition_noise >= 0, f"--condition-noise must be >= 0, got {self.condition_noise}")
+        overrides_recipe(self.protocol, self.overrides)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ConfirmConfig(Config):
+    protocol: str = "cpu-small"
+    at: tuple[str, ...] = ("l_star", "oracle", "worst")  # sweep names or layer numbers
+    seeds: tuple[int, ...] = (0, 1, 2)
+    overrides: tuple[tuple[str, object], ...] = ()  # protocol fields changed for every bridge alike
+    sample_steps: int = GenerateConfig.sample_steps
+    eval_limit: int = FidelityConfig.limit  # held-out sequences for fidelity
+    num_samples: int = 64  # AR hybrid generations per layer and seed
+    evaluator: str | None = None  # the second evaluator; None: the other builtin
+    batch_size: int = 16
+    device: str = "cpu"
+    dtype: str = "float32"
+
+    def check(self) -> None:
+        require(bool(self.at), "--at must name at least one layer: l_star, oracle, worst or a number")
+        for name in self.at:
+            require(
+                name in CONFIRM_NAMED or (name.isdigit() and int(name) >= 1),
+                f"cannot read --at '{name}'; use l_star, oracle, worst or a layer number >= 1",
+            )
+        distinct_seeds(self.seeds)
+        at_least(self, 1, "sample_steps", "eval_limit", "num_samples", "batch_size")
+        overrides_recipe(self.protocol, self.overrides)

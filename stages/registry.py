@@ -1,0 +1,146 @@
+"""Where the project grows: the score's proxies, the token recoveries and the comparison's rows.
+
+Adding a proxy, a recovery or a comparison row is one entry here plus its own code. Entries name
+their code as "module:attribute" and import it on first use (as entry points do), so this module
+imports nothing heavy and the CLI can list every name without loading torch.
+
+    PROXIES     name -> Proxy(sign, in_score, fn): `dihal score` computes every one per layer,
+                S sums the z-scores of those with in_score (times their sign), and `dihal sweep`
+                ranks the layers by each one with a sign (lm-eval's `higher_is_better`)
+    RECOVERIES  name -> Recovery(needs, fn): how `dihal generate --mode parallel` maps prior
+                samples to tokens, and which trained part (if any) it needs
+    ROWS        the comparison's rows (docs/method.md section 5): a prior, a recovery and the
+                parts they need; `dihal compare` trains each distinct part once per seed
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+
+
+def resolve(target: str):
+    """'package.module:attribute' -> the attribute, imported now."""
+    module, _, attribute = target.partition(":")
+    return getattr(importlib.import_module(module), attribute)
+
+
+# -- proxies of the locate step (docs/method.md section 1) --------------------------------------------------
+@dataclass(frozen=True)
+class Proxy:
+    name: str
+    sign: int | None  # +1: higher = easier to bridge; -1: lower = easier; None: reported, ranks nothing
+    in_score: bool  # its z-score (times sign) is a term of S
+    fn: str  # "module:function" of a score.Geometry (one layer's sampled states) -> float
+    doc: str
+
+    @property
+    def predictor(self) -> str:
+        """Its name as a predictor of -loss in `dihal sweep`: '-k_hat alone' ranks by -k_hat."""
+        return f"{'-' if self.sign < 0 else ''}{self.name} alone"
+
+
+_SCORE = "dihal.stages.score"
+PROXIES: dict[str, Proxy] = {
+    p.name: p
+    for p in (
+        Proxy("m_curv", +1, True, f"{_SCORE}:m_curv", "median 1/lambda_max of k-NN covariances"),
+        Proxy("m_mono", +1, True, f"{_SCORE}:m_mono", "median v'Pv / v'v over random pairs"),
+        Proxy("k_hat", -1, True, f"{_SCORE}:k_hat", "effective rank tr(Sigma) / lambda_max"),
+        Proxy("participation_ratio", None, False, f"{_SCORE}:participation_ratio", "tr(Sigma)^2 / tr(Sigma^2)"),
+        Proxy("entropy_rank", None, False, f"{_SCORE}:entropy_rank", "exp of the spectrum's entropy"),
+    )
+}
+
+
+def score_terms() -> list[Proxy]:
+    """The proxies S is made of, in order."""
+    return [p for p in PROXIES.values() if p.in_score]
+
+
+def predictors() -> list[Proxy]:
+    """The proxies a sweep ranks the layers by, each alone."""
+    return [p for p in PROXIES.values() if p.sign is not None]
+
+
+# -- recoveries of the comparison (docs/method.md section 5) ------------------------------------------------
+@dataclass(frozen=True)
+class Recovery:
+    name: str
+    needs: str | None  # the stage of the part it needs beside a prior over h_0 ("bridge", "decoder"), or None
+    fn: str  # "module:Class"; Class(loaded, prior, part, cfg) has .tokens(block, first) -> (B, T') ids
+    doc: str
+
+
+_RECOVER = "dihal.stages.recover"
+RECOVERIES: dict[str, Recovery] = {
+    r.name: r
+    for r in (
+        Recovery("rounding", None, f"{_RECOVER}:Rounding", "nearest token embedding (Diffusion-LM, SED)"),
+        Recovery("decoder", "decoder", f"{_RECOVER}:DecoderRecovery", "a decoder cross-attending to e (CoDAR)"),
+        Recovery("hidden", "bridge", f"{_RECOVER}:Hidden", "bridge -> upper blocks -> LM head (DiHAL)"),
+    )
+}
+
+
+# -- the comparison's rows ----------------------------------------------------------------------------------
+# A layer is named by what it is: "l_star", "worst" (argmin S), "oracle" (a sweep's, when given) or "0".
+@dataclass(frozen=True)
+class PriorPart:
+    layer: str = "0"  # "0": normalized h_0; a named layer: DiHAL-direct's prior over h_l
+    self_condition: bool = False
+
+    stage = "prior"
+
+    def label(self, layers: dict[str, int]) -> str:
+        if self.layer != "0":
+            return f"prior over h_{layers[self.layer]}"
+        return "prior (self-conditioned)" if self.self_condition else "prior"
+
+
+@dataclass(frozen=True)
+class DecoderPart:
+    stage = "decoder"
+
+    def label(self, layers: dict[str, int]) -> str:
+        return "decoder"
+
+
+@dataclass(frozen=True)
+class BridgePart:
+    layer: str
+    noisy: bool = True  # trained on corrupted conditions (--condition-noise); False: section 2's bridge
+
+    stage = "bridge"
+
+    def label(self, layers: dict[str, int]) -> str:
+        return f"bridge L{layers[self.layer]} ({'noisy c' if self.noisy else 'section 2'})"
+
+
+@dataclass(frozen=True)
+class Row:
+    name: str  # "{l}" stands for the layer of its bridge (or of its prior)
+    prior: PriorPart
+    recovery: str  # a RECOVERIES name
+    part: BridgePart | DecoderPart | None = None
+    clamp: bool = False  # Diffusion-LM's clamping of each prior step's x0 estimate
+    needs_oracle: bool = False  # only when a sweep's oracle layer is given
+
+    def parts(self) -> list:
+        return [self.prior] + ([self.part] if self.part is not None else [])
+
+    def label(self, layers: dict[str, int]) -> str:
+        ref = self.part.layer if isinstance(self.part, BridgePart) else self.prior.layer
+        return self.name.format(l=layers.get(ref))
+
+
+ROWS: tuple[Row, ...] = (
+    Row("Diffusion-LM", PriorPart(), "rounding", clamp=True),
+    Row("SED", PriorPart(self_condition=True), "rounding"),
+    Row("CoDAR", PriorPart(), "decoder", DecoderPart()),
+    Row("DiHAL (l*={l})", PriorPart(), "hidden", BridgePart("l_star")),
+    Row("DiHAL (argmin S={l})", PriorPart(), "hidden", BridgePart("worst")),
+    Row("DiHAL-direct (l*={l})", PriorPart("l_star"), "hidden"),
+    Row("DiHAL (oracle={l})", PriorPart(), "hidden", BridgePart("oracle"), needs_oracle=True),
+)
+AR_REFERENCE_BRIDGE = BridgePart("l_star", noisy=False)  # the AR hybrid and original references

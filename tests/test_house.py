@@ -1,0 +1,314 @@
+"""The house: a --help that loads no numeric stack, one recipe validated in one place, every bad
+value one `error:` line, CLI defaults equal to the configs', ids that do not move, one namespace."""
+
+from __future__ import annotations
+
+import inspect
+import json
+import subprocess
+import sys
+import typing
+import zipfile
+from dataclasses import MISSING, asdict
+
+import pytest
+
+from dihal.artifacts.store import artifact_id
+from dihal.stages import configs as C
+from tests.conftest import ROOT, invoke
+
+HEAVY = ("torch", "transformers", "scipy", "pandas", "zarr", "datasets", "numpy")
+
+
+def _app():
+    from dihal.cli.main import app
+
+    return app
+
+
+def _commands() -> dict:
+    """{command path: click command} of the whole app, the `runs` group's included."""
+    import typer.main
+
+    group = typer.main.get_command(_app())
+    out = {}
+    for name, cmd in group.commands.items():
+        subs = getattr(cmd, "commands", None)
+        for sub_name, sub in (subs or {name: cmd}).items():
+            out[f"{name} {sub_name}" if subs else name] = sub
+    return out
+
+
+def test_help_loads_no_numeric_stack():
+    """`dihal --help` and every `dihal CMD --help`, in a fresh interpreter: none of the heavy modules."""
+    code = f"""
+import json, sys
+from typer.testing import CliRunner
+from dihal.cli.main import app
+runner = CliRunner()
+paths = [[]] + [[c] for c in {sorted({p.split()[0] for p in _commands()})!r}] + [["runs", "list"]]
+codes = [runner.invoke(app, [*p, "--help"]).exit_code for p in paths]
+print(json.dumps({{"codes": codes, "heavy": sorted(m for m in {HEAVY!r} if m in sys.modules)}}))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert set(result["codes"]) == {0}
+    assert result["heavy"] == []
+
+
+# -- one recipe --------------------------------------------------------------------------------------
+TRAINING = {  # every command that trains, with the arguments it needs to get as far as its recipe
+    "train-bridge": ["--layer", "1"],
+    "train-prior": [],
+    "train-decoder": [],
+    "sweep": ["--layers", "1"],
+    "compare": [],
+    "confirm": [],
+}
+BATCH_FLAG = {"compare": "--train-batch", "confirm": "--train-batch"}
+BAD_RECIPE = [("batch", "0"), ("--lr", "0"), ("--lr", "-0.001"), ("--ema", "1"), ("--ema", "-0.5"), ("--warmup", "-1")]
+
+
+def one_error_line(res) -> bool:
+    lines = res.output.strip().splitlines()
+    return res.exit_code == 2 and len(lines) == 1 and lines[0].startswith("error: ") and "Traceback" not in res.output
+
+
+@pytest.mark.parametrize("command", sorted(TRAINING))
+@pytest.mark.parametrize("flag,value", BAD_RECIPE)
+def test_every_training_command_refuses_a_bad_recipe(command, flag, value, tiny_dirs):
+    flag = BATCH_FLAG.get(command, "--batch-size") if flag == "batch" else flag
+    model = ["--model", str(tiny_dirs["llama"])] if command in MODEL_COMMANDS else []
+    res = invoke(command, *TRAINING[command], *model, flag, value, "--dry-run")
+    assert one_error_line(res), res.output
+    assert flag.replace("train-batch", "batch-size") in res.output or "--train-steps" in res.output
+
+
+def test_recipe_checks_live_in_one_place():
+    """The recipe's fields are validated by Recipe.check alone: no part config re-checks them."""
+    recipe_fields = {"lr", "ema", "warmup", "batch_size", "schedule", "grad_clip", "weight_decay"}
+    for cls in (C.BridgeConfig, C.PriorConfig, C.DecoderTrainConfig, C.PartRecipe):
+        source = inspect.getsource(cls.check)
+        assert not any(f"self.{name}" in source for name in recipe_fields), cls.__name__
+
+
+# -- every numeric option, every odd value --------------------------------------------------------------
+BASE_ARGS = {  # what each command needs to reach its configs under --dry-run
+    "train-bridge": ["--layer", "1"],
+    "sweep": ["--layers", "1"],
+    "evaluate": ["--bridge", "x"],
+}
+MODEL_COMMANDS = {"extract", "train-bridge", "sweep", "compare"}
+# numeric options where 0 is a valid value (and so the CLI must accept it), from docs/method.md and the
+# configs' own meaning: a seed, warm-up, EMA 0, no condition noise, greedy decoding, top-k off, no pool,
+# no bootstrap draws, a prior over layer 0, a validation fraction of 0
+ZERO_OK = {
+    "seed",
+    "warmup",
+    "ema",
+    "condition-noise",
+    "temperature",
+    "top-k",
+    "score-pool",
+    "bootstrap",
+    "val-fraction",
+}
+ZERO_OK_IN = {("train-prior", "layer")}
+
+
+def _numeric_options(cmd) -> list[str]:
+    """The flags of a command's int and float options (Optional ones included), from their annotations."""
+    numeric = []
+    for p in cmd.params:
+        annotation = p.type_descriptor.annotation
+        if p.opts[0].startswith("--") and {int, float} & set(typing.get_args(annotation) or (annotation,)):
+            numeric.append(p.opts[0])
+    return numeric
+
+
+def _cases():
+    for path, cmd in _commands().items():
+        if path.startswith("runs"):
+            continue
+        for flag in _numeric_options(cmd):
+            for value in ("nan", "inf", "-inf", "-1", "0"):
+                yield path, flag, value
+
+
+@pytest.mark.parametrize("path,flag,value", list(_cases()))
+def test_every_numeric_option_accepts_only_valid_values(path, flag, value, tiny_dirs):
+    args = [*path.split(), *BASE_ARGS.get(path, [])]
+    if path in MODEL_COMMANDS:
+        args += ["--model", str(tiny_dirs["llama"])]
+    if flag == "--layer" and path == "train-bridge":
+        args = [path]
+    res = invoke(*args, flag, value, "--dry-run")
+    name = flag[2:]
+    valid = value == "0" and (name in ZERO_OK or (path, name) in ZERO_OK_IN)
+    if valid:
+        assert res.exit_code == 0, res.output
+    else:
+        assert one_error_line(res), f"dihal {' '.join(args)} {flag} {value}:\n{res.output}"
+
+
+def test_global_log_every_refuses_non_finite():
+    for value in ("nan", "inf", "-inf", "-1"):
+        assert one_error_line(invoke("--log-every", value, "runs", "list")), value
+
+
+def test_a_value_that_is_not_a_number_is_one_line():
+    res = invoke("score", "--tokens", "many", "--dry-run")
+    assert one_error_line(res) and "--tokens" in res.output and "score --help" in res.output
+
+
+# -- defaults written once ----------------------------------------------------------------------------------
+CONFIG_OF = {  # the config whose fields a command's options set
+    "extract": (C.ExtractConfig, C.DataConfig),
+    "score": (C.ScoreConfig,),
+    "train-bridge": (C.BridgeConfig, C.DataConfig, C.ExtractConfig),
+    "train-prior": (C.PriorConfig,),
+    "train-decoder": (C.DecoderTrainConfig,),
+    "evaluate": (C.FidelityConfig, C.SamplesConfig),
+    "generate": (C.GenerateConfig,),
+    "sweep": (C.SweepConfig, C.ScoreConfig, C.DataConfig, C.ExtractConfig),
+    "compare": (C.CompareConfig, C.ScoreConfig, C.DataConfig, C.ExtractConfig),
+    "confirm": (C.ConfirmConfig,),
+}
+RESOLVED = {"device", "dtype"}  # 'auto' on the command line, resolved to what this machine has
+
+
+def _config_default(classes, name: str):
+    for cls in classes:
+        field = cls.__dataclass_fields__.get(name)
+        if field is None:
+            continue
+        if name == "protocol":
+            return cls.PROTOCOL if hasattr(cls, "PROTOCOL") else field.default
+        if field.default is MISSING:
+            return MISSING
+        value = field.default
+        return ",".join(map(str, value)) if isinstance(value, tuple) else value
+    return MISSING
+
+
+def test_no_cli_default_differs_from_its_config():
+    checked = 0
+    for path, classes in CONFIG_OF.items():
+        cmd = _commands()[path]
+        for p in cmd.params:
+            if p.name in RESOLVED:
+                continue
+            if (p.rich_help_panel or "").startswith("Recipe"):  # None: the protocol's value
+                assert p.default is None, f"dihal {path} {p.opts[0]} must default to the protocol's value"
+                continue
+            expected = _config_default(classes, p.name)
+            if expected is MISSING:
+                continue
+            assert p.default == expected, f"dihal {path} {p.opts[0]}: {p.default!r} != config's {expected!r}"
+            checked += 1
+    assert checked > 60
+
+
+# -- ids and packaging --------------------------------------------------------------------------------------
+PARENT = {"extract": "0123456789ab"}
+
+
+def test_artifact_ids_do_not_move():
+    """Ids computed before the configs moved into dihal/stages/configs.py (the landed main)."""
+    from dihal.stages.extract import artifact_id_for
+
+    data = C.DataConfig(dataset="/data/corpus.txt", seq_len=32)
+    assert artifact_id_for(C.ExtractConfig(model="smollm2-135m", layers="0,3", data=data)) == "41fc8ad98336"
+    bridge = C.BridgeConfig.from_protocol("cpu-small", layer=3)
+    assert artifact_id("bridge", asdict(bridge), PARENT) == "bd3dce03b649"
+    bridge2 = C.BridgeConfig.from_protocol(
+        "sweep-tiny", layer=2, steps=40, width=64, condition_noise=0.5, precision="bfloat16", device="cuda"
+    )
+    assert artifact_id("bridge", asdict(bridge2), PARENT) == "d1ba952ccba3"
+    prior = C.PriorConfig.from_protocol("compare-cpu", layer=0, self_condition=True)
+    assert artifact_id("prior", asdict(prior), PARENT) == "b959c4f12aa6"
+    assert artifact_id("decoder", asdict(C.DecoderTrainConfig.from_protocol("compare-cpu")), PARENT) == "a8a443db7c36"
+    gen = C.GenerateConfig(mode="parallel", recovery="hidden", num_samples=16)
+    assert artifact_id("generate", asdict(gen), {"prior": "0123456789ab"}) == "ec66f62b7c09"
+    score = {**asdict(C.ScoreConfig(tokens=512, bootstrap=2)), "candidates": [1, 2, 3], "device": None}
+    assert artifact_id("score", score, PARENT) == "a0aa95eb4ce8"
+    sweep = C.SweepConfig(layers=(1, 2), overrides=(("steps", 20), ("width", 32)))
+    assert artifact_id("sweep", asdict(sweep), PARENT) == "6204bf89a0bb"
+    assert artifact_id("compare", asdict(C.CompareConfig(overrides=(("steps", 20),))), PARENT) == "59141e67990c"
+
+
+def test_recipe_overrides_keep_their_order_on_the_command_line(tiny_dirs):
+    """A sweep's overrides are hashed in order; the CLI hands them over in the order ids were made with."""
+    res = invoke(
+        "sweep", "--layers", "1", "--batch-size", "8", "--depth", "2", "--width", "32", "--train-steps", "20",
+        "--model", str(tiny_dirs["llama"]), "--dry-run",
+    )  # fmt: skip
+    assert res.exit_code == 0, res.output
+    assert "overrides=(('steps', 20), ('width', 32), ('depth', 2), ('batch_size', 8))" in res.output
+
+
+@pytest.mark.slow
+def test_the_wheel_installs_one_top_level_name(tmp_path):
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "-w",
+            str(tmp_path),
+            str(ROOT),
+        ],
+        check=True,
+        capture_output=True,
+    )
+    (wheel,) = tmp_path.glob("dihal-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    tops = {n.split("/")[0] for n in names if not n.split("/")[0].endswith((".dist-info", ".data"))}
+    assert tops == {"dihal"}
+    for module in ("dihal/cli/main.py", "dihal/stages/configs.py", "dihal/stages/diffusion/trainer.py"):
+        assert module in names
+    assert "dihal/artifacts/store.py" in names and not any(n.startswith("dihal/__init__") for n in names)
+
+
+# -- default paths -------------------------------------------------------------------------------------------
+REQUIRED = {"train-bridge": ["--layer", "1"], "evaluate": ["--bridge", "latest"]}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path", ["extract", "score", "train-bridge", "train-prior", "train-decoder", "evaluate",
+                                  "generate", "sweep", "compare", "confirm"])  # fmt: skip
+def test_every_command_default_path_dry_run(path, root):
+    """Each command with nothing but its required arguments: the builtin model and corpus, every default."""
+    res = invoke(path, *REQUIRED.get(path, []), "--dry-run")
+    assert res.exit_code == 0, res.output
+    assert "dry run" in res.output or "estimated size" in res.output
+
+
+def test_sweep_without_layers_sweeps_every_candidate(tiny_dirs, root):
+    args = ["sweep", "--model", str(tiny_dirs["llama"]), "--max-sequences", "24", "--seq-len", "16"]
+    args += ["--train-steps", "3", "--width", "16", "--depth", "1", "--heads", "2", "--batch-size", "4"]
+    args += ["--tokens", "128", "--eval-limit", "4", "--device", "cpu"]
+    dry = invoke(*args, "--dry-run")
+    assert dry.exit_code == 0 and "layers=(1, 2, 3)" in dry.output, dry.output  # the tiny model has 4 blocks
+    res = invoke(*args)
+    assert res.exit_code == 0, res.output
+    from dihal.artifacts.store import ArtifactStore
+
+    art = ArtifactStore(root).resolve("latest", "sweep")
+    assert list(art.config["layers"]) == [1, 2, 3]
+    assert len(list(ArtifactStore(root).all("bridge"))) == 3
+
+
+def test_every_stage_names_a_command_that_exists():
+    """Error messages tell users to run `dihal <COMMANDS[stage]>`: each of those is a real command."""
+    import importlib
+
+    from dihal.artifacts.store import COMMANDS
+
+    stages = ("extract", "score", "bridge", "prior", "decoder", "evaluate", "generate", "sweep", "confirm", "compare")
+    assert {importlib.import_module(f"dihal.stages.{m}").STAGE for m in stages} == set(COMMANDS)
+    assert set(COMMANDS.values()) <= set(_commands())
