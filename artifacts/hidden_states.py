@@ -1,6 +1,12 @@
 """Hidden states on disk: one Zarr v3 group per extract artifact (`<artifact>/hidden.zarr`).
 
     layers/<l>       (n_seq, seq_len, D) float16|float32 (chosen per layer), chunked by blocks of sequences
+    pos0/<l>         (n_seq, D) float32       position 0 (the start token, the attention sink) of a float16
+                                              layer, kept exactly: its state can exceed float16's range
+                                              (24,926 in smollm2-135m) where every other position fits.
+                                              Every reader below puts it back, so a float16 layer reads as
+                                              float32 with position 0 unchanged. Extracts made before
+                                              pos0 existed have none and read as stored.
     input_ids        (n_seq, seq_len) int32
     attention_mask   (n_seq, seq_len) int8
     split            (n_seq,) int8        0 = train, 1 = validation
@@ -55,6 +61,10 @@ def create(
             fill_value=0,
             compressors=None,
         )
+        if dtypes[layer] == "float16":
+            group.create_array(
+                f"pos0/{layer}", shape=(n_seq, width), chunks=(chunk_seqs, width), dtype="float32", compressors=None
+            )
     group.create_array("input_ids", shape=(n_seq, seq_len), chunks=(chunk_seqs, seq_len), dtype="int32", fill_value=0)
     group.create_array(
         "attention_mask", shape=(n_seq, seq_len), chunks=(chunk_seqs, seq_len), dtype="int8", fill_value=0
@@ -64,6 +74,28 @@ def create(
     group.create_array("committed", shape=(n_chunks,), chunks=(1,), dtype="bool", fill_value=False)
     group.attrs.update({"layer_convention": LAYER_CONVENTION, "layers": layers, "chunk_seqs": chunk_seqs, **attrs})
     return group
+
+
+ITEMSIZE = {"float16": 2, "float32": 4}
+
+
+def estimate_bytes(
+    n_seq: int, seq_len: int, width: int, dtypes: list[str], chunk_seqs: int, pool: int, val_fraction: float
+) -> int:
+    """What an extract of these settings writes (the layers, their position-0 arrays, ids, mask and the
+    score's pool), the one estimate that `dihal extract`'s plan, its disk check and
+    scripts/estimate.py use. Under --store-dtype auto pass float16 for every layer (what auto picks
+    unless a layer's positions >= 1 come near float16's range)."""
+    per_seq = sum(seq_len * width * ITEMSIZE[d] + (width * 4 if d == "float16" else 0) for d in dtypes)
+    per_seq += seq_len * (4 + 1) + 1  # input_ids int32, attention_mask int8, split int8
+    n_chunks = -(-n_seq // chunk_seqs)
+    train_positions = n_seq * (1 - val_fraction) * (seq_len - 1)
+    # create_pool: quotas proportional to each chunk's train positions, padded to the fullest chunk's
+    # (one of train sequences only), plus the positions' (sequence, position) int32 pairs
+    per_chunk = min(pool, train_positions) / max(n_chunks, 1) / max(1 - val_fraction, 1e-9)
+    k = min(int(-(-per_chunk // 1)), chunk_seqs * (seq_len - 1)) if pool else 0
+    pool_bytes = n_chunks * k * (width * sum(ITEMSIZE[d] for d in dtypes) + 8)
+    return int(n_seq * per_seq + pool_bytes)
 
 
 def create_pool(group: zarr.Group, layers: list[int], width: int, dtypes: dict[int, str], pool: int, seed: int) -> None:
@@ -129,10 +161,14 @@ def write_chunk(
     input_ids: np.ndarray,
     attention_mask: np.ndarray,
     samples: dict[int, np.ndarray] | None = None,
+    starts: dict[int, np.ndarray] | None = None,
 ) -> None:
+    """One chunk's arrays; `starts` holds position 0 of the float16 layers in float32 (pos0/<l>)."""
     stop = start + input_ids.shape[0]
     for layer, values in states.items():
         group[f"layers/{layer}"][start:stop] = values
+    for layer, rows in (starts or {}).items():
+        group[f"pos0/{layer}"][start:stop] = rows
     for layer, rows in (samples or {}).items():
         group[f"sample/{layer}"][chunk_index, : rows.shape[0]] = rows
     group["input_ids"][start:stop] = input_ids
@@ -170,6 +206,31 @@ def split_indices(group: zarr.Group, split: str) -> np.ndarray:
     return np.flatnonzero(np.asarray(group["split"][:]) == SPLITS[split])
 
 
+def _pos0(group: zarr.Group, layer: int):
+    """The float32 position-0 array of a float16 layer, or None (float32 layers, older extracts)."""
+    try:
+        return group[f"pos0/{layer}"]
+    except KeyError:
+        return None
+
+
+def with_pos0(group: zarr.Group, layer: int, states: np.ndarray, seq_idx: np.ndarray) -> np.ndarray:
+    """states (n, seq_len, D) of sequences seq_idx as stored, with position 0 put back exactly
+    (float32) where the extract kept it apart."""
+    pos0 = _pos0(group, layer)
+    if pos0 is None:
+        return states
+    out = states.astype(np.float32)
+    out[:, 0] = np.asarray(pos0.oindex[np.asarray(seq_idx)])
+    return out
+
+
+def read_block(group: zarr.Group, layer: int, start: int, stop: int) -> np.ndarray:
+    """Sequences start..stop-1 of a layer (position 0 exact)."""
+    states = np.asarray(group[f"layers/{layer}"][start:stop])
+    return with_pos0(group, layer, states, np.arange(start, stop))
+
+
 def read_positions(
     group: zarr.Group, layer: int, seq_idx: np.ndarray, pos_idx: np.ndarray, max_bytes: int = 256 << 20
 ) -> np.ndarray:
@@ -183,6 +244,11 @@ def read_positions(
     for start, stop in _chunk_runs(seqs, array.chunks[0], array.shape[0], max_bytes // seq_bytes):
         lo, hi = np.searchsorted(seqs, [start, stop])
         out[order[lo:hi]] = array[start:stop][seqs[lo:hi] - start, positions[lo:hi]]
+    pos0, first = _pos0(group, layer), np.flatnonzero(np.asarray(pos_idx) == 0)
+    if pos0 is not None:  # a float16 layer reads as float32, position 0 exact
+        out = out.astype(np.float32)
+        if first.size:
+            out[first] = np.asarray(pos0.oindex[np.asarray(seq_idx)[first]])
     return out
 
 
@@ -209,4 +275,6 @@ def contiguous_runs(group: zarr.Group, layer: int, seq_idx: np.ndarray, max_byte
 
 
 def read_sequences(group: zarr.Group, layer: int, seq_idx: np.ndarray) -> np.ndarray:
-    return np.asarray(group[f"layers/{layer}"].oindex[np.asarray(seq_idx)])
+    """Whole sequences of a layer (position 0 exact)."""
+    states = np.asarray(group[f"layers/{layer}"].oindex[np.asarray(seq_idx)])
+    return with_pos0(group, layer, states, seq_idx)

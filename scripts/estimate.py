@@ -11,6 +11,8 @@ from __future__ import annotations
 import argparse
 import math
 
+from dihal.artifacts.hidden_states import estimate_bytes
+
 GIB = 2**30
 
 
@@ -20,10 +22,14 @@ def estimate(a: argparse.Namespace) -> list[tuple[str, float, float, float, floa
     n_train = int(a.sequences * (1 - a.val_fraction))
     weights = a.params * 2 / GIB  # bfloat16
     per_layer = tokens * a.width * 2 / GIB  # float16 storage (auto may pick float32 for a layer: twice that)
+    # the extract's own estimate (layers, position-0 arrays, ids, the score's pool), as its plan prints it
+    extract_bytes = estimate_bytes(
+        a.sequences, a.seq_len, a.width, ["float16"] * layers, a.batch, a.pool, a.val_fraction
+    )
     rows = [
         (
             "extract",
-            per_layer * layers + a.pool * a.width * 2 * layers / GIB,
+            extract_bytes / GIB,
             a.batch * a.seq_len * a.width * layers * 4 / GIB * 2 + 2,
             weights + a.batch * a.seq_len * a.width * 4 * 40 / GIB,
             max(tokens / a.forward_tps, per_layer * layers / a.disk_gibps) / 60,

@@ -36,6 +36,8 @@ def resolved_config(cfg: ExtractConfig) -> dict:
     resolved = asdict(cfg)
     if cfg.data.dataset == "pydoc":
         resolved["pydoc_python"] = data_mod.python_version_tag()
+    if cfg.store_dtype != "float32":  # float16 layers keep position 0 apart (pos0/<l>): other bytes, other id
+        resolved["position0"] = "float32 apart"
     return resolved
 
 
@@ -86,16 +88,20 @@ def plan(cfg: ExtractConfig) -> Plan:
             f"--seq-len {cfg.data.seq_len} exceeds the model's context of {max_pos} tokens; use a smaller --seq-len"
         )
     n = cfg.data.max_sequences
-    est = estimate_bytes(n, cfg.data.seq_len, config.hidden_size, len(layers), cfg.store_dtype) if n else None
+    est = disk_estimate(cfg, n, config.hidden_size, len(layers)) if n else None
     return Plan(layers, num_blocks, config.hidden_size, n, est, identity)
 
 
-def estimate_bytes(n_seq: int, seq_len: int, width: int, n_layers: int, store_dtype: str) -> int:
-    itemsize = 4 if store_dtype == "float32" else 2  # auto: float16 unless a layer needs more
-    return n_seq * seq_len * (width * n_layers * itemsize + 5)
+def disk_estimate(cfg: ExtractConfig, n_seq: int, width: int, n_layers: int) -> int:
+    """hidden_states.estimate_bytes for this extract (auto counted as float16, what it picks when the
+    layers' positions >= 1 fit)."""
+    dtypes = ["float32" if cfg.store_dtype == "float32" else "float16"] * n_layers
+    d = cfg.data
+    return hs.estimate_bytes(n_seq, d.seq_len, width, dtypes, cfg.batch_size, cfg.score_pool, d.val_fraction)
 
 
 def check_float16(layer: int, values: torch.Tensor, chosen: str) -> None:
+    """values: positions >= 1 (position 0 is kept apart in float32)."""
     peak = float(values.abs().max())
     if not np.isfinite(peak) or peak > FLOAT16_MAX:
         why = " (auto chose float16 from the first batch)" if chosen == "auto" else ""
@@ -106,10 +112,11 @@ def check_float16(layer: int, values: torch.Tensor, chosen: str) -> None:
 
 
 def choose_dtypes(states: dict[int, torch.Tensor], store_dtype: str) -> dict[int, str]:
-    """Per layer: the asked dtype, or under auto float16 where the first batch fits with headroom."""
+    """Per layer: the asked dtype, or under auto float16 where the first batch's positions >= 1 fit with
+    headroom (position 0, the start token's state, is kept apart in float32 whatever its size)."""
     if store_dtype != "auto":
         return {layer: store_dtype for layer in states}
-    peaks = {layer: float(v.abs().max()) for layer, v in states.items()}
+    peaks = {layer: float(v[:, 1:].abs().max()) for layer, v in states.items()}
     return {
         layer: "float16" if np.isfinite(p) and p * AUTO_HEADROOM <= FLOAT16_MAX else "float32"
         for layer, p in peaks.items()
@@ -137,7 +144,7 @@ def run(
     layers = parse_layers(cfg.layers, loaded.num_blocks)
     packed = data_mod.pack(cfg.data, loaded.tokenizer, loaded.max_positions)
     n_seq, seq_len = packed.input_ids.shape[0], cfg.data.seq_len
-    est = estimate_bytes(n_seq, seq_len, loaded.width, len(layers), cfg.store_dtype)
+    est = disk_estimate(cfg, n_seq, loaded.width, len(layers))
     progress.log(
         f"plan: {n_seq} sequences x {seq_len} tokens, {len(layers)} layers, "
         f"about {est / 2**20:.1f} MiB on disk under {store.root}"
@@ -247,11 +254,14 @@ def _extract_chunks(
             ids = torch.from_numpy(input_ids[start:stop].astype(np.int64)).to(device)
             mask = torch.ones_like(ids)
             states = run_capture(loaded.model, captured, ids, mask)
-            arrays, pool, samples = {}, hs.pool_rows(group, index, start), {}
+            arrays, pool, samples, starts = {}, hs.pool_rows(group, index, start), {}, {}
             for layer in layers:
-                if dtypes[layer] == "float16":
-                    check_float16(layer, states[layer], cfg.store_dtype)
-                arrays[layer] = states[layer].to("cpu", torch.float32).numpy().astype(dtypes[layer])
+                values = states[layer].to("cpu", torch.float32).numpy()
+                if dtypes[layer] == "float16":  # position 0 goes apart, exact; the rest must fit
+                    check_float16(layer, states[layer][:, 1:], cfg.store_dtype)
+                    starts[layer] = values[:, 0].copy()
+                    values[:, 0] = np.clip(values[:, 0], -FLOAT16_MAX, FLOAT16_MAX)
+                arrays[layer] = values.astype(dtypes[layer])
                 if pool is not None:
                     samples[layer] = arrays[layer][pool[0], pool[1]]
             if pending is not None:
@@ -265,6 +275,7 @@ def _extract_chunks(
                 input_ids[start:stop],
                 mask.cpu().numpy().astype(np.int8),
                 samples,
+                starts,
                 (stop - start) * seq_len,
             )
         if pending is not None:
@@ -272,6 +283,6 @@ def _extract_chunks(
     progress.stop()
 
 
-def _write(group, index, start, arrays, ids, mask, samples, tokens: int) -> int:
-    hs.write_chunk(group, index, start, arrays, ids, mask, samples)
+def _write(group, index, start, arrays, ids, mask, samples, starts, tokens: int) -> int:
+    hs.write_chunk(group, index, start, arrays, ids, mask, samples, starts)
     return tokens

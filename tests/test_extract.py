@@ -314,12 +314,15 @@ def test_float16_overflow_is_detected_with_the_fix_named(tmp_path, root):
 def test_auto_store_dtype_rule():
     from dihal.stages.extract import AUTO_HEADROOM, FLOAT16_MAX, check_float16, choose_dtypes
 
-    fits, near, over = (
-        torch.full((2, 3), 100.0),
-        torch.full((2, 3), FLOAT16_MAX / AUTO_HEADROOM * 1.01),
-        torch.full((1,), 7e4),
+    fits, near, over = (  # (batch, positions, width)
+        torch.full((2, 4, 3), 100.0),
+        torch.full((2, 4, 3), FLOAT16_MAX / AUTO_HEADROOM * 1.01),
+        torch.full((1, 4, 3), 7e4),
     )
-    assert choose_dtypes({0: fits, 1: near, 2: over}, "auto") == {0: "float16", 1: "float32", 2: "float32"}
+    sink = fits.clone()
+    sink[:, 0] = 1e6  # only the start token's state is huge: it is kept apart, so the layer fits float16
+    dtypes = choose_dtypes({0: fits, 1: near, 2: over, 3: sink}, "auto")
+    assert dtypes == {0: "float16", 1: "float32", 2: "float32", 3: "float16"}
     assert choose_dtypes({0: over}, "float16") == {0: "float16"}
     with pytest.raises(Exception, match="auto chose float16 from the first batch"):
         check_float16(3, over, "auto")

@@ -218,7 +218,11 @@ def test_artifact_ids_do_not_move():
     from dihal.stages.extract import artifact_id_for
 
     data = C.DataConfig(dataset="/data/corpus.txt", seq_len=32)
-    assert artifact_id_for(C.ExtractConfig(model="smollm2-135m", layers="0,3", data=data)) == "41fc8ad98336"
+    float32 = C.ExtractConfig(model="smollm2-135m", layers="0,3", store_dtype="float32", data=data)
+    assert artifact_id_for(float32) == "2126464a0a3a"  # the same bytes as before
+    # auto and float16 extracts now keep position 0 apart (pos0/<l>): other bytes, so another id
+    # than the landed main's 41fc8ad98336 (README, Artifacts)
+    assert artifact_id_for(C.ExtractConfig(model="smollm2-135m", layers="0,3", data=data)) == "d3e3dd0f83cc"
     bridge = C.BridgeConfig.from_protocol("cpu-small", layer=3)
     assert artifact_id("bridge", asdict(bridge), PARENT) == "bd3dce03b649"
     bridge2 = C.BridgeConfig.from_protocol(

@@ -130,13 +130,14 @@ def test_read_positions_reads_the_right_states(tmp_path):
         tmp_path / "h.zarr", layers=[0], n_seq=37, seq_len=5, width=3, dtypes={0: "float16"}, chunk_seqs=4, attrs={}
     )
     group["layers/0"][:] = states
+    exact = states.astype(np.float32)
+    exact[:, 0] = rng.normal(size=(37, 3)) * 1e6  # position 0 kept apart, beyond float16's range
+    group["pos0/0"][:] = exact[:, 0]
     dense = (np.repeat(np.arange(37), 5), np.tile(np.arange(5), 37))
     sparse = (np.array([36, 2, 2, 17, 9]), np.array([4, 0, 3, 1, 2]))
     for seqs, pos in (dense, sparse):
         for max_bytes in (1, 100, 1 << 20):
-            np.testing.assert_array_equal(
-                hs.read_positions(group, 0, seqs, pos, max_bytes=max_bytes), states[seqs, pos]
-            )
+            np.testing.assert_array_equal(hs.read_positions(group, 0, seqs, pos, max_bytes=max_bytes), exact[seqs, pos])
 
 
 def test_normalize_modes_against_numpy():

@@ -56,8 +56,8 @@ class Normalizer:
         width = group[f"layers/{target_layer}"].shape[2]
         y, c, pos0 = RunningMoments(width), RunningMoments(width), np.zeros(width)
         for run in hs.contiguous_runs(group, target_layer, seqs, block_bytes):
-            target = np.asarray(group[f"layers/{target_layer}"][run[0] : run[-1] + 1])
-            cond = np.asarray(group[f"layers/{cond_layer}"][run[0] : run[-1] + 1])
+            target = hs.read_block(group, target_layer, run[0], run[-1] + 1)
+            cond = hs.read_block(group, cond_layer, run[0], run[-1] + 1)
             y.add(target[:, start:])
             c.add(cond[:, start:])
             pos0 += target[:, 0].astype(np.float64).sum(axis=0)
