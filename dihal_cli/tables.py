@@ -199,24 +199,17 @@ def confirm_tables(rows: list[dict], evaluator: str, protocol: str, seeds: str) 
 
 
 def runs_table(root, arts: list) -> Table:
-    """stage, id and status are never cut; parameters, created and size give way first at 80 columns."""
+    """stage, id, status and created are never cut; parameters and size give way first at 80 columns."""
     out = Table(
         title=f"artifacts under {root}", box=box.SIMPLE_HEAD, pad_edge=False, padding=(0, 1), title_justify="left"
     )
-    for name, whole in (("stage", 8), ("id", 12), ("status", 8)):
+    for name, whole in (("stage", 8), ("id", 12), ("status", 8), ("created", 11)):
         out.add_column(name, no_wrap=True, min_width=whole)
-    out.add_column("parameters", overflow="ellipsis", no_wrap=True, ratio=1)
-    out.add_column("created", overflow="ellipsis", no_wrap=True, max_width=16)
+    out.add_column("parameters", overflow="ellipsis", no_wrap=True, max_width=40)
     out.add_column("size", overflow="ellipsis", no_wrap=True, justify="right", max_width=9)
     for art in arts:
         cfg = art.config
         keys = [f"{k}={cfg[k]}" for k in ("model", "layer", "layers", "protocol", "mode") if cfg.get(k) is not None]
-        out.add_row(
-            art.stage,
-            art.id,
-            art.status,
-            " ".join(keys),
-            art.manifest.get("created", "")[:16].replace("T", " "),
-            human_size(art.manifest.get("size_bytes")),
-        )
+        created = art.manifest.get("created", "")[5:16].replace("T", " ")  # MM-DD HH:MM
+        out.add_row(art.stage, art.id, art.status, created, " ".join(keys), human_size(art.manifest.get("size_bytes")))
     return out

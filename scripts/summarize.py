@@ -34,6 +34,19 @@ def main_bridge(store: ArtifactStore):
     return store.load("bridge", generate.manifest["parents"]["bridge"]) if generate else latest(store, "bridge")
 
 
+def fidelity_row(r: dict) -> str:
+    return f"top-1 {r['top1_agreement']:.3f}, KL {r['kl']:.3f}, ppl {r['ppl_hybrid']:.1f} vs {r['ppl_original']:.1f}"
+
+
+def text_name(source: str) -> str:
+    """What a fidelity evaluation was measured on, in words."""
+    if source == "extract validation split":
+        return "held-out text (validation split)"
+    if source.startswith("dataset "):
+        return f"other text: {source[len('dataset ') :]}"
+    return f"the backbone's own samples ({source})"
+
+
 def rows_for(store: ArtifactStore) -> list[tuple[str, str]]:
     rows = []
     score = latest(store, "score")
@@ -53,34 +66,26 @@ def rows_for(store: ArtifactStore) -> list[tuple[str, str]]:
     bridge = main_bridge(store)
     if bridge:
         m = bridge.manifest["metrics"]
-        rows.append(
-            (f"bridge layer {bridge.config['layer']} ({bridge.config['protocol']}) val loss", f"{m['val_loss']:.4f}")
-        )
-    fidelity = latest(store, "evaluate", "fidelity", ("bridge", bridge.id)) if bridge else None
-    if fidelity:
-        for r in fidelity.manifest["metrics"]["fidelity"]:
-            rows.append(
-                (
-                    f"fidelity @ {r['steps']} steps: top-1 / KL / rel.err / cos",
-                    f"{r['top1_agreement']:.3f} / {r['kl']:.3f} / {r['rel_recon_error']:.3f} / {r['cosine']:.3f}",
-                )
-            )
-            rows.append(
-                (
-                    f"perplexity @ {r['steps']} steps: hybrid / original",
-                    f"{r['ppl_hybrid']:.2f} / {r['ppl_original']:.2f}",
-                )
-            )
+        rows.append((f"bridge layer {bridge.config['layer']} ({m['steps']} steps) val loss", f"{m['val_loss']:.4f}"))
+        evaluations = [
+            a for a in store.all("evaluate")
+            if a.complete and a.config.get("kind") == "fidelity" and a.manifest["parents"].get("bridge") == bridge.id
+        ]  # fmt: skip
+        for art in evaluations:  # one row per text the bridge was measured on, at 8 Euler steps (or the most)
+            m = art.manifest["metrics"]
+            r = next((r for r in m["fidelity"] if r["steps"] == 8), m["fidelity"][-1])
+            rows.append((f"fidelity on {text_name(m.get('source', ''))}, {r['steps']} steps", fidelity_row(r)))
     samples = latest(store, "evaluate", "samples")
     if samples:
         for r in samples.manifest["metrics"]["rows"]:
-            rows.append(
-                (
-                    f"{r['model']}: Gen.PPL token / mean, diversity",
-                    f"{r['gen_ppl_token']:.2f} / {r['gen_ppl_mean']:.2f}, {r['diversity']:.4f}",
-                )
-            )
+            rows.append((f"{r['model']}: Gen.PPL, diversity", f"{r['gen_ppl_token']:.1f}, {r['diversity']:.3f}"))
     return rows
+
+
+def plots_for(store: ArtifactStore) -> list[str]:
+    arts = ((latest(store, "score"), "scores.png"), (main_bridge(store), "loss_curve.png"))
+    arts += ((latest(store, "sweep"), "sweep.png"),)
+    return [str(a.path / name) for a, name in arts if a is not None and (a.path / name).exists()]
 
 
 def main(root: str, out: str) -> None:
@@ -88,14 +93,18 @@ def main(root: str, out: str) -> None:
     if not rows:
         raise DihalError(f"no complete artifacts under {root}")
     table = Table(title=f"DiHAL summary ({root})")
-    table.add_column("quantity")
-    table.add_column("value")
+    table.add_column("quantity", overflow="fold")
+    table.add_column("value", overflow="fold")
     for k, v in rows:
         table.add_row(k, v)
     Console().print(table)
+    plots = plots_for(ArtifactStore(root))
+    for path in plots:
+        print(f"plot: {path}")
     with open(out, "w") as fh:
         fh.write(f"# DiHAL summary: {root}\n\n| quantity | value |\n|---|---|\n")
         fh.writelines(f"| {k} | {v} |\n" for k, v in rows)
+        fh.writelines(f"\nplot: `{path}`\n" for path in plots)
     print(f"written: {out}")
 
 
@@ -205,10 +214,18 @@ def claims(out: str, roots: list[str]) -> None:
     for column in ("claim", "paper", *heads):
         table.add_column(column)
     lines = ["| claim | paper | " + " | ".join(heads) + " |", "|---|---|" + "---|" * len(roots)]
+    ran = 0
     for number, check in checks.items():
-        cells = [f"{ours} -> **{verdict}**" for ours, verdict in (check(store) for store in stores.values())]
+        results = [check(store) for store in stores.values()]
+        if all(ours == "not run" for ours, _ in results):
+            continue  # only the claims that were run
+        ran += 1
+        cells = [f"{ours} -> **{verdict}**" for ours, verdict in results]
         table.add_row(f"{number}. {CLAIMS[number]}", PAPER[number], *cells)
         lines.append(f"| {number}. {CLAIMS[number]} | {PAPER[number]} | " + " | ".join(cells) + " |")
+    if not ran:
+        print("no claim was run here (claims 1, 2: dihal sweep; 3: dihal compare; 4: dihal confirm)")
+        return
     Console().print(table)
     with open(out, "w") as fh:
         fh.write("# The paper's claims, checked\n\n" + "\n".join(lines) + "\n")

@@ -77,3 +77,23 @@ def test_runs_list_and_show(tmp_path, monkeypatch):
     assert shown.exit_code == 0 and f"<- extract {parent.id}" in shown.output
     assert invoke("runs", "latest", "score").output.strip() == child.id
     assert invoke("runs", "show", "nope").exit_code == 2
+
+
+def test_runs_list_at_80_columns_keeps_stage_id_and_status_whole(tmp_path):
+    """Less important columns give way first: every stage, full id and status reads back whole."""
+    from tests.conftest import run_cli
+
+    store = ArtifactStore(tmp_path)
+    made = []
+    long_model = {"model": "/a/long/path/to/some/local/model-directory", "layers": "all"}
+    for stage, cfg in (("extract", long_model), ("evaluate", {"kind": "fidelity"}), ("generate", {"mode": "parallel"})):
+        art = store.begin(stage, cfg, {})
+        if stage != "generate":
+            art.finish()  # the generate artifact stays 'running'
+        made.append(art)
+    proc = run_cli("runs", "list", "--root", str(tmp_path), env={"COLUMNS": "80"}, check=True)
+    lines = proc.stdout.splitlines()
+    assert max(len(line) for line in lines) <= 80
+    for art in made:
+        row = next(line for line in lines if art.id in line)  # the full 12-digit id
+        assert row.split()[:3] == [art.stage, art.id, store.load(art.stage, art.id).status]

@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# README's main job: the whole DiHAL chain once, on the embedded default (smollm2-135m, the builtin
+# pydoc corpus), sized for a laptop: extract -> score -> train-bridge at l* -> evaluate -> generate ->
+# evaluate, then one summary table. The extended checks (score draws, robust proxies, fidelity
+# elsewhere, the sweep, claim 4) are in scripts/reproduce_cpu.sh.
+#   MODEL=gemma3-270m, SEQUENCES, BRIDGE_STEPS, DEVICE, DTYPE and DIHAL_ROOT change what it runs.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+MODEL=${MODEL:-smollm2-135m}
+export DIHAL_ROOT=${DIHAL_ROOT:-runs/main-$(basename "$MODEL")}
+DEV="--device ${DEVICE:-cpu} --dtype ${DTYPE:-float32}"
+SEQUENCES=${SEQUENCES:-384}
+STEPS=${BRIDGE_STEPS:-300}
+step() { echo "== step $1/6: $2 ($(date +%H:%M:%S))"; }
+
+step 1 "extract every layer of $MODEL on pydoc, $SEQUENCES sequences of 64 tokens"
+dihal extract --model "$MODEL" --dataset pydoc --max-sequences "$SEQUENCES" $DEV
+EXTRACT=$(dihal runs latest extract)
+
+step 2 "score every layer by the geometry of its hidden states (docs/method.md section 1)"
+dihal score --extract "$EXTRACT"
+LSTAR=$(dihal score --extract "$EXTRACT" --json | python3 -c "import json,sys; print(json.load(sys.stdin)['l_star'])")
+
+step 3 "train the bridge that replaces the embeddings and blocks 1..$LSTAR ($STEPS steps)"
+dihal train-bridge --layer "$LSTAR" --extract "$EXTRACT" --train-steps "$STEPS" $DEV
+BRIDGE=$(dihal runs latest bridge)
+
+step 4 "bridge fidelity on held-out pydoc, teacher forced"
+dihal evaluate --bridge "$BRIDGE" --sample-steps 8 $DEV
+
+step 5 "generate with the hybrid and with the original backbone"
+dihal generate --bridge "$BRIDGE" --num-samples 16 --max-new-tokens 48 --baseline original $DEV
+GENERATE=$(dihal runs latest generate)
+
+step 6 "Gen.PPL (under the original backbone) and diversity of both"
+dihal evaluate --samples "$GENERATE" $DEV
+
+python3 scripts/summarize.py "$DIHAL_ROOT" "$DIHAL_ROOT/summary.md"
