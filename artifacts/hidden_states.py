@@ -1,6 +1,9 @@
 """Hidden states on disk: one Zarr v3 group per extract artifact (`<artifact>/hidden.zarr`).
 
     layers/<l>       (n_seq, seq_len, D) float16|float32 (chosen per layer), chunked by blocks of sequences
+                     a float16 layer whose states reach float16's range is stored divided by a power
+                     of two (array attribute `scale`, 2^k; exponent only, so float16's precision is
+                     kept) and every reader multiplies back, so auto needs float32 almost never
     pos0/<l>         (n_seq, D) float32       position 0 (the start token, the attention sink) of a float16
                                               layer, kept exactly: its state can exceed float16's range
                                               (24,926 in smollm2-135m) where every other position fits.
@@ -47,6 +50,7 @@ def create(
     dtypes: dict[int, str],
     chunk_seqs: int,
     attrs: dict,
+    scales: dict[int, float] | None = None,
 ) -> zarr.Group:
     """Create the group (or reopen it unchanged when it already exists, for resume)."""
     if (path / "zarr.json").exists():
@@ -61,6 +65,8 @@ def create(
             fill_value=0,
             compressors=None,
         )
+        if (scales or {}).get(layer, 1.0) != 1.0:
+            group[f"layers/{layer}"].attrs["scale"] = scales[layer]
         if dtypes[layer] == "float16":
             group.create_array(
                 f"pos0/{layer}", shape=(n_seq, width), chunks=(chunk_seqs, width), dtype="float32", compressors=None
@@ -138,7 +144,7 @@ def read_pool(group: zarr.Group, layer: int) -> tuple[np.ndarray, np.ndarray, np
     """The whole pool of one layer: (sequences, positions, states), padding dropped."""
     seqs, positions = np.asarray(group["sample_seq"][:]), np.asarray(group["sample_pos"][:])
     keep = seqs >= 0
-    return seqs[keep], positions[keep], np.asarray(group[f"sample/{layer}"][:])[keep]
+    return seqs[keep], positions[keep], _unscaled(group, layer, np.asarray(group[f"sample/{layer}"][:])[keep])
 
 
 def open_group(path: Path) -> zarr.Group:
@@ -180,6 +186,17 @@ def committed_chunks(group: zarr.Group) -> np.ndarray:
     return np.asarray(group["committed"][:], dtype=bool)
 
 
+def layer_scales(group: zarr.Group) -> dict[int, float]:
+    """Per layer, the power of two its float16 array was divided by (1.0: none)."""
+    return {layer: float(group[f"layers/{layer}"].attrs.get("scale", 1.0)) for layer in stored_layers(group)}
+
+
+def _unscaled(group: zarr.Group, layer: int, stored: np.ndarray) -> np.ndarray:
+    """Stored values of a layer (or of its pool) in the layer's own units."""
+    scale = float(group[f"layers/{layer}"].attrs.get("scale", 1.0))
+    return stored if scale == 1.0 else stored.astype(np.float32) * np.float32(scale)
+
+
 def layer_dtypes(group: zarr.Group) -> dict[int, str]:
     return {layer: str(group[f"layers/{layer}"].dtype) for layer in stored_layers(group)}
 
@@ -217,6 +234,7 @@ def _pos0(group: zarr.Group, layer: int):
 def with_pos0(group: zarr.Group, layer: int, states: np.ndarray, seq_idx: np.ndarray) -> np.ndarray:
     """states (n, seq_len, D) of sequences seq_idx as stored, with position 0 put back exactly
     (float32) where the extract kept it apart."""
+    states = _unscaled(group, layer, states)
     pos0 = _pos0(group, layer)
     if pos0 is None:
         return states
@@ -244,6 +262,7 @@ def read_positions(
     for start, stop in _chunk_runs(seqs, array.chunks[0], array.shape[0], max_bytes // seq_bytes):
         lo, hi = np.searchsorted(seqs, [start, stop])
         out[order[lo:hi]] = array[start:stop][seqs[lo:hi] - start, positions[lo:hi]]
+    out = _unscaled(group, layer, out)
     pos0, first = _pos0(group, layer), np.flatnonzero(np.asarray(pos_idx) == 0)
     if pos0 is not None:  # a float16 layer reads as float32, position 0 exact
         out = out.astype(np.float32)

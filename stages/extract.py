@@ -8,6 +8,7 @@ the same bytes as an uninterrupted one. Under torchrun, rank r takes chunks r, r
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import shutil
 from concurrent.futures import ThreadPoolExecutor
@@ -36,8 +37,8 @@ def resolved_config(cfg: ExtractConfig) -> dict:
     resolved = asdict(cfg)
     if cfg.data.dataset == "pydoc":
         resolved["pydoc_python"] = data_mod.python_version_tag()
-    if cfg.store_dtype != "float32":  # float16 layers keep position 0 apart (pos0/<l>): other bytes, other id
-        resolved["position0"] = "float32 apart"
+    if cfg.store_dtype != "float32":  # float16 layers keep position 0 apart (pos0/<l>) and auto scales them
+        resolved["float16_layout"] = "position 0 apart in float32; auto divides a layer by 2^k to fit"
     return resolved
 
 
@@ -111,16 +112,25 @@ def check_float16(layer: int, values: torch.Tensor, chosen: str) -> None:
         )
 
 
-def choose_dtypes(states: dict[int, torch.Tensor], store_dtype: str) -> dict[int, str]:
-    """Per layer: the asked dtype, or under auto float16 where the first batch's positions >= 1 fit with
-    headroom (position 0, the start token's state, is kept apart in float32 whatever its size)."""
+MAX_SCALE_EXP = 16  # auto: a float16 layer is stored divided by at most 2^16, else float32
+
+
+def choose_storage(states: dict[int, torch.Tensor], store_dtype: str) -> tuple[dict[int, str], dict[int, float]]:
+    """Per layer (dtype, scale) from the first batch. Asked for float16 or float32: that, unscaled.
+    Under auto: float16, divided by the smallest power of two 2^k that brings the first batch's
+    positions >= 1 under 65504 / 4 (k = 0 for most layers). A power of two changes only the
+    exponent, so the layer keeps float16's 11 significant bits; readers multiply back. float32
+    only where no such k <= MAX_SCALE_EXP exists (a non-finite state). Position 0, the start
+    token's state, is kept apart in float32 whatever its size."""
     if store_dtype != "auto":
-        return {layer: store_dtype for layer in states}
-    peaks = {layer: float(v[:, 1:].abs().max()) for layer, v in states.items()}
-    return {
-        layer: "float16" if np.isfinite(p) and p * AUTO_HEADROOM <= FLOAT16_MAX else "float32"
-        for layer, p in peaks.items()
-    }
+        return {layer: store_dtype for layer in states}, {layer: 1.0 for layer in states}
+    dtypes, scales = {}, {}
+    for layer, v in states.items():
+        peak = float(v[:, 1:].abs().max()) * AUTO_HEADROOM
+        k = max(0, math.ceil(math.log2(peak / FLOAT16_MAX))) if np.isfinite(peak) and peak > 0 else 0
+        fits = np.isfinite(peak) and k <= MAX_SCALE_EXP
+        dtypes[layer], scales[layer] = ("float16", float(2**k)) if fits else ("float32", 1.0)
+    return dtypes, scales
 
 
 def run(
@@ -179,7 +189,7 @@ def run(
             if not (zarr_path / "zarr.json").exists():
                 first = torch.from_numpy(packed.input_ids[: cfg.batch_size].astype(np.int64)).to(loaded.device)
                 with torch.no_grad(), capture_layers(loaded.model, layers) as captured:
-                    dtypes = choose_dtypes(run_capture(loaded.model, captured, first), cfg.store_dtype)
+                    dtypes, scales = choose_storage(run_capture(loaded.model, captured, first), cfg.store_dtype)
                 building = zarr_path.with_name("hidden.zarr.tmp")  # renamed once split and pool are in
                 shutil.rmtree(building, ignore_errors=True)
                 group = hs.create(
@@ -195,6 +205,7 @@ def run(
                         "model": loaded.identity["name"],
                         "start_token": packed.start_token,
                     },
+                    scales,
                 )
                 group["split"][:] = packed.split
                 if cfg.score_pool:
@@ -216,6 +227,7 @@ def run(
                 "width": loaded.width,
                 "num_blocks": loaded.num_blocks,
                 "store_dtypes": hs.layer_dtypes(group),
+                "store_scales": {k: v for k, v in hs.layer_scales(group).items() if v != 1.0},
                 "start_token": packed.start_token,
             }
     return store.load(STAGE, art_id)
@@ -238,7 +250,7 @@ def _extract_chunks(
     seq_len = cfg.data.seq_len
     chunks = hs.chunk_ranges(input_ids.shape[0], cfg.batch_size)
     done = hs.committed_chunks(group)
-    dtypes = hs.layer_dtypes(group)
+    dtypes, scales = hs.layer_dtypes(group), hs.layer_scales(group)
     mine = [i for i in range(len(chunks)) if i % world == rank and not done[i]]
     total_tokens = sum((chunks[i][1] - chunks[i][0]) * seq_len for i in mine)
     if done.any():
@@ -257,9 +269,10 @@ def _extract_chunks(
             arrays, pool, samples, starts = {}, hs.pool_rows(group, index, start), {}, {}
             for layer in layers:
                 values = states[layer].to("cpu", torch.float32).numpy()
-                if dtypes[layer] == "float16":  # position 0 goes apart, exact; the rest must fit
-                    check_float16(layer, states[layer][:, 1:], cfg.store_dtype)
+                if dtypes[layer] == "float16":  # position 0 goes apart, exact; the rest, scaled, must fit
                     starts[layer] = values[:, 0].copy()
+                    values = values / scales[layer]
+                    check_float16(layer, torch.from_numpy(values[:, 1:]), cfg.store_dtype)
                     values[:, 0] = np.clip(values[:, 0], -FLOAT16_MAX, FLOAT16_MAX)
                 arrays[layer] = values.astype(dtypes[layer])
                 if pool is not None:

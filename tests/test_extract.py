@@ -300,19 +300,26 @@ def test_float16_overflow_is_detected_with_the_fix_named(tmp_path, root):
     res = invoke(*args, "--store-dtype", "float16")
     assert res.exit_code == 2 and "beyond float16's range" in res.output and "--store-dtype float32" in res.output
     assert _only_artifact(root).status == "failed"
-    auto = invoke(*args)  # the default, auto: float32 where float16 would not hold the values
+    auto = invoke(*args)  # the default, auto: float16 divided by a power of two where the values need it
     assert auto.exit_code == 0, auto.output
     art = [a for a in ArtifactStore(root).all("extract") if a.complete][0]
-    dtypes = art.manifest["metrics"]["store_dtypes"]
-    assert dtypes["0"] == "float32" if "0" in dtypes else dtypes[0] == "float32"
+    assert art.manifest["metrics"]["store_dtypes"]["0"] == "float16"
+    scale = art.manifest["metrics"]["store_scales"]["0"]
+    assert scale == 2.0 ** round(np.log2(scale)) and scale > 1
     group = hs.open_group(art.path / "hidden.zarr")
-    assert str(group["layers/0"].dtype) == "float32"
-    stored = np.asarray(group["layers/0"][:])
+    assert str(group["layers/0"].dtype) == "float16" and group["layers/0"].attrs["scale"] == scale
+    ids = torch.from_numpy(np.asarray(group["input_ids"][:]).astype(np.int64))
+    with torch.no_grad():  # an independent forward; the embeddings are layer 0
+        reference = model.model.embed_tokens(ids).float().numpy()
+    stored = hs.read_sequences(group, 0, np.arange(ids.shape[0]))
     assert np.abs(stored).max() > 65504 and np.isfinite(stored).all()
+    np.testing.assert_allclose(stored, reference, rtol=2.0**-11)  # float16's precision, at any scale
+    seqs, positions, pool = hs.read_pool(group, 0)  # the score's pool reads back in the same units
+    np.testing.assert_allclose(pool, reference[seqs, positions], rtol=2.0**-11)
 
 
 def test_auto_store_dtype_rule():
-    from dihal.stages.extract import AUTO_HEADROOM, FLOAT16_MAX, check_float16, choose_dtypes
+    from dihal.stages.extract import AUTO_HEADROOM, FLOAT16_MAX, check_float16, choose_storage
 
     fits, near, over = (  # (batch, positions, width)
         torch.full((2, 4, 3), 100.0),
@@ -321,9 +328,12 @@ def test_auto_store_dtype_rule():
     )
     sink = fits.clone()
     sink[:, 0] = 1e6  # only the start token's state is huge: it is kept apart, so the layer fits float16
-    dtypes = choose_dtypes({0: fits, 1: near, 2: over, 3: sink}, "auto")
-    assert dtypes == {0: "float16", 1: "float32", 2: "float32", 3: "float16"}
-    assert choose_dtypes({0: over}, "float16") == {0: "float16"}
+    broken = torch.full((1, 4, 3), float("inf"))
+    dtypes, scales = choose_storage({0: fits, 1: near, 2: over, 3: sink, 4: broken}, "auto")
+    assert dtypes == {0: "float16", 1: "float16", 2: "float16", 3: "float16", 4: "float32"}
+    # the smallest power of two that brings 4x the peak under 65504: 1, 2 (1.01 x the limit), 8 (7e4 x 4)
+    assert scales == {0: 1.0, 1: 2.0, 2: 8.0, 3: 1.0, 4: 1.0}
+    assert choose_storage({0: over}, "float16") == ({0: "float16"}, {0: 1.0})
     with pytest.raises(Exception, match="auto chose float16 from the first batch"):
         check_float16(3, over, "auto")
 
