@@ -33,6 +33,7 @@ class Proxy:
     in_score: bool  # its z-score (times sign) is a term of S
     fn: str  # "module:function" of a score.Geometry (one layer's sampled states) -> float
     doc: str
+    embeddings: bool = False  # reads the token embeddings at the same positions (score.Embeddings)
 
     @property
     def predictor(self) -> str:
@@ -49,6 +50,9 @@ PROXIES: dict[str, Proxy] = {
         Proxy("k_hat", -1, True, f"{_SCORE}:k_hat", "effective rank tr(Sigma) / lambda_max"),
         Proxy("participation_ratio", None, False, f"{_SCORE}:participation_ratio", "tr(Sigma)^2 / tr(Sigma^2)"),
         Proxy("entropy_rank", None, False, f"{_SCORE}:entropy_rank", "exp of the spectrum's entropy"),
+        # dihal's own, not the paper's: how much of h_l a ridge map from the token embeddings explains
+        Proxy("r2_token", +1, False, f"{_SCORE}:r2_token", "held-out R^2 of h_0 -> h_l, the token alone", True),
+        Proxy("r2_context", +1, False, f"{_SCORE}:r2_context", "held-out R^2 of h_0 -> h_l, 4-token window", True),
     )
 }
 

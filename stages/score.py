@@ -193,10 +193,11 @@ def spectrum_stats(eig: torch.Tensor) -> dict[str, float]:
 
 class Geometry:
     """One layer's sampled states X (already normalized, float64), what the proxies read: the
-    score's settings, the m_mono pairs, and the spectrum of Sigma computed once for all."""
+    score's settings, the m_mono pairs, the spectrum of Sigma computed once for all, and the token
+    embeddings at the same positions (None where the extract has no layer 0)."""
 
-    def __init__(self, x: torch.Tensor, cfg: ScoreConfig, pairs: tuple[np.ndarray, np.ndarray]):
-        self.x, self.cfg, self.pairs = x, cfg, pairs
+    def __init__(self, x: torch.Tensor, cfg: ScoreConfig, pairs, embeddings: Embeddings | None = None):
+        self.x, self.cfg, self.pairs, self.embeddings = x, cfg, pairs, embeddings
 
     @functools.cached_property
     def spectrum(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -224,10 +225,72 @@ def entropy_rank(g: Geometry) -> float:
     return spectrum_stats(g.spectrum[0])["entropy_rank"]
 
 
-def layer_proxies(x: torch.Tensor, cfg: ScoreConfig, pairs: tuple[np.ndarray, np.ndarray]) -> dict[str, float]:
-    """Every registered proxy of one layer, X already normalized, float64."""
-    g = Geometry(x, cfg, pairs)
-    return {p.name: registry.resolve(p.fn)(g) for p in registry.PROXIES.values()}
+def r2_token(g: Geometry) -> float:
+    return g.embeddings.r2(g.x, 1) if g.embeddings is not None else float("nan")
+
+
+def r2_context(g: Geometry) -> float:
+    return g.embeddings.r2(g.x, Embeddings.WINDOW) if g.embeddings is not None else float("nan")
+
+
+class Embeddings:
+    """dihal's own proxies of how far layer l still is from the embedding interface (docs/method.md
+    section 1, not the paper's): the held-out R^2 of the ridge map from the token embeddings h_0 to
+    h_l at the score's positions, from the token alone (r2_token) and from a causal window of it
+    and its WINDOW - 1 predecessors (r2_context). For one draw of positions it holds the window,
+    a seeded held-out fifth of the positions, and the ridge hat matrices, which do not depend on
+    the layer, so each layer costs one matrix product."""
+
+    WINDOW = 4
+    HELD_OUT = 0.2
+    PENALTY = 1e-3  # x rows: the bridge's ridge skip init (stages/bridge.py ridge_skip), same units
+
+    def __init__(self, window: np.ndarray, seed: int, draw: int, device: str = "cpu"):
+        n = window.shape[0]
+        order = draw_rng(seed, draw).permutation(n)
+        n_test = max(1, int(round(self.HELD_OUT * n)))
+        self.test, self.train = (torch.from_numpy(np.sort(i)).to(device) for i in (order[:n_test], order[n_test:]))
+        x = torch.from_numpy(window).to(device, torch.float64)
+        self.hats = {w: self._hat(x[:, :w].reshape(n, -1)) for w in (1, self.WINDOW)}
+
+    def _hat(self, x: torch.Tensor) -> torch.Tensor:
+        """(n_test, n_train): held-out predictions = hat @ held-in targets, features normalized per
+        dimension with held-in statistics and an intercept, penalty PENALTY x held-in rows."""
+        train, test = x[self.train], x[self.test]
+        mu, sd = train.mean(0), train.std(0).clamp_min(1e-6)
+        ones = lambda m: torch.ones(m.shape[0], 1, dtype=m.dtype, device=m.device)  # noqa: E731
+        train, test = (torch.cat([(m - mu) / sd, ones(m)], dim=1) for m in (train, test))
+        eye = torch.eye(train.shape[1], dtype=train.dtype, device=train.device)
+        gram = train.T @ train + self.PENALTY * len(self.train) * eye
+        return test @ torch.linalg.solve(gram, train.T)
+
+    def r2(self, y: torch.Tensor, width: int) -> float:
+        """1 - SSE / SST on the held-out positions, targets normalized per dimension (as the bridge's)."""
+        train, test = y[self.train], y[self.test]
+        mu, sd = train.mean(0), train.std(0).clamp_min(1e-6)
+        train, test = (train - mu) / sd, (test - mu) / sd
+        residual = test - self.hats[width] @ train
+        return float(1 - (residual**2).sum() / (test**2).sum())
+
+    @classmethod
+    def read(cls, group, seqs, positions, seed: int, draw: int, device: str = "cpu") -> Embeddings | None:
+        """From the extract's layer 0 (None without it): h_0 at p, p-1, ..., p-WINDOW+1 (zeros before 0)."""
+        if 0 not in hs.stored_layers(group):
+            return None
+        unique, where = np.unique(seqs, return_inverse=True)
+        rows = hs.read_sequences(group, 0, unique)  # (U, T, D), position 0 exact
+        window = np.zeros((len(seqs), cls.WINDOW, rows.shape[2]))
+        for j in range(cls.WINDOW):
+            ok = positions - j >= 0
+            window[ok, j] = rows[where[ok], positions[ok] - j]
+        return cls(window, seed, draw, device)
+
+
+def layer_proxies(x: torch.Tensor, cfg: ScoreConfig, pairs, embeddings=None, proxies=None) -> dict[str, float]:
+    """The registered proxies of one layer (every one, or those named), X already normalized, float64."""
+    g = Geometry(x, cfg, pairs, embeddings)
+    chosen = [registry.PROXIES[name] for name in proxies] if proxies else registry.PROXIES.values()
+    return {p.name: registry.resolve(p.fn)(g) for p in chosen}
 
 
 def inliers(raw: torch.Tensor, mads: float) -> torch.Tensor:
@@ -240,15 +303,19 @@ def inliers(raw: torch.Tensor, mads: float) -> torch.Tensor:
     return norms <= median + mads * 1.4826 * mad
 
 
-def layer_row(raw: torch.Tensor, cfg: ScoreConfig, pairs: tuple[np.ndarray, np.ndarray]) -> dict[str, float]:
+def layer_row(raw: torch.Tensor, cfg: ScoreConfig, pairs, embeddings: Embeddings | None = None) -> dict[str, float]:
     """The proxies of one layer's raw states (float64), and with --outlier-mads the robust ones."""
-    row = {**layer_proxies(normalize(raw, cfg.normalize), cfg, pairs), "mean_token_norm": float(raw.norm(dim=1).mean())}
+    row = layer_proxies(normalize(raw, cfg.normalize), cfg, pairs, embeddings)
+    row["mean_token_norm"] = float(raw.norm(dim=1).mean())
     if cfg.outlier_mads is not None:
         keep = inliers(raw, cfg.outlier_mads)
         kept = int(keep.sum())
         if kept <= cfg.k:
             raise DihalError(f"--outlier-mads {cfg.outlier_mads} leaves {kept} positions, not more than --k; raise it")
-        robust = layer_proxies(normalize(raw[keep], cfg.normalize), cfg, sample_pairs(kept, cfg.pairs, cfg.seed))
+        terms = [p.name for p in registry.score_terms()]
+        robust = layer_proxies(
+            normalize(raw[keep], cfg.normalize), cfg, sample_pairs(kept, cfg.pairs, cfg.seed), None, terms
+        )
         row.update({f"{p.name}_robust": robust[p.name] for p in registry.score_terms()})
         row["n_outliers"] = raw.shape[0] - kept
     return row
@@ -342,6 +409,9 @@ def score_layers(
         positions = [sample_positions(group, cfg.split, cfg.tokens, exclude, cfg.seed, d) for d in draws]
         read_layer = lambda layer: [hs.read_positions(group, layer, s, p) for s, p in positions]  # noqa: E731
     pairs = sample_pairs(cfg.tokens, cfg.pairs, cfg.seed)
+    embeddings = [None] * len(positions)
+    if any(p.embeddings for p in registry.PROXIES.values()):  # r2_token, r2_context: h_0 at the same positions
+        embeddings = [Embeddings.read(group, s, p, cfg.seed, d, cfg.device) for d, (s, p) in enumerate(positions)]
     rows = []
     progress.start("score", len(layers) * len(draws), "layer x draw" if cfg.bootstrap else "layer")
     with ThreadPoolExecutor(max_workers=1) as reader:  # reads layer l+1 while layer l is scored
@@ -356,7 +426,7 @@ def score_layers(
                 pending = read(layers[position + 1])
             for draw, states in enumerate(per_draw):
                 raw = torch.from_numpy(states).to(cfg.device, torch.float64)
-                rows.append({"draw": draw, "layer": layer, **layer_row(raw, cfg, pairs)})
+                rows.append({"draw": draw, "layer": layer, **layer_row(raw, cfg, pairs, embeddings[draw])})
                 progress.advance(1)
     progress.stop()
     long = pd.DataFrame(rows)
@@ -368,6 +438,12 @@ def score_layers(
     return table, boot, *positions[0]
 
 
+def config_dict(cfg: ScoreConfig, layers: list[int]) -> dict:
+    """What a score's id hashes: its config, the candidates resolved, and the registered proxies (a
+    score made before r2_token and r2_context were registered has other columns, so another id)."""
+    return {**asdict(cfg), "candidates": layers, "device": None, "proxies": list(registry.PROXIES)}
+
+
 def run(
     cfg: ScoreConfig, extract: Artifact, store: ArtifactStore, *, force: bool = False, progress: Progress | None = None
 ) -> Artifact:
@@ -376,7 +452,7 @@ def run(
     group = hs.open_group(extract.path / "hidden.zarr")
     num_blocks = int(group.attrs["num_blocks"])
     layers = parse_candidates(cfg.candidates, hs.stored_layers(group), num_blocks)
-    config, parents = {**asdict(cfg), "candidates": layers, "device": None}, {"extract": extract.id}
+    config, parents = config_dict(cfg, layers), {"extract": extract.id}
     if cached := store.cached(STAGE, config, parents, force=force):
         return cached
     with store.writing(
@@ -398,6 +474,11 @@ def run(
             "n_tokens": cfg.tokens,
             "candidates": layers,
             "positions_from": "extract pool" if uses_pool(group, cfg) else "layers",
+            "r2": {  # how r2_token and r2_context were fitted
+                "window": Embeddings.WINDOW,
+                "held_out": Embeddings.HELD_OUT,
+                "ridge_penalty": f"{Embeddings.PENALTY} x held-in rows",
+            },
         }
         for suffix in ("", "_robust") if "S_robust" in table else ("",):
             winner = int(table.loc[table[f"S{suffix}"].idxmax(), "layer"])

@@ -203,8 +203,9 @@ def predictors(scores: pd.DataFrame, mode: str, main: bool) -> dict[str, pd.Seri
     out = {}
     if main:
         out["S"] = scores["S"]
-        for p in registry.predictors():  # each proxy alone, signed by the registry
-            out[p.predictor] = p.sign * scores[p.name]
+        for p in registry.predictors():  # each proxy alone, signed by the registry (where the score has it)
+            if p.name in scores and scores[p.name].notna().any():
+                out[p.predictor] = p.sign * scores[p.name]
         if "S_robust" in scores:
             out["S (robust proxies)"] = scores["S_robust"]
     else:

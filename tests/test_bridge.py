@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from dihal.artifacts.store import ArtifactStore
+from dihal.stages import score as sc
 from dihal.stages.diffusion import flow
 from dihal.stages.diffusion.denoiser import Denoiser, DenoiserConfig
 from tests.conftest import invoke, run_cli
@@ -296,11 +297,17 @@ def test_sweep_over_tiny_model_writes_table_rho_plot(tiny_dirs, root):
         "m_curv alone",
         "m_mono alone",
         "-k_hat alone",
+        "r2_token alone",
+        "r2_context alone",
         "S, normalize=rms",
         "S, normalize=standardize",
         "-depth (baseline)",
     ]
     assert variants.loc["S", "rho"] == pytest.approx(rho)
+    scores = sc.load_table(store.resolve(art.manifest["parents"]["score"], "score")).set_index("layer")
+    for proxy in ("r2_token", "r2_context"):  # dihal's own proxies rank the layers like every other
+        own = spearmanr(scores.loc[table["layer"], proxy], -table["val_loss"])[0]
+        assert variants.loc[f"{proxy} alone", "rho"] == pytest.approx(own)
     assert variants.loc["-depth (baseline)", "rho"] == pytest.approx(spearmanr(-table["layer"], -table["val_loss"])[0])
     assert (
         variants.loc["S", "resampled"] == "seeds+positions"

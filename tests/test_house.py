@@ -222,7 +222,7 @@ def test_artifact_ids_do_not_move():
     assert artifact_id_for(float32) == "2126464a0a3a"  # the same bytes as before
     # auto and float16 extracts now keep position 0 apart (pos0/<l>): other bytes, so another id
     # than the landed main's 41fc8ad98336 (README, Artifacts)
-    assert artifact_id_for(C.ExtractConfig(model="smollm2-135m", layers="0,3", data=data)) == "d3e3dd0f83cc"
+    assert artifact_id_for(C.ExtractConfig(model="smollm2-135m", layers="0,3", data=data)) == "4264ada3be75"
     bridge = C.BridgeConfig.from_protocol("cpu-small", layer=3)
     assert artifact_id("bridge", asdict(bridge), PARENT) == "bd3dce03b649"
     bridge2 = C.BridgeConfig.from_protocol(
@@ -234,8 +234,14 @@ def test_artifact_ids_do_not_move():
     assert artifact_id("decoder", asdict(C.DecoderTrainConfig.from_protocol("compare-cpu")), PARENT) == "a8a443db7c36"
     gen = C.GenerateConfig(mode="parallel", recovery="hidden", num_samples=16)
     assert artifact_id("generate", asdict(gen), {"prior": "0123456789ab"}) == "ec66f62b7c09"
+    from dihal.stages import score as sc
+
     score = {**asdict(C.ScoreConfig(tokens=512, bootstrap=2)), "candidates": [1, 2, 3], "device": None}
-    assert artifact_id("score", score, PARENT) == "a0aa95eb4ce8"
+    assert artifact_id("score", score, PARENT) == "a0aa95eb4ce8"  # the config as the landed main hashed it
+    # a score now also hashes the registered proxies: r2_token and r2_context are new columns (README)
+    assert artifact_id("score", sc.config_dict(C.ScoreConfig(tokens=512, bootstrap=2), [1, 2, 3]), PARENT) == (
+        "4cbcff973dcf"
+    )
     sweep = C.SweepConfig(layers=(1, 2), overrides=(("steps", 20), ("width", 32)))
     assert artifact_id("sweep", asdict(sweep), PARENT) == "6204bf89a0bb"
     assert artifact_id("compare", asdict(C.CompareConfig(overrides=(("steps", 20),))), PARENT) == "59141e67990c"

@@ -195,6 +195,8 @@ def test_score_cli_writes_table_positions_plot(tiny_extract):
         "k_hat",
         "participation_ratio",
         "entropy_rank",
+        "r2_token",
+        "r2_context",
         "mean_token_norm",
         "z_m_curv",
         "S",
@@ -208,6 +210,8 @@ def test_score_cli_writes_table_positions_plot(tiny_extract):
     assert positions["sequence"].shape == (300,) and (positions["position"] != 0).all()
     assert art.file("scores.png").stat().st_size > 1000
     assert art.manifest["config"]["k"] == 10 and art.manifest["parents"]["extract"]
+    assert ((table["r2_token"] > -1) & (table["r2_token"] <= 1) & (table["r2_context"] <= 1)).all()
+    assert art.manifest["metrics"]["r2"] == {"window": 4, "held_out": 0.2, "ridge_penalty": "0.001 x held-in rows"}
     # the stored positions let anyone recompute a layer's numbers
     from dihal.artifacts import hidden_states as hs
 
@@ -360,3 +364,36 @@ def test_score_bootstrap_and_robust_through_the_cli(tiny_extract):
     assert view.exit_code == 0 and "of 3 draws" in view.output and "robust l* =" in view.output
     bad = invoke("score", "--bootstrap", "-1")
     assert bad.exit_code == 2 and "--bootstrap must be at least 0" in bad.output
+
+
+def _r2_window(n: int, d: int, seed: int):
+    """h_0 windows of independent tokens: window[:, j] is the token j places back."""
+    rng = np.random.default_rng(seed)
+    return rng.normal(size=(n, sc.Embeddings.WINDOW, d)), rng
+
+
+def test_r2_token_matches_the_closed_form():
+    """h_l = A h_0 + noise of known size: per dimension i, R^2_i = |A_i|^2 / (|A_i|^2 + sigma^2) for
+    unit-variance tokens; pooled over normalized dimensions, the mean of the R^2_i."""
+    n, d, sigma = 6000, 6, 0.8
+    window, rng = _r2_window(n, d, 0)
+    a = rng.normal(size=(d, d)) * np.linspace(0.3, 2.0, d)[:, None]
+    y = window[:, 0] @ a.T + sigma * rng.normal(size=(n, d))
+    signal = (a**2).sum(axis=1)
+    expected = float(np.mean(signal / (signal + sigma**2)))
+    emb = sc.Embeddings(window, seed=0, draw=0)
+    assert emb.r2(torch.from_numpy(y), 1) == pytest.approx(expected, abs=0.02)
+    assert emb.test.numel() == 1200 and emb.train.numel() == 4800  # a held-out fifth
+
+
+def test_r2_context_sees_the_previous_token_that_r2_token_cannot():
+    n, d, sigma = 6000, 6, 0.5
+    window, rng = _r2_window(n, d, 1)
+    a, b = rng.normal(size=(d, d)), rng.normal(size=(d, d))
+    y = torch.from_numpy(window[:, 0] @ a.T + window[:, 1] @ b.T + sigma * rng.normal(size=(n, d)))
+    sa, sb = (a**2).sum(axis=1), (b**2).sum(axis=1)
+    emb = sc.Embeddings(window, seed=0, draw=0)
+    token, context = emb.r2(y, 1), emb.r2(y, sc.Embeddings.WINDOW)
+    assert token == pytest.approx(float(np.mean(sa / (sa + sb + sigma**2))), abs=0.03)
+    assert context == pytest.approx(float(np.mean((sa + sb) / (sa + sb + sigma**2))), abs=0.03)
+    assert context > token + 0.2
