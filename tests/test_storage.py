@@ -96,3 +96,18 @@ def test_the_main_job_runs_the_chain_and_ends_with_one_summary(tiny_dirs, tmp_pa
     assert "| hybrid: Gen.PPL, diversity |" in summary and "| original: Gen.PPL, diversity |" in summary
     plots = [line.split("`")[1] for line in summary.splitlines() if line.startswith("plot:")]
     assert len(plots) == 2 and all(os.path.exists(p) for p in plots)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("builtin", ["smollm2-135m", "gemma3-270m"])
+def test_the_plan_estimate_holds_for_both_builtins(builtin, root):
+    """The same comparison on the builtins themselves (every layer, their own scales), small."""
+    from dihal.stages import extract as stage
+    from dihal.stages.configs import DataConfig, ExtractConfig
+
+    cfg = ExtractConfig(model=builtin, data=DataConfig(max_sequences=48))
+    estimate = stage.plan(cfg).bytes_estimate
+    art = stage.run(cfg, ArtifactStore(root))
+    written = dir_size(art.path / "hidden.zarr")
+    assert abs(estimate - written) <= 0.1 * written, (estimate, written)
+    assert set(art.manifest["metrics"]["store_dtypes"].values()) == {"float16"}
