@@ -59,7 +59,6 @@ StoreDtype = opt(ExtractConfig, "store_dtype", help="auto (float16 per layer whe
 Device = typer.Option("auto", "--device", help="auto, cpu, cuda or cuda:N.")
 Dtype = typer.Option("auto", "--dtype", help="auto, float32, bfloat16 or float16.")
 Seed = typer.Option(0, "--seed")
-Seeds = typer.Option(..., "--seeds", help="Comma list of seeds, e.g. 0,1,2.")
 Force = typer.Option(False, "--force", help="Recompute even when a complete artifact exists.")
 DryRun = typer.Option(False, "--dry-run", help="Validate every argument, print the plan; load no weights or data.")
 Trust = typer.Option(False, "--trust-remote-code", help="Allow code shipped with a model to run (read it first).")
