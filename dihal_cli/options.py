@@ -31,9 +31,7 @@ def command(name: str | None = None):
 
 
 def default(cls, name: str):
-    """The one default of a config field (a part's protocol: the class's PROTOCOL)."""
-    if name == "protocol" and hasattr(cls, "PROTOCOL"):
-        return cls.PROTOCOL
+    """The one default of a config field (a tuple as the comma list the CLI reads)."""
     field = cls.__dataclass_fields__[name]
     value = field.default if field.default is not MISSING else field.default_factory()
     return ",".join(map(str, value)) if isinstance(value, tuple) else value  # a tuple is a comma list

@@ -176,7 +176,7 @@ class PartRecipe(Recipe):
         """PROTOCOLS[protocol] (the fields cls has) with the non-None settings on top; None keeps the
         protocol's value, and a name that is not a field is refused (never dropped). --epochs alone
         means the run length comes from the epochs."""
-        protocol = protocol or cls.PROTOCOL
+        protocol = protocol or cls.__dataclass_fields__["protocol"].default
         require(protocol in PROTOCOLS, f"unknown --protocol '{protocol}'; use one of {', '.join(PROTOCOLS)}")
         names = {f.name for f in fields(cls)} - {"protocol"}
         unknown = sorted(k for k in settings if k not in names)
@@ -205,7 +205,7 @@ class PartRecipe(Recipe):
 class BridgeConfig(PartRecipe):
     """A bridge's whole recipe (docs/method.md section 2); protocol fields come from PROTOCOLS."""
 
-    PROTOCOL = "cpu-small"
+    protocol: str = "cpu-small"
     layer: int
     depth: int
     objective: str = "flow"
@@ -226,7 +226,7 @@ class BridgeConfig(PartRecipe):
 class PriorConfig(PartRecipe):
     """A sequence prior over normalized states (section 5); protocol fields come from PROTOCOLS."""
 
-    PROTOCOL = "compare-cpu"
+    protocol: str = "compare-cpu"
     layer: int = 0  # 0: normalized h_0; l >= 1: normalized h_l (DiHAL-direct)
     depth: int
     self_condition: bool = False  # SED
@@ -240,7 +240,7 @@ class PriorConfig(PartRecipe):
 class DecoderTrainConfig(PartRecipe):
     """CoDAR's decoder (section 5): the protocol's width, depth DECODER_DEPTH."""
 
-    PROTOCOL = "compare-cpu"
+    protocol: str = "compare-cpu"
     condition_noise: float = COMPARISON_CONDITION_NOISE
 
     def check(self) -> None:

@@ -273,17 +273,22 @@ class Embeddings:
         return float(1 - (residual**2).sum() / (test**2).sum())
 
     @classmethod
-    def read(cls, group, seqs, positions, seed: int, draw: int, device: str = "cpu") -> Embeddings | None:
-        """From the extract's layer 0 (None without it): h_0 at p, p-1, ..., p-WINDOW+1 (zeros before 0)."""
+    def for_draws(cls, group, positions: list, seed: int, device: str = "cpu") -> list[Embeddings | None]:
+        """One per draw of (sequences, positions), from the extract's layer 0 read once for all draws
+        (None each without it): h_0 at p, p-1, ..., p-WINDOW+1, zeros before position 0."""
         if 0 not in hs.stored_layers(group):
-            return None
-        unique, where = np.unique(seqs, return_inverse=True)
+            return [None] * len(positions)
+        unique = np.unique(np.concatenate([seqs for seqs, _ in positions]))
         rows = hs.read_sequences(group, 0, unique)  # (U, T, D), position 0 exact
-        window = np.zeros((len(seqs), cls.WINDOW, rows.shape[2]))
-        for j in range(cls.WINDOW):
-            ok = positions - j >= 0
-            window[ok, j] = rows[where[ok], positions[ok] - j]
-        return cls(window, seed, draw, device)
+        out = []
+        for draw, (seqs, pos) in enumerate(positions):
+            where = np.searchsorted(unique, seqs)
+            window = np.zeros((len(seqs), cls.WINDOW, rows.shape[2]))
+            for j in range(cls.WINDOW):
+                ok = pos - j >= 0
+                window[ok, j] = rows[where[ok], pos[ok] - j]
+            out.append(cls(window, seed, draw, device))
+        return out
 
 
 def layer_proxies(x: torch.Tensor, cfg: ScoreConfig, pairs, embeddings=None, proxies=None) -> dict[str, float]:
@@ -411,7 +416,7 @@ def score_layers(
     pairs = sample_pairs(cfg.tokens, cfg.pairs, cfg.seed)
     embeddings = [None] * len(positions)
     if any(p.embeddings for p in registry.PROXIES.values()):  # r2_token, r2_context: h_0 at the same positions
-        embeddings = [Embeddings.read(group, s, p, cfg.seed, d, cfg.device) for d, (s, p) in enumerate(positions)]
+        embeddings = Embeddings.for_draws(group, positions, cfg.seed, cfg.device)
     rows = []
     progress.start("score", len(layers) * len(draws), "layer x draw" if cfg.bootstrap else "layer")
     with ThreadPoolExecutor(max_workers=1) as reader:  # reads layer l+1 while layer l is scored
