@@ -20,7 +20,7 @@ meaning never change silently: a change that moves ids says so in README.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
+from dataclasses import asdict, dataclass, fields
 
 from dihal.artifacts.errors import DihalError
 from dihal.stages.registry import RECOVERIES
@@ -32,6 +32,7 @@ SPLITS = ("train", "validation")
 PREDICTIONS = ("x0", "velocity")
 SCHEDULES = ("cosine", "constant")
 PRECISIONS = ("float32", "bfloat16")
+SOURCES = ("prior", "null", "oracle")  # what a parallel recovery reads: section 5's controls bracket the prior
 CONFIRM_NAMED = {"l_star": "l_star", "oracle": "oracle_layer", "worst": "worst_layer"}  # --at name -> sweep key
 COMPARISON_CONDITION_NOISE = 0.5  # section 5: sigma_max of the corrupted conditions of decoder and bridges
 DECODER_DEPTH = 2  # section 5: the decoder has the protocol's width and depth 2
@@ -402,7 +403,7 @@ class GenerateConfig(Config):
     prompts: tuple[str, ...] = ()
     num_samples: int = 8
     max_new_tokens: int = 48
-    temperature: float = 1.0
+    temperature: float | None = None  # None: 1.0 where the recovery ends in a distribution; rounding takes none
     top_k: int = 0
     top_p: float = 1.0
     sample_steps: int = 8  # Euler steps of the bridge sampler per position
@@ -412,6 +413,7 @@ class GenerateConfig(Config):
     prior_steps: int = 50  # parallel: Euler steps of the prior
     recovery: str = "rounding"  # parallel: a name of stages/registry.py's RECOVERIES
     clamp: bool = False  # parallel: Diffusion-LM clamping of each step's x0 estimate
+    source: str = "prior"  # parallel: prior (its samples), null (its initial noise), oracle (held-out real states)
     cache: bool = True
     seed: int = 0
     device: str = "cpu"
@@ -425,10 +427,39 @@ class GenerateConfig(Config):
         )
         one_of(self, "recovery", tuple(RECOVERIES))
         require(0 < self.top_p <= 1, f"--top-p must be in (0, 1], got {self.top_p}")
-        require(self.temperature >= 0, f"--temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        require(
+            self.temperature is None or self.temperature >= 0,
+            f"--temperature must be >= 0 (0 = greedy), got {self.temperature}",
+        )
         at_least(self, 0, "top_k")
+        require(
+            not self.rounds or (self.temperature is None and self.top_p == 1 and not self.top_k),
+            "--recovery rounding is deterministic (the cosine-nearest token embedding); "
+            "leave out --temperature, --top-p and --top-k",
+        )
         at_least(self, 1, "prior_steps", "num_samples", "max_new_tokens", "sample_steps", "batch_size")
         one_of(self, "baseline", ("none", "original"))
+        one_of(self, "source", SOURCES)
+        require(self.mode == "parallel" or self.source == "prior", "--source applies to --mode parallel only")
+        require(self.source == "prior" or not self.clamp, "--clamp acts on the prior's steps; --source prior only")
+
+    @property
+    def rounds(self) -> bool:
+        """Its tokens come from rounding (no distribution to sample from)."""
+        return self.mode == "parallel" and self.recovery == "rounding"
+
+    @property
+    def decoding_temperature(self) -> float | None:
+        """The temperature actually used: None for rounding, else the given one or 1.0."""
+        return None if self.rounds else 1.0 if self.temperature is None else self.temperature
+
+    def hashed(self) -> dict:
+        """asdict with the temperature actually used; an AR run (which has no source) at the default
+        temperature keeps the id it had before either existed."""
+        out = {**asdict(self), "temperature": self.decoding_temperature}
+        if self.mode == "ar":
+            out.pop("source")
+        return out
 
 
 # -- claims ----------------------------------------------------------------------------------------------

@@ -3,9 +3,12 @@
 A causal decoder with cross-attention (stages/diffusion/cross_decoder.py) learns to emit a sequence's
 tokens 1..T-1 from its normalized embeddings e = (h_0 - mu_c) / sigma_c at positions 1..T-1,
 teacher forced, with the conditions corrupted as the hidden-state recovery's bridge sees them:
-e + sigma z, sigma ~ U(0, --condition-noise) per sequence. Same protocols and loop as the
+e + sigma z, sigma ~ U(0, --condition-noise) per sequence. Its token input and output are the
+backbone's embedding table, frozen (read from the backbone once, never saved with the weights),
+so only its blocks and projections train, as for the bridge. Same protocols and loop as the
 bridge and the prior (the same steps x batch as the bridge it is compared with); width from the
-protocol, depth 2.
+protocol, depth 2. The manifest records the unigram entropy of the training tokens: the loss of
+a decoder that reads neither its condition nor its context.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from dihal.stages.diffusion.cross_decoder import CrossDecoder, DecoderConfig
 from dihal.stages.diffusion.flow import corrupt
 from dihal.stages.diffusion.normalizer import Normalizer
 from dihal.stages.diffusion.trainer import distributed
+from dihal.stages.lm import decoding
 from dihal.stages.runtime import plotting
 from dihal.stages.runtime.progress import NullProgress, Progress
 
@@ -67,15 +71,21 @@ class DecoderTask:
         return float(F.cross_entropy(net(ids[:, :-1], e).float().transpose(1, 2), ids[:, 1:]))
 
 
-def train(cfg: DecoderTrainConfig, group, art: Artifact, progress: Progress) -> dict:
+def unigram_entropy(ids: np.ndarray) -> float:
+    """Entropy (nats) of the token frequencies of ids: the cross-entropy floor of a decoder that uses
+    neither its condition nor the tokens before."""
+    counts = np.bincount(ids.ravel())
+    p = counts[counts > 0] / counts.sum()
+    return float(-(p * np.log(p)).sum())
+
+
+def train(cfg: DecoderTrainConfig, group, art: Artifact, table: torch.Tensor, progress: Progress) -> dict:
+    """table: the backbone's raw (V, D) embedding table (stages/recover.py's embedding_table)."""
     rank, _ = distributed()
     norm = Normalizer.fit(group, 0, 0, hs.split_indices(group, "train"), 1)
     task = DecoderTask(group, cfg, norm)
-    vocab = (
-        int(art.manifest.get("model", {}).get("vocab_size") or 0) or int(np.asarray(group["input_ids"][:]).max()) + 1
-    )
     net_cfg = DecoderConfig(
-        vocab=vocab,
+        vocab=int(table.shape[0]),
         dim=int(norm.mu_c.shape[0]),
         width=cfg.width,
         depth=DECODER_DEPTH,
@@ -83,7 +93,7 @@ def train(cfg: DecoderTrainConfig, group, art: Artifact, progress: Progress) -> 
         max_len=task.tokens_per_item,
     )
     torch.manual_seed(cfg.seed)
-    net = CrossDecoder(net_cfg)
+    net = CrossDecoder(net_cfg, norm.c(table.float().cpu()))
     start = int(np.asarray(group["input_ids"][:1, 0])[0])
     if rank == 0:
         meta = {"decoder": asdict(net_cfg), "start_token": start, "seq_len": task.tokens_per_item + 1}
@@ -92,12 +102,16 @@ def train(cfg: DecoderTrainConfig, group, art: Artifact, progress: Progress) -> 
     loop = trainer.loop_config(cfg)
     result = trainer.train(task, net, loop, art.path, progress, "decoder")
     log = result.pop("log")
+    floor = unigram_entropy(np.asarray(group["input_ids"].oindex[task.train_seqs])[:, 1:])
     if rank == 0:
-        plotting.loss_curve(log, art.file("loss_curve.png"), f"decoder ({cfg.protocol})", "token cross-entropy")
+        title = f"decoder ({cfg.protocol}); dashed: unigram entropy {floor:.2f}"
+        plotting.loss_curve(log, art.file("loss_curve.png"), title, "token cross-entropy", floor=floor)
     return {
         **result,
         "n_train_sequences": task.n_train,
+        "unigram_entropy": floor,
         "parameters": sum(p.numel() for p in net.parameters()),
+        "frozen_parameters": int(table.numel()),
         "tokens_seen": result["steps"] * result["global_batch"] * task.tokens_per_item,
     }
 
@@ -115,22 +129,37 @@ def run(
     config, parents = asdict(cfg), {"extract": extract.id}
     if cached := store.cached(STAGE, config, parents, force=force):
         return cached
-    train_fn = lambda art, report: train(cfg, group, art, report)  # noqa: E731
+
+    def train_fn(art, report):
+        from dihal.stages.lineage import backbone_for
+        from dihal.stages.recover import embedding_table
+
+        table = embedding_table(backbone_for(extract, "cpu", "float32").model)  # frozen: its values, once
+        return train(cfg, group, art, table, report)
+
     return trainer.write_trained(store, STAGE, config, parents, extract, cfg, train_fn, force=force, progress=progress)
 
 
 class Decoder:
-    """A trained decoder at use time: normalized conditions (B, T', D) -> greedy tokens (B, T')."""
+    """A trained decoder at use time: normalized conditions (B, T', D) -> tokens (B, T')."""
 
     def __init__(self, net: CrossDecoder, start: int, seq_len: int):
         self.net, self.start, self.seq_len = net.eval(), start, seq_len
 
     @staticmethod
-    def load(art: Artifact, device: str = "cpu") -> Decoder:
+    def load(art: Artifact, table: torch.Tensor, device: str = "cpu") -> Decoder:
+        """table: the backbone's raw (V, D) embedding table, which the weights do not hold."""
         meta = json.loads(art.file("decoder.json").read_text())
-        net = CrossDecoder(DecoderConfig(**meta["decoder"]))
+        norm = Normalizer(**files.load_tensors(art.file("stats.safetensors")))
+        net = CrossDecoder(DecoderConfig(**meta["decoder"]), norm.c(table.float().cpu()))
         net.load_state_dict(files.load_tensors(art.file("weights_ema.safetensors")))
         return Decoder(net.to(device), meta["start_token"], meta["seq_len"])
 
-    def tokens(self, e: torch.Tensor) -> torch.Tensor:
-        return self.net.greedy(e, self.start)
+    def tokens(self, e: torch.Tensor, temperature: float = 0.0, top_p: float = 1.0, gens=None) -> torch.Tensor:
+        """Token i of sample b drawn with gens[b] (temperature 0: argmax)."""
+        if temperature == 0:
+            return self.net.greedy(e, self.start)
+        pick = lambda logits, i: torch.stack(  # noqa: E731
+            [decoding.sample(row, temperature, top_p, gen=g) for row, g in zip(logits, gens)]
+        )
+        return self.net.decode(e, self.start, pick)

@@ -12,7 +12,7 @@ import hashlib
 import json
 import time
 from collections.abc import Callable
-from dataclasses import asdict, astuple
+from dataclasses import astuple
 
 import torch
 from transformers import DynamicCache
@@ -22,6 +22,7 @@ from dihal.artifacts.store import COMMANDS, Artifact, ArtifactStore
 from dihal.stages.bridge import Bridge
 from dihal.stages.configs import GenerateConfig
 from dihal.stages.lineage import origin
+from dihal.stages.lm import decoding
 from dihal.stages.lm.capture import hidden_states
 from dihal.stages.lm.hybrid import suffix_model
 from dihal.stages.lm.models import LoadedModel
@@ -37,22 +38,8 @@ REVISION = 2
 
 
 def sample_token(logits: torch.Tensor, cfg: GenerateConfig, gen: torch.Generator) -> torch.Tensor:
-    """(B, V) logits -> (B,) token ids."""
-    logits = logits.float()
-    if cfg.temperature == 0:
-        return logits.argmax(-1)
-    logits = logits / cfg.temperature
-    if cfg.top_k:
-        kth = torch.topk(logits, min(cfg.top_k, logits.shape[-1]), dim=-1).values[:, -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if cfg.top_p < 1:
-        sorted_logits, order = torch.sort(logits, descending=True)
-        probs = sorted_logits.softmax(-1)
-        drop = probs.cumsum(-1) - probs > cfg.top_p  # keep the smallest prefix reaching top_p
-        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-        logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
-    probs = logits.softmax(-1).cpu()
-    return torch.multinomial(probs, 1, generator=gen)[:, 0].to(logits.device)
+    """(B, V) logits -> (B,) token ids, by the one decoding of stages/lm/decoding.py."""
+    return decoding.sample(logits, cfg.decoding_temperature, cfg.top_p, cfg.top_k, gen)
 
 
 def prompt_ids(tokenizer, prompt: str) -> list[int]:
@@ -184,7 +171,7 @@ def run(
 ) -> Artifact:
     """loaded: the backbone, or a function that loads it (called only when there is work to do)."""
     progress = progress or NullProgress()
-    config, parents = asdict(cfg), {"bridge": bridge_art.id}
+    config, parents = cfg.hashed(), {"bridge": bridge_art.id}
     if cfg.cache and "" in (cfg.prompts or ("",)):  # unprompted: made before the fix of REVISION 2
         config["revision"] = REVISION
     if cached := store.cached(STAGE, config, parents, force=force):
@@ -216,6 +203,7 @@ def run(
                 "mean_tokens": sum(r["n_tokens"] for r in rows) / len(rows),
             }
         art.manifest["metrics"] = metrics
+        art.manifest["decoding"] = decoding.describe(cfg.decoding_temperature, cfg.top_p, cfg.top_k)
     return art
 
 
@@ -250,7 +238,35 @@ def check_parallel(cfg: GenerateConfig, prior_art: Artifact, recovery_art: Artif
 def parallel_label(prior_art: Artifact, cfg: GenerateConfig, recovery_art: Artifact | None) -> str:
     layer, sc = prior_art.config.get("layer", 0), prior_art.config.get("self_condition")
     part = f" L{recovery_art.config['layer']}" if recovery_art is not None and recovery_art.stage == "bridge" else ""
-    return f"prior h_{layer}{' SC' if sc else ''}{' clamp' if cfg.clamp else ''} + {cfg.recovery}{part}"
+    source = "" if cfg.source == "prior" else f" ({cfg.source} prior)"
+    return f"prior h_{layer}{' SC' if sc else ''}{' clamp' if cfg.clamp else ''}{source} + {cfg.recovery}{part}"
+
+
+def sources(cfg: GenerateConfig, prior, prior_art: Artifact, store: ArtifactStore, table) -> torch.Tensor:
+    """(N, T', D) normalized states the recovery reads: the prior's samples, its initial noise (the
+    null prior: zero denoising steps) or the held-out real states it models (the oracle prior)."""
+    if cfg.source == "oracle":
+        return oracle_states(prior, prior_art, store, cfg.num_samples).to(cfg.device)
+    steps = 0 if cfg.source == "null" else cfg.prior_steps
+    return prior.sample(cfg.num_samples, steps, cfg.seed, cfg.batch_size, table() if cfg.clamp else None)
+
+
+def oracle_states(prior, prior_art: Artifact, store: ArtifactStore, n: int) -> torch.Tensor:
+    """The first n validation sequences of the prior's extract, at its layer, in its normalization."""
+    import numpy as np
+
+    from dihal.artifacts import hidden_states as hs
+
+    extract = store.load("extract", prior_art.manifest["parents"]["extract"])
+    group = hs.open_group(extract.path / "hidden.zarr")
+    val = hs.split_indices(group, "validation")
+    if len(val) < n:
+        raise DihalError(
+            f"--source oracle reads held-out sequences, but extract {extract.id} has {len(val)} validation "
+            f"sequences; use --num-samples {len(val)} or fewer, or extract with a larger --val-fraction"
+        )
+    raw = torch.from_numpy(hs.read_sequences(group, prior.layer, val[:n])[:, 1:].astype(np.float32))
+    return (raw.to(prior.mu.device) - prior.mu) / prior.sigma
 
 
 def run_parallel(
@@ -272,23 +288,23 @@ def run_parallel(
         raise DihalError("run_parallel needs --mode parallel")
     check_parallel(cfg, prior_art, recovery_art)
     parents = {"prior": prior_art.id, **({recovery_art.stage: recovery_art.id} if recovery_art is not None else {})}
-    config = asdict(cfg)
+    config = cfg.hashed()
     if cached := store.cached(STAGE, config, parents, force=force):
         return cached
     extra = {"model": prior_art.manifest.get("model"), "extract_config": prior_art.manifest.get("extract_config")}
     with store.writing(STAGE, config, parents, force=force, seed=cfg.seed, device=cfg.device, extra=extra) as art:
         loaded = loaded() if callable(loaded) else loaded
         prior = Prior.load(prior_art, cfg.device)
-        tables = []  # the normalized embedding table, computed once if clamping or rounding needs it
+        tables = []  # the raw embedding table, computed once if clamping, rounding or a decoder needs it
 
         def table() -> torch.Tensor:
             if not tables:
-                tables.append(prior.norm.c(recover.embedding_table(loaded.model).to(cfg.device)))
+                tables.append(recover.embedding_table(loaded.model).to(cfg.device))
             return tables[0]
 
         progress.start("generate", cfg.num_samples, "sample")
         clock = time.perf_counter()
-        e = prior.sample(cfg.num_samples, cfg.prior_steps, cfg.seed, cfg.batch_size, table() if cfg.clamp else None)
+        e = sources(cfg, prior, prior_art, store, table)
         prior_seconds, clock = time.perf_counter() - clock, time.perf_counter()
         e_digest = hashlib.sha256(e.detach().cpu().numpy().tobytes()).hexdigest()[:16]
         recovery = resolve(RECOVERIES[cfg.recovery].fn)(loaded, prior, recovery_art, cfg, table)
@@ -323,4 +339,5 @@ def run_parallel(
             "prior_steps": cfg.prior_steps,
             "prior_samples_sha256": e_digest,  # rows sharing the prior and seed (and clamping) share it
         }
+        art.manifest["decoding"] = decoding.describe(cfg.decoding_temperature, cfg.top_p, cfg.top_k)
     return art

@@ -8,8 +8,9 @@ Rectified flow, x0-parameterization, MSE over positions 1..T-1, trained by the s
 
 - `--self-condition` (SED): with probability 0.5 per sequence, a first pass's x0 estimate
   (no gradient) is fed as an extra input; at sampling, the previous step's estimate.
-- clamping (Diffusion-LM) is a sampling option (`Prior.sample(clamp_to=...)`): each step's
-  x0 estimate is replaced by the nearest normalized token embedding.
+- clamping (Diffusion-LM) is a sampling option (`Prior.sample(clamp_to=E)`): each step's x0
+  estimate, de-normalized, is replaced by its cosine-nearest row of the raw embedding table E,
+  rescaled to the estimate's norm.
 """
 
 from __future__ import annotations
@@ -177,7 +178,8 @@ class Prior:
     def sample(
         self, n: int, steps: int, seed: int, batch: int = 64, clamp_to: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """(n, T-1, D) normalized samples. Sample i's noise depends only on (seed, i), so rows that share
+        """(n, T-1, D) normalized samples; steps 0 returns the initial noise itself (the null prior).
+        clamp_to: the raw (V, D) embedding table for clamping (layer 0 only). Sample i's noise depends only on (seed, i), so rows that share
         the prior and the seed share their samples whatever else differs (clamping, batch size)."""
         device = next(self.net.parameters()).device
         out = []
@@ -197,14 +199,16 @@ class Prior:
         return torch.cat(out)
 
     def _integrate(self, x: torch.Tensor, steps: int, clamp_to: torch.Tensor | None) -> torch.Tensor:
+        if steps == 0:
+            return x
         grid = flow.time_grid(steps)
         x0_prev = torch.zeros_like(x) if self.self_condition else None
         for i in range(steps):
             t, t_next = grid[i], grid[i + 1]
             t_vec = torch.full((x.shape[0],), t, device=x.device)
             y_hat = self.net(x, t_vec, x0_prev=x0_prev).float()
-            if clamp_to is not None:
-                y_hat = clamp_to[nearest(y_hat, clamp_to)]
+            if clamp_to is not None:  # in the raw embedding space, then back
+                y_hat = (snap(y_hat * self.sigma + self.mu, clamp_to) - self.mu) / self.sigma
             if self.self_condition:
                 x0_prev = y_hat
             x = y_hat if t_next == 0 else x + (t_next - t) * (x - y_hat) / t
@@ -212,11 +216,18 @@ class Prior:
 
 
 def nearest(x: torch.Tensor, table: torch.Tensor, rows: int = 2048) -> torch.Tensor:
-    """Index of the nearest row of table (V, D) for every vector of x (..., D), L2; in blocks of rows."""
-    flat = x.reshape(-1, x.shape[-1])
-    sq = (table * table).sum(1)
+    """Index of the row of table (V, D) with the highest cosine to every vector of x (..., D), in blocks
+    of rows. Cosine, not L2: an x0 estimate at high noise is a shrunk embedding, and by L2 every shrunk
+    vector is nearest to the few small-norm "hub" tokens (docs/method.md section 5)."""
+    flat = torch.nn.functional.normalize(x.reshape(-1, x.shape[-1]).float(), dim=-1)
+    unit = torch.nn.functional.normalize(table.float(), dim=-1)
     out = torch.empty(flat.shape[0], dtype=torch.long, device=x.device)
     for s in range(0, flat.shape[0], rows):
-        block = flat[s : s + rows]
-        out[s : s + rows] = torch.addmm(sq, block, table.T, alpha=-2.0).argmin(1)  # |e|^2 is constant per row
+        out[s : s + rows] = (flat[s : s + rows] @ unit.T).argmax(1)
     return out.reshape(x.shape[:-1])
+
+
+def snap(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """Diffusion-LM's clamp: each vector of x replaced by its cosine-nearest row of table, rescaled to x's norm."""
+    rows = table[nearest(x, table)]
+    return rows * (x.norm(dim=-1, keepdim=True) / rows.norm(dim=-1, keepdim=True).clamp_min(1e-12))

@@ -74,11 +74,16 @@ def test_self_conditioning_feeds_the_previous_estimate_and_clamping_lands_on_the
         plain, fed = prior.net(x, t, x0_prev=torch.zeros_like(x)), prior.net(x, t, x0_prev=TEMPLATES[[0, 1, 2, 0, 1]])
     assert not torch.allclose(plain, fed, atol=1e-3)  # the network learned to use the estimate it is given
     assert prior.net.in_sc.weight.abs().sum() > 0
-    table = TEMPLATES.reshape(-1, 2)  # clamping: every x0 estimate snaps to a row of this table
+    table = TEMPLATES.reshape(-1, 2)[[0, 1, 3, 4, 5, 6]]  # clamping: every x0 estimate snaps onto a row's ray
+    unit = torch.nn.functional.normalize(table, dim=-1)
+
+    def best_cosine(x):
+        return (torch.nn.functional.normalize(x.reshape(-1, 2), dim=-1) @ unit.T).max(1).values
+
     clamped = prior.sample(40, steps=10, seed=1, clamp_to=table)
-    assert (torch.cdist(clamped.reshape(-1, 2), table).min(1).values == 0).all()
+    assert (best_cosine(clamped) > 1 - 1e-5).all()
     free = prior.sample(40, steps=10, seed=1)
-    assert not (torch.cdist(free.reshape(-1, 2), table).min(1).values == 0).all()
+    assert not (best_cosine(free) > 1 - 1e-5).all()
 
 
 def test_prior_noise_depends_on_seed_and_sample_index_only():
@@ -88,11 +93,28 @@ def test_prior_noise_depends_on_seed_and_sample_index_only():
     assert not torch.allclose(a, prior.sample(7, 5, seed=4))
 
 
-def test_nearest_matches_a_brute_force_search():
+def test_nearest_is_the_highest_cosine_by_brute_force():
     gen = torch.Generator().manual_seed(0)
     table, x = torch.randn(500, 8, generator=gen), torch.randn(3, 70, 8, generator=gen)
-    expected = ((x[..., None, :] - table) ** 2).sum(-1).argmin(-1)
-    assert torch.equal(nearest(x, table, rows=16), expected)
+    cos = (x[..., None, :] * table).sum(-1) / (x.norm(dim=-1)[..., None] * table.norm(dim=-1))
+    assert torch.equal(nearest(x, table, rows=16), cos.argmax(-1))
+
+
+def test_cosine_rounding_recovers_shrunk_embeddings_where_l2_collapses_to_hubs():
+    """An x0-predictor at high noise emits about 0.1 e. By L2 (the old rule, in the normalized space)
+    those land on the few small-norm rows; by cosine on the raw table each returns its own token."""
+    from dihal.stages import recover
+
+    gen = torch.Generator().manual_seed(3)
+    table = torch.randn(400, 16, generator=gen) * torch.rand(400, 1, generator=gen).mul(3).add(0.2)
+    table += 0.5  # a shared offset, as real embedding tables have
+    mu, sigma = table.mean(0), table.std(0)
+    ids = torch.randint(0, 400, (8, 25), generator=gen)
+    shrunk = (0.1 * table[ids] - mu) / sigma  # what rounding receives: normalized
+    assert torch.equal(recover.rounding(shrunk, table, mu, sigma), ids)
+    table_n = (table - mu) / sigma
+    by_l2 = ((shrunk[..., None, :] - table_n) ** 2).sum(-1).argmin(-1)
+    assert (by_l2 == ids).float().mean() < 0.2 and by_l2.unique().numel() < ids.unique().numel() / 3
 
 
 def test_rounding_clean_embeddings_recovers_the_tokens_exactly():
@@ -105,7 +127,7 @@ def test_rounding_clean_embeddings_recovers_the_tokens_exactly():
 
     h0 = hidden_states(model, ids, [0])[0]
     mu, sigma = h0.reshape(-1, h0.shape[-1]).mean(0), h0.reshape(-1, h0.shape[-1]).std(0)
-    assert torch.equal(recover.rounding((h0 - mu) / sigma, (table - mu) / sigma), ids)
+    assert torch.equal(recover.rounding((h0 - mu) / sigma, table, mu, sigma), ids)
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
@@ -125,6 +147,7 @@ def test_hidden_recovery_with_the_true_states_gives_the_original_greedy_tokens(k
 
 def test_decoder_learns_the_toy_set_to_99_percent(tiny_dirs, root):
     from dihal.stages import decoder as dec
+    from dihal.stages import recover
 
     assert (
         invoke(
@@ -150,7 +173,12 @@ def test_decoder_learns_the_toy_set_to_99_percent(tiny_dirs, root):
         "sweep-tiny", steps=250, width=64, heads=4, batch_size=9, lr=3e-3, condition_noise=0.0
     )
     art = dec.run(cfg, ex, store)
-    assert art.manifest["metrics"]["parameters"] > 0 and art.manifest["metrics"]["tokens_seen"] == 250 * 9 * 11
+    m = art.manifest["metrics"]
+    assert m["parameters"] > 0 and m["tokens_seen"] == 250 * 9 * 11
+    net = json.loads(art.file("decoder.json").read_text())["decoder"]
+    assert m["frozen_parameters"] == net["vocab"] * net["dim"]  # the backbone's table, frozen
+    weights = __import__("dihal.artifacts.files", fromlist=["x"]).load_tensors(art.file("weights_ema.safetensors"))
+    assert not any(t.shape[0] == net["vocab"] for t in weights.values())  # no V-way table is trained or saved
     from dihal.artifacts import hidden_states as hs
 
     group = hs.open_group(ex.path / "hidden.zarr")
@@ -158,7 +186,8 @@ def test_decoder_learns_the_toy_set_to_99_percent(tiny_dirs, root):
     norm = Normalizer(**__import__("dihal.artifacts.files", fromlist=["x"]).load_tensors(art.file("stats.safetensors")))
     e = norm.c(torch.from_numpy(hs.read_sequences(group, 0, train)[:, 1:].astype(np.float32)))
     ids = torch.from_numpy(np.asarray(group["input_ids"].oindex[train])[:, 1:].astype(np.int64))
-    tokens = dec.Decoder.load(art).tokens(e)
+    table = recover.embedding_table(__import__("transformers").AutoModelForCausalLM.from_pretrained(tiny_dirs["llama"]))
+    tokens = dec.Decoder.load(art, table).tokens(e)
     assert (tokens == ids).float().mean() >= 0.99
 
 
@@ -430,3 +459,72 @@ def test_compare_end_to_end_writes_the_table_plot_and_budgets(tiny_dirs, root):
         "cpu",
     )
     assert again.exit_code == 0 and "cache hit" in again.output
+
+
+def _samples(art) -> list[list[int]]:
+    return [json.loads(line)["token_ids"] for line in art.file("samples.jsonl").read_text().splitlines()]
+
+
+def test_every_distribution_row_honours_the_decoding_and_a_seed_repeats_it(parts, root):
+    """CoDAR's decoder and DiHAL's upper blocks: sampled (t = 1) differs from argmax (t = 0), the same
+    seed gives the same tokens again, and each artifact records the decoding it used. Rounding has
+    none to honour: it refuses a temperature."""
+    store = ArtifactStore(root)
+    base = ["generate", "--mode", "parallel", "--prior", parts["prior"].id, "--num-samples", "6"]
+    base += ["--prior-steps", "2", "--sample-steps", "2", "--device", "cpu"]
+    for recovery, extra in {
+        "decoder": ["--decoder", parts["decoder"].id],
+        "hidden": ["--bridge", parts["bridge"].id],
+    }.items():
+        made = {}
+        for name, flags in {"argmax": ["--temperature", "0"], "t1": [], "t1 again": ["--force"]}.items():
+            res = invoke(*base, "--recovery", recovery, *extra, *flags)
+            assert res.exit_code == 0, res.output
+            made[name] = store.resolve("latest", "generate")
+        assert made["argmax"].manifest["decoding"]["rule"] == "argmax"
+        assert made["t1"].manifest["decoding"] == {
+            "rule": "sampled, float64",
+            "temperature": 1.0,
+            "top_p": 1.0,
+            "top_k": 0,
+        }
+        assert _samples(made["t1"]) == _samples(made["t1 again"]), recovery
+        assert _samples(made["t1"]) != _samples(made["argmax"]), recovery
+        firsts = {ids[0] for ids in _samples(made["t1"]) if ids}
+        assert len(firsts) > 1, (recovery, firsts)  # the first token is drawn too, not the start state's argmax
+    res = invoke(*base, "--recovery", "rounding", "--temperature", "0.7")
+    assert res.exit_code == 2 and res.output.strip().splitlines()[-1].startswith(
+        "error: --recovery rounding is deterministic"
+    )
+    assert invoke(*base, "--recovery", "rounding").exit_code == 0
+    assert store.resolve("latest", "generate").manifest["decoding"] == {"rule": "cosine rounding (deterministic)"}
+
+
+def test_the_controls_read_the_real_states_or_the_bare_noise(parts, root):
+    """Oracle prior: rounding the held-out real h_0 gives back the held-out tokens exactly. Null prior:
+    the recovery reads the prior's initial noise (zero steps), which differs from its samples."""
+    from dihal.artifacts import hidden_states as hs
+
+    store = ArtifactStore(root)
+    base = ["generate", "--mode", "parallel", "--prior", parts["prior"].id, "--num-samples", "4"]
+    base += ["--prior-steps", "2", "--device", "cpu", "--recovery", "rounding"]
+    assert invoke(*base, "--source", "oracle").exit_code == 0
+    oracle = store.resolve("latest", "generate")
+    group = hs.open_group(parts["extract"].path / "hidden.zarr")
+    held = np.asarray(group["input_ids"].oindex[hs.split_indices(group, "validation")[:4]])[:, 1:]
+    eos = __import__("transformers").AutoTokenizer.from_pretrained(parts["extract"].config["model"]).eos_token_id
+    assert _samples(oracle) == [gen_stage_truncate(row.tolist(), eos) for row in held]
+    assert "oracle prior" in oracle.manifest["metrics"]["label"]
+    assert invoke(*base, "--source", "null").exit_code == 0
+    null = store.resolve("latest", "generate")
+    assert invoke(*base).exit_code == 0
+    trained = store.resolve("latest", "generate")
+    assert null.manifest["metrics"]["prior_samples_sha256"] != trained.manifest["metrics"]["prior_samples_sha256"]
+    res = invoke(*base, "--source", "oracle", "--num-samples", "50")
+    assert res.exit_code == 2 and "validation sequences; use --num-samples" in res.output
+
+
+def gen_stage_truncate(ids, eos):
+    from dihal.stages.generate import truncate_at_eos
+
+    return truncate_at_eos(ids, eos)

@@ -1,11 +1,13 @@
 """The CoDAR recovery's network, in one readable file (docs/method.md section 5).
 
 A small causal transformer over tokens that cross-attends to a whole sequence of continuous
-states e (the prior's sample, normalized h_0 at positions 1..T-1):
-    input  = token embedding + position embedding of [start, tok_1, ..., tok_{T-2}]
+states e (the prior's sample, normalized h_0 at positions 1..T-1). Its token input and output
+are the backbone's embedding table E (V, D), frozen and normalized as e is: like the bridge,
+only the blocks and two projections are trained, never a V-way table.
+    input  = W_in E[tok] + position embedding of [start, tok_1, ..., tok_{T-2}]
     blocks = causal self-attention, cross-attention to W_e e + position embedding, MLP (pre-norm)
-    output = logits for tok_1 .. tok_{T-1}
-Trained teacher-forced; decoded greedily, one token at a time.
+    output = logits (W_out h) E^T / sqrt(D) for tok_1 .. tok_{T-1}
+Trained teacher-forced; decoded one token at a time (stages/lm/decoding.py).
 """
 
 from __future__ import annotations
@@ -56,21 +58,25 @@ class Block(nn.Module):
 
 
 class CrossDecoder(nn.Module):
-    def __init__(self, cfg: DecoderConfig):
+    def __init__(self, cfg: DecoderConfig, table: torch.Tensor):
+        """table: the (V, D) normalized embedding table, a buffer that is neither trained nor saved."""
         super().__init__()
         self.cfg = cfg
-        self.tokens = nn.Embedding(cfg.vocab, cfg.width)
+        if tuple(table.shape) != (cfg.vocab, cfg.dim):
+            raise ValueError(f"embedding table {tuple(table.shape)} is not (vocab, dim) = ({cfg.vocab}, {cfg.dim})")
+        self.register_buffer("table", table.float(), persistent=False)
+        self.token_in = nn.Linear(cfg.dim, cfg.width)
         self.pos = nn.Embedding(cfg.max_len, cfg.width)
         self.memory_in = nn.Linear(cfg.dim, cfg.width)
         self.memory_pos = nn.Embedding(cfg.max_len, cfg.width)
         self.blocks = nn.ModuleList(Block(cfg.width, cfg.heads) for _ in range(cfg.depth))
         self.norm = nn.LayerNorm(cfg.width)
-        self.out = nn.Linear(cfg.width, cfg.vocab)
+        self.head = nn.Linear(cfg.width, cfg.dim)
         for emb in (self.pos, self.memory_pos):
             nn.init.normal_(emb.weight, std=0.02)
 
     def hidden(self, tokens_in: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
-        x = self.tokens(tokens_in) + self.pos(torch.arange(tokens_in.shape[1], device=e.device))[None]
+        x = self.token_in(self.table[tokens_in]) + self.pos(torch.arange(tokens_in.shape[1], device=e.device))[None]
         memory = self.memory_in(e) + self.memory_pos(torch.arange(e.shape[1], device=e.device))[None]
         for block in self.blocks:
             x = block(x, memory)
@@ -78,13 +84,19 @@ class CrossDecoder(nn.Module):
 
     def forward(self, tokens_in: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
         """tokens_in (B, n): start token then the tokens so far; e (B, T', D) -> logits (B, n, V)."""
-        return self.out(self.hidden(tokens_in, e))
+        return self.logits(self.hidden(tokens_in, e))
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.head(hidden) @ self.table.T / self.cfg.dim**0.5
 
     @torch.no_grad()
-    def greedy(self, e: torch.Tensor, start: int) -> torch.Tensor:
-        """(B, T', D) -> (B, T') tokens, each the argmax given the ones before it."""
+    def decode(self, e: torch.Tensor, start: int, pick) -> torch.Tensor:
+        """(B, T', D) -> (B, T') tokens; pick(logits (B, V), i) chooses token i given the ones before it."""
         tokens = torch.full((e.shape[0], 1), start, dtype=torch.long, device=e.device)
-        for _ in range(e.shape[1]):
-            nxt = self.out(self.hidden(tokens, e)[:, -1]).argmax(-1)  # the vocabulary only where it is needed
+        for i in range(e.shape[1]):
+            nxt = pick(self.logits(self.hidden(tokens, e)[:, -1]), i)  # the vocabulary only where it is needed
             tokens = torch.cat([tokens, nxt[:, None]], dim=1)
         return tokens[:, 1:]
+
+    def greedy(self, e: torch.Tensor, start: int) -> torch.Tensor:
+        return self.decode(e, start, lambda logits, i: logits.argmax(-1))

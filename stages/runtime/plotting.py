@@ -22,13 +22,16 @@ def save(fig, ax, path, title: str, dpi: int = 120) -> None:
     plt.close(fig)
 
 
-def loss_curve(log: list[dict], path, title: str, ylabel: str) -> None:
-    """Training loss per step and the EMA validation loss where it was evaluated, log scale."""
+def loss_curve(log: list[dict], path, title: str, ylabel: str, floor: float | None = None) -> None:
+    """Training loss per step and the EMA validation loss where it was evaluated, log scale; floor, a
+    reference loss (the decoder's unigram entropy) as a dashed line."""
     fig, ax = figure(7, 4)
     ax.plot([r["step"] for r in log], [r["train_loss"] for r in log], alpha=0.5, label="train")
     val = [(r["step"], r["val_loss"]) for r in log if "val_loss" in r]
     if val:
         ax.plot(*zip(*val), marker="o", label="validation (EMA)")
+    if floor is not None:
+        ax.axhline(floor, color="gray", linestyle="--", label=f"reference {floor:.2f}")
     ax.set_yscale("log")
     ax.set_xlabel("step")
     ax.set_ylabel(ylabel)
