@@ -179,8 +179,9 @@ class Prior:
         self, n: int, steps: int, seed: int, batch: int = 64, clamp_to: torch.Tensor | None = None
     ) -> torch.Tensor:
         """(n, T-1, D) normalized samples; steps 0 returns the initial noise itself (the null prior).
-        clamp_to: the raw (V, D) embedding table for clamping (layer 0 only). Sample i's noise depends only on (seed, i), so rows that share
-        the prior and the seed share their samples whatever else differs (clamping, batch size)."""
+        clamp_to: the raw (V, D) embedding table for clamping (layer 0 only). Sample i's noise depends
+        only on (seed, i), so rows that share the prior and the seed share their samples whatever else
+        differs (clamping, batch size)."""
         device = next(self.net.parameters()).device
         out = []
         for first in range(0, n, batch):
