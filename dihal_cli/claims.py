@@ -12,12 +12,14 @@ from pathlib import Path
 
 import typer
 
+from dihal.artifacts.errors import DihalError
 from dihal.artifacts.store import ArtifactStore
 from dihal.cli import options as o
 from dihal.cli.locate import extract_config, extract_parent
-from dihal.cli.tables import compare_table, confirm_tables
+from dihal.cli.tables import compare_tables, confirm_tables
 from dihal.cli.ui import console, dry, make_progress, report
 from dihal.stages.configs import CompareConfig, ConfirmConfig, ScoreConfig
+from dihal.stages.registry import ROW_KEYS
 
 
 @o.command()
@@ -30,7 +32,13 @@ def compare(
     num_samples: int = o.opt(CompareConfig, "num_samples", help="Samples per row and seed."),
     prior_steps: int = o.opt(CompareConfig, "prior_steps"), sample_steps: int = o.opt(CompareConfig, "sample_steps"),
     condition_noise: float = o.opt(CompareConfig, "condition_noise"),
-    evaluator: str | None = o.opt(CompareConfig, "evaluator", help="Second evaluator (default: the other builtin)."),
+    evaluator: str | None = o.opt(CompareConfig, "evaluator", help="Primary evaluator, not the backbone (default: "
+                                  "the other builtin)."),
+    temperatures: str = o.opt(CompareConfig, "temperatures", help="Decoding grid of every curve row (0 = argmax)."),
+    top_p: float = o.opt(CompareConfig, "top_p"),
+    rows: str = o.opt(CompareConfig, "rows", help="Row keys (default all): " + ", ".join(ROW_KEYS) + "."),
+    controls: str = o.opt(CompareConfig, "controls", help="Rows whose recovery reads the oracle and null priors."),
+    budgets: str = o.opt(CompareConfig, "budgets", help="Multiples of the protocol's steps, each trained."),
     extract: str | None = typer.Option(None, "--extract", help="Extract of every layer (omitted: extract now)."),
     score: str | None = typer.Option(None, "--score", help="Score of that extract (omitted: score now)."),
     tokens: int = o.opt(ScoreConfig, "tokens", help="Score sample size when scoring now."),
@@ -41,7 +49,15 @@ def compare(
 ) -> None:  # fmt: skip
     """Diffusion-LM, SED, CoDAR and DiHAL from one prior at a matched budget, with references (section 5)."""
     device, dtype = o.device_and_dtype(device, dtype, dry_run)
-    cfg = o.build(CompareConfig, locals(), seeds=o.seeds(seeds), overrides=recipe)
+    cfg = o.build(CompareConfig, locals(), seeds=o.seeds(seeds), overrides=recipe, rows=o.comma_list(rows),
+                  controls=o.comma_list(controls), temperatures=o.numbers(temperatures, "--temperatures"),
+                  budgets=o.numbers(budgets, "--budgets", int))  # fmt: skip
+    if (
+        evaluator is not None
+        and not extract
+        and Path(evaluator).expanduser().resolve() == Path(model).expanduser().resolve()
+    ):
+        raise DihalError(f"--evaluator {evaluator} is the backbone; the primary evaluator must be another model")
     seed = 0  # the extract and score of the comparison
     ecfg = extract_config(locals(), device, dtype, "all")
     scfg = ScoreConfig(tokens=tokens, device=device)
@@ -60,8 +76,8 @@ def compare(
     )
     load = lambda spec: load_model(spec, device, dtype, trust_remote_code=trust_remote_code)  # noqa: E731
     art = stage.run(cfg, parent, score_art, store, load, force=force, progress=make_progress())
-    rows = json.loads(art.file("compare.json").read_text())["rows"]
-    console.print(compare_table(rows, art.manifest["metrics"], seeds))
+    for out in compare_tables(json.loads(art.file("compare.json").read_text())):
+        console.print(out)
     report(art)
 
 

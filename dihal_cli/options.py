@@ -126,6 +126,16 @@ def comma_list(spec: str) -> tuple[str, ...]:
     return tuple(a.strip() for a in spec.split(",") if a.strip())
 
 
+def numbers(spec: str, flag: str, kind=float) -> tuple:
+    """A comma list of numbers (NaN and infinity are left for the config to refuse)."""
+    try:
+        return tuple(kind(x) for x in comma_list(spec))
+    except ValueError:
+        raise DihalError(
+            f"cannot read {flag} '{spec}'; use a comma list like {'0,0.7,1' if kind is float else '1,5'}"
+        ) from None
+
+
 # -- hardware and the process group -----------------------------------------------------------------------
 def device_and_dtype(device: str, dtype: str, dry_run: bool = False) -> tuple[str, str]:
     """--device and --dtype resolved ('auto' -> what this machine has); under torchrun each rank joins

@@ -162,17 +162,46 @@ def sweep_tables(per_layer: list[dict], variants: list[dict], metrics: dict, pro
     return [layers, predictors]
 
 
-def compare_table(rows: list[dict], metrics: dict, seeds: str) -> Table:
+def ci(r: dict, key: str) -> str:
+    """A headline with its interval: 41.2 [38.0, 45.1] (3 significant digits)."""
+    v, lo, hi = r[key], r[key + "_lo"], r[key + "_hi"]
+    return "-" if v != v else f"{v:.3g} [{lo:.3g}, {hi:.3g}]"
+
+
+def compare_tables(result: dict) -> list[Table]:
+    """Per budget: each row's headline under both evaluators, then claim 3's verdict per baseline."""
     from pathlib import Path
 
-    evaluators = [Path(metrics["evaluators"][k]).name[:12] for k in ("backbone", "evaluator")]
-    keys = ("gen_ppl_token_backbone", "gen_ppl_token_evaluator", "token_entropy", "diversity")
-    return table(
-        f"comparison, l* = {metrics['l_star']}, argmin S = {metrics['argmin_S']}, seeds {seeds}; "
-        "Gen.PPL (token-weighted) under each evaluator",
-        ["row", *evaluators, "entropy", "diversity"],
-        [[r["row"], *(pm(r, k) for k in keys)] for r in rows],
-    )
+    ev, bb = (Path(result["evaluators"][k]).name[:14] for k in ("evaluator", "backbone"))
+    out = []
+    for v in result["verdicts"]:
+        k = v["budget"]
+        rows = [r for r in result["summary"] if r["budget"] == k]
+        out.append(
+            table(
+                f"{k}x budget, l*={result['l_star']}: Gen.PPL [95%] at entropy {result['held_out_entropy']:.2f}",
+                ["row", ev, bb, "H top-t", "div", "status"],
+                [
+                    [
+                        r["row"][:22],
+                        ci(r, "headline_evaluator"),
+                        ci(r, "headline_backbone"),
+                        r["entropy_at_top_t"],
+                        r["diversity_at_top_t"],
+                        r["status"],
+                    ]
+                    for r in rows
+                ],  # fmt: skip
+            )
+        )
+        out.append(
+            table(
+                f"claim 3 at {k}x under {ev}: {v['claim_3']}",
+                ["baseline", "outcome", "points"],
+                [[b["baseline"], b["outcome"], len(b["points"])] for b in v["baselines"]],
+            )
+        )
+    return out
 
 
 def confirm_tables(rows: list[dict], evaluator: str, protocol: str, seeds: str) -> list:

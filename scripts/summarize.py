@@ -155,32 +155,26 @@ def claim_layer(store: ArtifactStore) -> tuple[str, str]:
     return ours, "holds" if shallow and near else ("partly" if shallow or near else "does not hold")
 
 
-COUNTS = {  # claim 3's counts: column -> (name, higher is better)
-    "gen_ppl_token_backbone_mean": ("Gen.PPL (backbone)", False),
-    "gen_ppl_token_evaluator_mean": ("Gen.PPL (evaluator)", False),
-    "diversity_mean": ("diversity", True),
-}
-
-
 def claim_compare(store: ArtifactStore) -> tuple[str, str]:
+    """Claim 3 per budget, as `dihal compare` judged it (docs/method.md section 5): DiHAL's Gen.PPL under
+    the primary evaluator, interpolated at each baseline's entropy, against the baseline's."""
     compare = latest(store, "compare")
     if not compare:
         return "not run", "-"
-    rows = {r["row"]: r for r in json.loads(compare.file("compare.json").read_text())["rows"]}
-    dihal = next(r for name, r in rows.items() if name.startswith("DiHAL (l*"))
-    baselines = {k: rows[k] for k in ("Diffusion-LM", "SED", "CoDAR") if k in rows}
-    behind = {  # per baseline, the counts on which DiHAL does not beat it
-        k: [name for col, (name, up) in COUNTS.items() if (dihal[col] <= r[col] if up else dihal[col] >= r[col])]
-        for k, r in baselines.items()
-    }
-    behind = {k: lost for k, lost in behind.items() if lost}
-    ours = f"DiHAL Gen.PPL {dihal['gen_ppl_token_backbone_mean']:.4g}, diversity {dihal['diversity_mean']:.3f}; " + (
-        ", ".join(f"{k} {r['gen_ppl_token_backbone_mean']:.4g}/{r['diversity_mean']:.3f}" for k, r in baselines.items())
-    )
-    if not behind:
-        return ours, "holds"
-    lost = "; ".join(f"{k} on {', '.join(names)}" for k, names in behind.items())
-    return ours, ("partly" if len(behind) < len(baselines) else "does not hold") + f": behind {lost}"
+    result = json.loads(compare.file("compare.json").read_text())
+    if "verdicts" not in result:
+        return "made before section 5 revision 2", "rerun `dihal compare`"
+    heads = {(r["budget"], r["row"]): r for r in result["summary"]}
+    ours = []
+    for v in result["verdicts"]:
+        me = heads[(v["budget"], result["ours"])]
+        value = (
+            "not reached" if me["headline_evaluator"] != me["headline_evaluator"] else f"{me['headline_evaluator']:.4g}"
+        )
+        outcomes = ", ".join(f"{b['baseline']}: {b['outcome']}" for b in v["baselines"])
+        ours.append(f"{v['budget']}x: DiHAL Gen.PPL {value} at H {result['held_out_entropy']:.2f}; {outcomes}")
+    verdict = "; ".join(f"{v['budget']}x: {v['claim_3']}" for v in result["verdicts"])
+    return " / ".join(ours), verdict
 
 
 def claim_confirm(store: ArtifactStore) -> tuple[str, str]:

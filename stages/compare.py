@@ -1,17 +1,18 @@
-"""`dihal compare`: the diagnostic comparison of docs/method.md section 5, as one stage.
+"""`dihal compare`: the diagnostic comparison of docs/method.md section 5 (revision 2), as one stage.
 
-For every seed it trains (or finds in the store) each part a row needs under ONE protocol, so
-the budget is matched (steps x batch x tokens for the priors, steps x batch for the decoder and
-the bridges): the prior over normalized h_0, its self-conditioned twin (SED), the prior over
-normalized h_l* (DiHAL-direct), the CoDAR decoder, the bridges at l* and at argmin S trained on
-corrupted conditions, and the section-2 bridge at l* for the AR hybrid. Then it generates N
-sequences per row (rows that share a prior share its weights and noise) and scores them under
-the backbone and a second evaluator.
+For every budget (multiples of the protocol's steps) and seed it trains (or finds in the store)
+each part a row needs under ONE protocol, so the budget is matched: the prior over normalized h_0,
+its self-conditioned twin (SED), the prior over normalized h_l* (DiHAL-direct), the CoDAR decoder,
+the bridges at l* and at argmin S trained on corrupted conditions, and the section-2 bridge at l*
+for the AR hybrid. Then it generates N sequences per row (rows that share a prior share its
+weights and noise): every row that ends in a distribution at each temperature of the grid (a
+curve of Gen.PPL against entropy), every rounding row once (a point); the controls read the
+oracle prior (held-out real states) and the null prior (bare noise) through the same recoveries.
 
-Rows: Diffusion-LM (prior + clamping + rounding), SED (self-conditioned prior + rounding), CoDAR
-(prior + decoder), DiHAL at l* and at argmin S (prior + hidden-state recovery), DiHAL-direct at
-l*, optionally DiHAL at an oracle layer; references: the original backbone (AR), the AR hybrid
-at l*, and held-out text.
+Headline of a row, per evaluator: a curve's Gen.PPL interpolated (log Gen.PPL, linear in entropy)
+at the held-out text's entropy, or a point's own Gen.PPL, with a bootstrap interval over samples
+and seeds that contains it. Claim 3's verdict compares DiHAL (l*) with each baseline at the
+baseline's own entropies under the primary evaluator (a model other than the backbone).
 """
 
 from __future__ import annotations
@@ -33,13 +34,15 @@ from dihal.stages import generate as gen_stage
 from dihal.stages import prior as prior_stage
 from dihal.stages import registry
 from dihal.stages import score as score_stage
-from dihal.stages.configs import BridgeConfig, CompareConfig, DecoderTrainConfig, GenerateConfig, PriorConfig
+from dihal.stages.configs import PROTOCOLS, BridgeConfig, CompareConfig, DecoderTrainConfig, GenerateConfig, PriorConfig
 from dihal.stages.lineage import origin
-from dihal.stages.runtime import plotting
+from dihal.stages.runtime import bootstrap, plotting
 from dihal.stages.runtime.progress import NullProgress, Progress
 from dihal.stages.text.text_metrics import text_metrics, token_entropy
 
 STAGE = "compare"
+EVALUATORS = ("evaluator", "backbone")  # the primary one first: the backbone scores its own choices
+DEGENERATE = 0.9  # a row whose entropy is below 0.9 x the held-out text's at every temperature
 
 
 def layers_from_score(score_art: Artifact, cfg: CompareConfig) -> tuple[int, int]:
@@ -48,15 +51,30 @@ def layers_from_score(score_art: Artifact, cfg: CompareConfig) -> tuple[int, int
     return l_star, int(table.idxmin())
 
 
-def part_row(name: str, art: Artifact) -> dict:
+def frozen_parameters(model, part: Artifact) -> int:
+    """The pretrained parameters a part uses without training them: the decoder's embedding table; a
+    bridge's upper blocks, final norm and LM head; nothing for a prior."""
+    if part.stage == "decoder":
+        return int(part.manifest.get("metrics", {}).get("frozen_parameters") or 0)
+    if part.stage != "bridge":
+        return 0
+    layer = part.config["layer"]
+    modules = [*list(model.model.layers)[layer:], model.model.norm, model.lm_head]
+    return sum(p.numel() for p in {id(p): p for m in modules for p in m.parameters()}.values())
+
+
+def part_row(name: str, art: Artifact, model) -> dict:
     m = art.manifest.get("metrics", {})
     return {
         "part": name,
         "id": art.id,
         "parameters": m.get("parameters"),
+        "frozen_parameters": frozen_parameters(model, art),
         "steps": m.get("steps"),
         "global_batch": m.get("global_batch"),
         "tokens_seen": m.get("tokens_seen"),
+        "val_loss": m.get("val_loss"),
+        "unigram_entropy": m.get("unigram_entropy"),
         "wall_seconds": art.wall_seconds,
     }
 
@@ -67,15 +85,27 @@ def layer_names(l_star: int, worst: int, oracle: int | None) -> dict[str, int]:
 
 
 def active_rows(cfg: CompareConfig) -> list[registry.Row]:
-    return [row for row in registry.ROWS if cfg.oracle is not None or not row.needs_oracle]
+    return [
+        row
+        for row in registry.ROWS
+        if (cfg.oracle is not None or not row.needs_oracle) and (not cfg.rows or row.key in cfg.rows)
+    ]
 
 
-def part_configs(cfg: CompareConfig, seed: int, l_star: int, worst: int) -> dict[str, tuple]:
-    """{part label: (stage run, config)} of one seed: each distinct part of the registry's rows (and
-    of the AR references) once, every one under the one protocol."""
+def budget_overrides(cfg: CompareConfig, k: int) -> dict:
+    """The protocol's budget times k: its steps (or epochs, for an epoch protocol), after the overrides."""
+    fields = {**PROTOCOLS[cfg.protocol], **dict(cfg.overrides)}
+    if fields.get("steps") is not None:
+        return {**dict(cfg.overrides), "steps": int(fields["steps"]) * k}
+    return {**dict(cfg.overrides), "epochs": fields["epochs"] * k}
+
+
+def part_configs(cfg: CompareConfig, seed: int, l_star: int, worst: int, k: int = 1) -> dict[str, tuple]:
+    """{part label: (stage run, config)} of one seed and budget: each distinct part of the registry's
+    rows (and of the AR references) once, every one under the one protocol."""
     layers = layer_names(l_star, worst, cfg.oracle)
     common = dict(seed=seed, device=cfg.device, dtype=cfg.dtype)
-    overrides = dict(cfg.overrides)
+    overrides = budget_overrides(cfg, k) if k != 1 else dict(cfg.overrides)
 
     def build(spec) -> tuple:
         if isinstance(spec, registry.PriorPart):
@@ -99,41 +129,54 @@ def part_configs(cfg: CompareConfig, seed: int, l_star: int, worst: int) -> dict
 
 
 def train_parts(
-    cfg: CompareConfig, extract: Artifact, store: ArtifactStore, seed: int, l_star: int, worst: int, progress: Progress
+    cfg: CompareConfig, extract, store, seed: int, l_star: int, worst: int, k: int, progress: Progress
 ) -> dict[str, Artifact]:
     parts = {}
-    for name, (run, part_cfg) in part_configs(cfg, seed, l_star, worst).items():
-        progress.log(f"seed {seed}: {name}")
+    for name, (run, part_cfg) in part_configs(cfg, seed, l_star, worst, k).items():
+        progress.log(f"budget x{k}, seed {seed}: {name}")
         parts[name] = run(part_cfg, extract, store, progress=progress)
     return parts
 
 
-def generate_rows(
-    cfg: CompareConfig,
-    parts: dict,
-    store: ArtifactStore,
-    loaded,
-    seed: int,
-    l_star: int,
-    worst: int,
-    progress: Progress,
-) -> dict[str, Artifact]:
-    """{row label: generate artifact}: every registry row from its prior's noise, then the AR references."""
+def generations(cfg: CompareConfig, l_star: int, worst: int) -> list[dict]:
+    """Every generation of one seed and budget: (row, source, temperature) and what it reads."""
+    layers = layer_names(l_star, worst, cfg.oracle)
+    out = []
+    for row in active_rows(cfg):
+        temps = cfg.temperatures if row.curve else (None,)
+        sources = ["prior"] + (["oracle", "null"] if row.key in cfg.controls else [])
+        for source in sources:
+            for t in temps if source == "prior" else (temps[-1],):  # controls at the grid's last temperature
+                out.append({"row": row, "label": row.label(layers), "source": source, "temperature": t})
+    return out
+
+
+def generate_rows(cfg, parts, store, loaded, seed, l_star, worst, progress) -> list[tuple[dict, Artifact]]:
+    """(what, generate artifact) for every registry row, source and temperature, then the AR references."""
     layers = layer_names(l_star, worst, cfg.oracle)
     common = dict(sample_steps=cfg.sample_steps, num_samples=cfg.num_samples, batch_size=cfg.batch_size, seed=seed)
-    common |= dict(device=cfg.device, dtype=cfg.dtype)
-    rows = {}
-    for row in active_rows(cfg):
+    common |= dict(device=cfg.device, dtype=cfg.dtype, top_p=cfg.top_p)
+    out = []
+    for g in generations(cfg, l_star, worst):
+        row = g["row"]
         gcfg = GenerateConfig(
-            mode="parallel", recovery=row.recovery, clamp=row.clamp, prior_steps=cfg.prior_steps, **common
+            mode="parallel",
+            recovery=row.recovery,
+            clamp=row.clamp and g["source"] == "prior",
+            source=g["source"],
+            prior_steps=cfg.prior_steps,
+            temperature=g["temperature"],
+            **common,
         )
         part = parts[row.part.label(layers)] if row.part is not None else None
-        prior = parts[row.prior.label(layers)]
-        rows[row.label(layers)] = gen_stage.run_parallel(gcfg, prior, store, loaded, part, progress=progress)
+        art = gen_stage.run_parallel(gcfg, parts[row.prior.label(layers)], store, loaded, part, progress=progress)
+        out.append(({k: v for k, v in g.items() if k != "row"} | {"kind": "curve" if row.curve else "point"}, art))
     reference = parts[registry.AR_REFERENCE_BRIDGE.label(layers)]
-    ar = GenerateConfig(max_new_tokens=origin(reference).seq_len - 1, baseline="original", **common)
-    rows["AR references"] = gen_stage.run(ar, reference, store, loaded, progress=progress)
-    return rows
+    for t in cfg.temperatures:
+        ar = GenerateConfig(max_new_tokens=origin(reference).seq_len - 1, baseline="original", temperature=t, **common)
+        art = gen_stage.run(ar, reference, store, loaded, progress=progress)
+        out.append(({"label": "AR references", "source": "prior", "temperature": t, "kind": "curve"}, art))
+    return out
 
 
 def held_out_texts(extract: Artifact, loaded, n: int) -> tuple[list[str], list[list[int]]]:
@@ -145,84 +188,236 @@ def held_out_texts(extract: Artifact, loaded, n: int) -> tuple[list[str], list[l
     return [loaded.tokenizer.decode(k, skip_special_tokens=True) for k in kept], kept
 
 
-def score_rows(gen_arts: dict, evaluators: dict, store: ArtifactStore, cfg: CompareConfig) -> list[dict]:
-    """One row per generated row and evaluator pair, merged per row."""
+AR_NAMES = {"hybrid": "AR hybrid (l*)", "original": "original (AR)"}
+# the tables' names of what a recovery read (GenerateConfig.source); "null" alone reads back as NaN in pandas
+SOURCE_NAMES = {"prior": "trained prior", "oracle": "oracle prior", "null": "null prior"}
+CONTROLS = ("oracle prior", "null prior")
+
+
+def scored_samples(art: Artifact, ev, store: ArtifactStore, cfg: CompareConfig) -> pd.DataFrame:
+    """Per sample of a generate artifact: NLL and scored tokens under one evaluator (cached as an
+    evaluate artifact; one made before it kept per-sample scores is remade)."""
+    scfg = eval_stage.SamplesConfig(evaluator=ev.identity["name"], limit=cfg.num_samples, device=cfg.device,
+                                    dtype=cfg.dtype)  # fmt: skip
+    res = eval_stage.run_samples(scfg, art, store, loaded=ev)
+    if not res.file("per_sample.csv").exists():
+        res = eval_stage.run_samples(scfg, art, store, loaded=ev, force=True)
+    return pd.read_csv(res.file("per_sample.csv"))
+
+
+def texts_of(art: Artifact) -> dict[str, list[dict]]:
     out = {}
-    for label, art in gen_arts.items():
-        for ev_name, ev in evaluators.items():
-            scfg = eval_stage.SamplesConfig(
-                evaluator=ev.identity["name"], limit=cfg.num_samples, device=cfg.device, dtype=cfg.dtype
+    for name in ("samples.jsonl", "samples_original.jsonl"):
+        if art.file(name).exists():
+            rows = [json.loads(line) for line in art.file(name).read_text().splitlines()]
+            out[rows[0]["model"]] = rows
+    return out
+
+
+def sample_table(gens, evaluators: dict, store, cfg, budget: int, seed: int) -> pd.DataFrame:
+    """One line per generated sample of one budget and seed, scored under both evaluators."""
+    frames = []
+    for what, art in gens:
+        scores = {name: scored_samples(art, ev, store, cfg) for name, ev in evaluators.items()}
+        for model, samples in texts_of(art).items():
+            row = AR_NAMES.get(model, what["label"]) if what["label"] == "AR references" else what["label"]
+            frame = pd.DataFrame(
+                {
+                    "budget": budget,
+                    "seed": seed,
+                    "row": row,
+                    "kind": what["kind"],
+                    "source": SOURCE_NAMES[what["source"]],
+                    "temperature": what["temperature"],
+                    "index": range(len(samples)),
+                    "text": [r["text"] for r in samples],
+                    "n_tokens": [r["n_tokens"] for r in samples],
+                    "ms_per_sample": art.manifest["metrics"].get(model, art.manifest["metrics"]).get("ms_per_sample"),
+                    "generate": art.id,
+                }
             )
-            res = eval_stage.run_samples(scfg, art, store, loaded=ev)
-            for r in res.manifest["metrics"]["rows"]:
-                name = (
-                    label
-                    if label != "AR references"
-                    else {"hybrid": "AR hybrid (l*)", "original": "original (AR)"}[r["model"]]
-                )
-                row = out.setdefault(name, {"row": name})
-                row[f"gen_ppl_token_{ev_name}"], row[f"gen_ppl_mean_{ev_name}"] = r["gen_ppl_token"], r["gen_ppl_mean"]
-                row.update(
-                    {
-                        k: r[k]
-                        for k in (
-                            "token_entropy",
-                            "diversity",
-                            "distinct_1",
-                            "distinct_2",
-                            "distinct_3",
-                            "distinct_4",
-                            "n_samples",
-                            "mean_tokens",
-                        )
-                    }
-                )
-                metrics = art.manifest.get("metrics", {})
-                ms = metrics.get("ms_per_sample", metrics.get(r["model"], {}).get("ms_per_sample"))
-                if ms is not None:  # an AR artifact records it per model (hybrid, original)
-                    row["ms_per_sample"] = ms
-    return list(out.values())
+            for name, sc in scores.items():
+                sc = sc[sc["model"] == model].set_index("index").loc[frame["index"]]
+                frame[f"nll_{name}"], frame[f"n_{name}"] = sc["nll"].to_numpy(), sc["n_scored"].to_numpy()
+                frame["token_entropy"] = sc["token_entropy"].to_numpy()
+            frames.append(frame)
+    return pd.concat(frames, ignore_index=True)
 
 
-def real_text_row(texts: list[str], ids: list[list[int]], evaluators: dict) -> dict:
-    row = {"row": "held-out text"}
-    for ev_name, ev in evaluators.items():
-        ppl = eval_stage.gen_ppl(eval_stage.sample_nlls(ev, [""] * len(texts), texts))
-        row[f"gen_ppl_token_{ev_name}"], row[f"gen_ppl_mean_{ev_name}"] = ppl["gen_ppl_token"], ppl["gen_ppl_mean"]
-    metrics = text_metrics(texts)
-    row.update(
-        {
-            "token_entropy": token_entropy(ids),
-            "diversity": metrics["diversity"],
-            **{f"distinct_{n}": metrics[f"distinct_{n}"] for n in (1, 2, 3, 4)},
-            "n_samples": len(texts),
-            "mean_tokens": float(np.mean([len(i) for i in ids])),
-        }
+def held_out_samples(texts: list[str], ids: list[list[int]], evaluators: dict) -> pd.DataFrame:
+    """The held-out text of the same length, scored like a row (the same for every budget and seed)."""
+    frame = pd.DataFrame({"row": "held-out text", "kind": "point", "source": "data", "temperature": np.nan,
+                          "index": range(len(texts)), "text": texts, "n_tokens": [len(i) for i in ids],
+                          "token_entropy": [token_entropy([i]) if i else np.nan for i in ids]})  # fmt: skip
+    for name, ev in evaluators.items():
+        nlls = eval_stage.sample_nlls(ev, [""] * len(texts), texts)
+        frame[f"nll_{name}"], frame[f"n_{name}"] = [n for n, _ in nlls], [c for _, c in nlls]
+    return frame
+
+
+# -- statistics -------------------------------------------------------------------------------------------------
+def gen_ppl(group: pd.DataFrame, ev: str) -> float:
+    scored = group[group[f"n_{ev}"] > 0]
+    return float(np.exp(scored[f"nll_{ev}"].sum() / scored[f"n_{ev}"].sum())) if len(scored) else float("nan")
+
+
+def metrics_of(group: pd.DataFrame) -> dict:
+    """The section-5 metrics of one row, source, temperature (and seed) from its samples."""
+    scored = {ev: group[group[f"n_{ev}"] > 0] for ev in EVALUATORS}
+    out = {
+        **{f"gen_ppl_token_{ev}": gen_ppl(group, ev) for ev in EVALUATORS},
+        **{f"gen_ppl_median_{ev}": float(np.median(np.exp(g[f"nll_{ev}"] / g[f"n_{ev}"]))) if len(g) else np.nan
+           for ev, g in scored.items()},
+        "token_entropy": float(group["token_entropy"].mean()),
+        **text_metrics(group["text"].tolist()),
+        "n_samples": len(group),
+        "mean_tokens": float(group["n_tokens"].mean()),
+    }  # fmt: skip
+    out.pop("unigram_entropy"), out.pop("mean_words")
+    if "ms_per_sample" in group and group["ms_per_sample"].notna().any():
+        out["ms_per_sample"] = float(group["ms_per_sample"].mean())
+    return out
+
+
+def curve_at(points: list[tuple[float, float]], h: float) -> float:
+    """points (entropy, value), value interpolated linearly in entropy at h; NaN outside their span."""
+    points = sorted(p for p in points if np.isfinite(p[0]) and np.isfinite(p[1]))
+    if not points or not points[0][0] - 1e-9 <= h <= points[-1][0] + 1e-9:
+        return float("nan")
+    ent, val = zip(*points)
+    return float(np.interp(h, ent, val)) if len(points) > 1 else float(val[0])
+
+
+def log_ppl_at(samples: pd.DataFrame, ev: str, h: float, kind: str) -> float:
+    """A row's log Gen.PPL at entropy h (a curve), or at its own entropy (a point: h is ignored)."""
+    by_t = [
+        (float(g["token_entropy"].mean()), np.log(gen_ppl(g, ev)))
+        for _, g in samples.groupby("temperature", dropna=False)
+    ]
+    return by_t[0][1] if kind == "point" else curve_at(by_t, h)
+
+
+def resample(samples: pd.DataFrame, rng) -> pd.DataFrame:
+    """Seeds with replacement, then sample indices with replacement within each seed; the same indices
+    at every temperature (a sample i of every temperature shares its prior noise)."""
+    seeds = samples["seed"].unique()
+    parts = []
+    for s in rng.choice(seeds, len(seeds)):
+        one = samples[samples["seed"] == s]
+        n = one["index"].max() + 1
+        picks = pd.DataFrame({"index": rng.integers(0, n, n)})
+        parts.append(picks.merge(one, on="index", how="left"))
+    return pd.concat(parts, ignore_index=True)
+
+
+def headline(samples: pd.DataFrame, kind: str, h_ref: float, rng, resamples: int) -> dict:
+    """Gen.PPL under each evaluator at the held-out entropy (curve) or at its point, with intervals."""
+    out = {}
+    draws = [resample(samples, rng) for _ in range(resamples)]
+    for ev in EVALUATORS:
+        point = float(np.exp(log_ppl_at(samples, ev, h_ref, kind)))
+        ci = bootstrap.interval(point, [float(np.exp(log_ppl_at(d, ev, h_ref, kind))) for d in draws])
+        out |= {f"headline_{ev}": point, f"headline_{ev}_lo": ci["lo"], f"headline_{ev}_hi": ci["hi"]}
+    return out
+
+
+def status(samples: pd.DataFrame, kind: str, h_ref: float, value: float) -> str:
+    entropies = samples.groupby("temperature", dropna=False)["token_entropy"].mean()
+    if (entropies < DEGENERATE * h_ref).all():
+        return "degenerate"
+    return "not reached" if kind == "curve" and not np.isfinite(value) else "ok"
+
+
+def verdict(samples: pd.DataFrame, ours: str, baseline: str, ev: str, h_ref: float) -> dict:
+    """DiHAL's Gen.PPL and diversity interpolated at each of the baseline's entropies, against its own."""
+    mine, theirs = samples[samples.row == ours], samples[samples.row == baseline]
+    my_curve = [(m["token_entropy"], np.log(m[f"gen_ppl_token_{ev}"]), m["diversity"])
+                for m in (metrics_of(g) for _, g in mine.groupby("temperature"))]  # fmt: skip
+    points = []
+    for t, g in theirs.groupby("temperature", dropna=False):
+        m = metrics_of(g)
+        at = curve_at([(e, v) for e, v, _ in my_curve], m["token_entropy"])
+        div = curve_at([(e, d) for e, _, d in my_curve], m["token_entropy"])
+        points.append({"temperature": None if pd.isna(t) else float(t), "entropy": m["token_entropy"],
+                       "baseline_gen_ppl": m[f"gen_ppl_token_{ev}"], "dihal_gen_ppl": float(np.exp(at)),
+                       "baseline_diversity": m["diversity"], "dihal_diversity": div})  # fmt: skip
+    reached = [p for p in points if np.isfinite(p["dihal_gen_ppl"])]
+    wins = [p["dihal_gen_ppl"] < p["baseline_gen_ppl"] for p in reached]
+    if status(theirs, "curve", h_ref, 0.0) == "degenerate":
+        outcome = "baseline degenerate"
+    elif status(mine, "curve", h_ref, 0.0) == "degenerate":
+        outcome = "DiHAL degenerate"
+    elif not reached:
+        outcome = "not comparable (entropies not reached)"
+    else:
+        outcome = "DiHAL better" if all(wins) else "baseline better" if not any(wins) else "mixed"
+    return {"baseline": baseline, "outcome": outcome, "points": points}
+
+
+def claim(verdicts: list[dict]) -> str:
+    """Claim 3 at one budget: holds if DiHAL beats every comparable baseline at its entropies."""
+    comparable = [v for v in verdicts if v["outcome"] in ("DiHAL better", "baseline better", "mixed")]
+    if any(v["outcome"] == "DiHAL degenerate" for v in verdicts):
+        return "does not hold (DiHAL degenerate)"
+    if not comparable:
+        return "not testable (no comparable baseline)"
+    won = sum(v["outcome"] == "DiHAL better" for v in comparable)
+    return "holds" if won == len(comparable) else "does not hold" if won == 0 else "partly"
+
+
+def summarize(samples: pd.DataFrame, h_ref: float, seed: int) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """(the per row, source, temperature and seed lines; each row's headline per budget)."""
+    keys = ["budget", "row", "kind", "source", "temperature"]
+    lines = [{**dict(zip(keys + ["seed"], k)), **metrics_of(g)}
+             for k, g in samples.groupby(keys + ["seed"], sort=False, dropna=False)]  # fmt: skip
+    rng, heads = np.random.default_rng([seed, 5]), []
+    for (budget, row, kind), g in samples[samples.source.isin(["trained prior", "data"])].groupby(
+        ["budget", "row", "kind"], sort=False
+    ):
+        head = headline(g, kind, h_ref, rng, bootstrap_resamples(len(g)))
+        t1 = g[g.temperature == g.temperature.max()] if kind == "curve" else g
+        heads.append({"budget": budget, "row": row, "kind": kind, **head,
+                      "status": status(g, kind, h_ref, head["headline_evaluator"]),
+                      "entropy_at_top_t": float(t1["token_entropy"].mean()),
+                      "diversity_at_top_t": text_metrics(t1["text"].tolist())["diversity"],
+                      "seeds": int(g["seed"].nunique())})  # fmt: skip
+    return pd.DataFrame(lines), pd.DataFrame(heads)
+
+
+def bootstrap_resamples(n: int) -> int:
+    return 200 if n > 2000 else 400
+
+
+def plot(samples: pd.DataFrame, lines: pd.DataFrame, h_ref: float, path, title: str) -> None:
+    """Gen.PPL against entropy under each evaluator (a line per curve row, a marker per point row, the
+    held-out entropy dashed) and diversity against primary Gen.PPL at the grid's top temperature."""
+    fig, axes = plotting.figure(16, 5, ncols=3)
+    mean = (
+        lines[lines.source.isin(["trained prior", "data"])]
+        .groupby(["row", "kind", "temperature"], dropna=False, sort=False)
+        .mean(numeric_only=True)
+        .reset_index()
     )
-    return row
-
-
-def summarize(per_seed: pd.DataFrame) -> pd.DataFrame:
-    """Mean and std over seeds of every numeric column, one line per row (in first-seen order)."""
-    numeric = [c for c in per_seed.columns if c not in ("row", "seed") and pd.api.types.is_numeric_dtype(per_seed[c])]
-    grouped = per_seed.groupby("row", sort=False)[numeric]
-    mean, std = grouped.mean(), grouped.std(ddof=1).fillna(0.0)
-    out = mean.add_suffix("_mean").join(std.add_suffix("_std"))
-    out.insert(0, "seeds", per_seed.groupby("row", sort=False)["seed"].count())
-    return out.reset_index()
-
-
-def plot(summary: pd.DataFrame, path, evaluator: str) -> None:
-    fig, ax = plotting.figure(8, 5)
-    x, xerr = summary[f"gen_ppl_token_{evaluator}_mean"], summary[f"gen_ppl_token_{evaluator}_std"]
-    y, yerr = summary["diversity_mean"], summary["diversity_std"]
-    ax.errorbar(x, y, xerr=xerr, yerr=yerr, fmt="o", capsize=3)
-    for xi, yi, label in zip(x, y, summary["row"]):
-        ax.annotate(label, (xi, yi), textcoords="offset points", xytext=(4, 4), fontsize=8)
-    ax.set_xscale("log")
-    ax.set_xlabel(f"Gen.PPL (token-weighted) under {evaluator}, lower is better")
-    ax.set_ylabel("diversity (higher is better)")
-    plotting.save(fig, ax, path, "continuous diffusion LMs vs hidden-state recovery (mean +- std over seeds)")
+    for ax, ev in zip(axes[:2], EVALUATORS):
+        for (row, kind), g in mean.groupby(["row", "kind"], sort=False):
+            g = g.sort_values("token_entropy")
+            style = dict(marker="o") if kind == "curve" else dict(marker="s", linestyle="none", markersize=8)
+            ax.plot(g["token_entropy"], g[f"gen_ppl_token_{ev}"], label=row, **style)
+        ax.axvline(h_ref, color="gray", linestyle="--")
+        ax.set_yscale("log")
+        ax.set_xlabel("mean per-sample token entropy (nats)")
+        ax.set_ylabel(f"Gen.PPL under the {ev}")
+        ax.set_title(f"{ev}: lower is better at equal entropy", fontsize=9)
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=7)
+    top = mean[(mean.kind == "point") | (mean.temperature == mean.temperature.max())]
+    axes[2].scatter(top["gen_ppl_token_evaluator"], top["diversity"])
+    for _, r in top.iterrows():
+        axes[2].annotate(r["row"], (r["gen_ppl_token_evaluator"], r["diversity"]), fontsize=7)
+    axes[2].set_xscale("log")
+    axes[2].set_xlabel("Gen.PPL under the evaluator")
+    axes[2].set_ylabel("diversity")
+    plotting.save(fig, axes[2], path, title)
 
 
 def run(
@@ -239,17 +434,23 @@ def run(
     progress = progress or NullProgress()
     if score_art.manifest.get("parents", {}).get("extract") != extract.id:
         raise DihalError(f"score {score_art.id} was not made from extract {extract.id}; pass its own --score")
+    if "dihal-oracle" in cfg.rows + cfg.controls and cfg.oracle is None:
+        raise DihalError("the dihal-oracle row needs --oracle LAYER (a sweep's oracle layer)")
     l_star, worst = layers_from_score(score_art, cfg)
     needed = {0, l_star, worst} | ({cfg.oracle} if cfg.oracle else set())
     hs.open_with_layers(extract, needed, ": compare needs layers 0, l*, argmin S (and the oracle)")
     backbone = extract.config["model"]
-    config = {
-        **asdict(cfg),
-        "l_star": l_star,
-        "worst": worst,
-        "evaluator": eval_stage.second_evaluator(cfg.evaluator, backbone),
-        "revision": gen_stage.REVISION,  # its AR rows are unprompted hybrid generations
-    }
+    primary = eval_stage.second_evaluator(cfg.evaluator, backbone)
+    if primary == backbone:
+        raise DihalError(f"--evaluator {primary} is the backbone; the primary evaluator must be another model")
+    group = hs.open_group(extract.path / "hidden.zarr")
+    n_val = len(hs.split_indices(group, "validation"))
+    if cfg.controls and n_val < cfg.num_samples:
+        raise DihalError(
+            f"the oracle controls read {cfg.num_samples} held-out sequences but extract {extract.id} has {n_val}; "
+            "use a smaller --num-samples, a larger --val-fraction, or --controls ''"
+        )
+    config = {**asdict(cfg), "l_star": l_star, "worst": worst, "evaluator": primary, "revision": 2}
     parents = {"extract": extract.id, "score": score_art.id}
     if cached := store.cached(STAGE, config, parents, force=force):
         return cached
@@ -258,33 +459,55 @@ def run(
     ) as art:
         clock = time.time()
         loaded = load_model(backbone)
-        evaluators = {"backbone": loaded, "evaluator": load_model(config["evaluator"])}
+        evaluators = {"evaluator": load_model(primary), "backbone": loaded}
         texts, ids = held_out_texts(extract, loaded, cfg.num_samples)
-        real = real_text_row(texts, ids, evaluators)  # the same held-out text for every seed: scored once
-        per_seed, parts_table = [], []
-        for seed in cfg.seeds:
-            parts = train_parts(cfg, extract, store, seed, l_star, worst, progress)
-            parts_table += [{"seed": seed, **part_row(name, a)} for name, a in parts.items()]
-            gens = generate_rows(cfg, parts, store, loaded, seed, l_star, worst, progress)
-            rows = score_rows(gens, evaluators, store, cfg) + [real]
-            per_seed += [{"seed": seed, **r} for r in rows]
-        per_seed_df, parts_df = pd.DataFrame(per_seed), pd.DataFrame(parts_table)
-        summary = summarize(per_seed_df)
-        per_seed_df.to_csv(art.file("per_seed.csv"), index=False)
-        summary.to_csv(art.file("compare.csv"), index=False)
-        summary.to_parquet(art.file("compare.parquet"), index=False)
+        real = held_out_samples(texts, ids, evaluators)
+        h_ref = float(real["token_entropy"].mean())
+        frames, parts_table = [], []
+        for k in cfg.budgets:
+            for seed in cfg.seeds:
+                parts = train_parts(cfg, extract, store, seed, l_star, worst, k, progress)
+                parts_table += [{"budget": k, "seed": seed, **part_row(n, a, loaded.model)} for n, a in parts.items()]
+                gens = generate_rows(cfg, parts, store, loaded, seed, l_star, worst, progress)
+                frames.append(sample_table(gens, evaluators, store, cfg, k, seed))
+                frames.append(real.assign(budget=k, seed=seed))
+        samples = pd.concat(frames, ignore_index=True)
+        lines, heads = summarize(samples, h_ref, cfg.seeds[0])
+        ours = next(r.label(layer_names(l_star, worst, cfg.oracle)) for r in active_rows(cfg) if r.ours)
+        baselines = [r.name for r in active_rows(cfg) if r.baseline]
+        verdicts = []
+        for k in cfg.budgets:
+            one = samples[(samples.budget == k) & (samples.source == "trained prior")]
+            vs = [verdict(one, ours, b, "evaluator", h_ref) for b in baselines]
+            verdicts.append({"budget": k, "claim_3": claim(vs), "baselines": vs})
+        controlled = lines[lines.source.isin(CONTROLS)]["row"].unique()
+        top = lines.temperature.isna() | (lines.temperature == max(cfg.temperatures))  # where the controls ran
+        controls = lines[lines.row.isin(controlled) & (lines.source.isin(CONTROLS) | top)]
+        parts_df = pd.DataFrame(parts_table)
+        lines.to_csv(art.file("compare.csv"), index=False)
+        heads.to_csv(art.file("summary.csv"), index=False)
+        controls.to_csv(art.file("controls.csv"), index=False)
         parts_df.to_csv(art.file("parts.csv"), index=False)
+        samples.drop(columns=["text"]).to_csv(art.file("samples.csv"), index=False)
         result = {
             "l_star": l_star,
             "argmin_S": worst,
             "oracle": cfg.oracle,
-            "evaluators": {"backbone": backbone, "evaluator": config["evaluator"]},
+            "evaluators": {"backbone": backbone, "evaluator": primary},
+            "held_out_entropy": h_ref,
+            "temperatures": list(cfg.temperatures),
+            "budgets": list(cfg.budgets),
             "seeds": list(cfg.seeds),
-            "rows": summary.to_dict("records"),
+            "ours": ours,
+            "summary": heads.to_dict("records"),
+            "verdicts": verdicts,
             "parts": parts_df.to_dict("records"),
             "wall_seconds": time.time() - clock,
         }
         art.file("compare.json").write_text(json.dumps(result, indent=2, default=float))
-        plot(summary, art.file("compare.png"), "backbone")
-        art.manifest["metrics"] = {k: v for k, v in result.items() if k not in ("rows", "parts")}
+        for k in cfg.budgets:
+            title = f"section 5 at {k}x the protocol's steps; seeds {list(cfg.seeds)}"
+            plot(samples[samples.budget == k], lines[lines.budget == k], h_ref, art.file(f"compare_x{k}.png"), title)
+        art.manifest["metrics"] = {k: v for k, v in result.items() if k not in ("summary", "parts", "verdicts")}
+        art.manifest["metrics"]["claim_3"] = {str(v["budget"]): v["claim_3"] for v in verdicts}
     return art

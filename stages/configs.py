@@ -23,7 +23,7 @@ import math
 from dataclasses import asdict, dataclass, fields
 
 from dihal.artifacts.errors import DihalError
-from dihal.stages.registry import RECOVERIES
+from dihal.stages.registry import RECOVERIES, ROW_KEYS
 
 # -- names a config may take --------------------------------------------------------------------
 STORE_DTYPES = ("auto", "float16", "float32")
@@ -497,7 +497,12 @@ class CompareConfig(Config):
     prior_steps: int = GenerateConfig.prior_steps
     sample_steps: int = GenerateConfig.sample_steps
     condition_noise: float = COMPARISON_CONDITION_NOISE
-    evaluator: str | None = None  # the second evaluator; None: the other builtin
+    evaluator: str | None = None  # the primary evaluator, a model other than the backbone; None: the other builtin
+    temperatures: tuple[float, ...] = (0.0, 0.7, 1.0)  # the decoding grid of every row that ends in a distribution
+    top_p: float = 1.0
+    rows: tuple[str, ...] = ()  # registry row keys; (): every row
+    controls: tuple[str, ...] = ("sed", "codar", "dihal", "dihal-direct")  # rows whose recovery gets oracle/null
+    budgets: tuple[int, ...] = (1, 5)  # multiples of the protocol's steps; every part trains at each
     batch_size: int = 32  # samples per generation batch
     overrides: tuple[tuple[str, object], ...] = ()  # protocol fields changed for every part alike
     device: str = "cpu"
@@ -507,6 +512,23 @@ class CompareConfig(Config):
         distinct_seeds(self.seeds)
         at_least(self, 1, "num_samples", "prior_steps", "sample_steps", "batch_size", "layer", "oracle")
         require(self.condition_noise >= 0, f"--condition-noise must be >= 0, got {self.condition_noise}")
+        require(bool(self.temperatures), "--temperatures must name at least one temperature")
+        for t in self.temperatures:
+            require(t >= 0, f"--temperatures must be >= 0 (0 = argmax), got {t}")
+        require(len(set(self.temperatures)) == len(self.temperatures), "--temperatures repeats a value")
+        require(0 < self.top_p <= 1, f"--top-p must be in (0, 1], got {self.top_p}")
+        for name in self.rows + self.controls:
+            require(name in ROW_KEYS, f"unknown row '{name}'; the rows are {', '.join(ROW_KEYS)}")
+        require(not self.rows or "dihal" in self.rows, "--rows must include dihal: claim 3 compares it with the rest")
+        for name in self.controls:
+            require(
+                not self.rows or name in self.rows,
+                f"--controls {name}: that row is not in --rows, so its recovery is not trained",
+            )
+        require(bool(self.budgets), "--budgets must name at least one multiple of the protocol's steps")
+        for k in self.budgets:
+            require(isinstance(k, int) and k >= 1, f"--budgets must be whole multiples >= 1, got {k}")
+        require(len(set(self.budgets)) == len(self.budgets), "--budgets repeats a value")
         overrides_recipe(self.protocol, self.overrides)
 
 

@@ -180,13 +180,18 @@ def run_samples(
     ) as art:
         spec = cfg.evaluator or origin(gen_art).model
         loaded = loaded or load_model(spec, cfg.device, cfg.dtype, trust_remote_code=trust_remote_code)
-        rows = []
+        rows, per_sample = [], []
         for name in ("samples.jsonl", "samples_original.jsonl"):
             if not gen_art.file(name).exists():
                 continue
             samples = [json.loads(l) for l in gen_art.file(name).read_text().splitlines()][: cfg.limit]
             texts = [s["text"] for s in samples]
             nlls = sample_nlls(loaded, [s["prompt"] for s in samples], texts)
+            per_sample += [
+                {"model": s["model"], "index": i, "nll": nll, "n_scored": n, "n_tokens": s["n_tokens"],
+                 "token_entropy": token_entropy([s["token_ids"]]) if s["token_ids"] else float("nan")}
+                for i, (s, (nll, n)) in enumerate(zip(samples, nlls))
+            ]  # fmt: skip
             rows.append(
                 {
                     "model": samples[0]["model"],
@@ -198,6 +203,7 @@ def run_samples(
                 }
             )
         pd.DataFrame(rows).to_csv(art.file("generation.csv"), index=False)
+        pd.DataFrame(per_sample).to_csv(art.file("per_sample.csv"), index=False)  # for intervals over samples
         art.file("results.json").write_text(json.dumps({"evaluator": spec, "rows": rows}, indent=2))
         art.manifest["metrics"] = {"evaluator": spec, "rows": rows}
     return art

@@ -123,12 +123,21 @@ class BridgePart:
 
 @dataclass(frozen=True)
 class Row:
+    key: str  # its name on the command line (--rows, --controls)
     name: str  # "{l}" stands for the layer of its bridge (or of its prior)
     prior: PriorPart
     recovery: str  # a RECOVERIES name
     part: BridgePart | DecoderPart | None = None
     clamp: bool = False  # Diffusion-LM's clamping of each prior step's x0 estimate
     needs_oracle: bool = False  # only when a sweep's oracle layer is given
+    baseline: bool = False  # claim 3 compares DiHAL (l*) with it
+    ours: bool = False  # the row claim 3 is about
+
+    @property
+    def curve(self) -> bool:
+        """It ends in a distribution, so it is decoded at every temperature of the grid; rounding
+        rows are single points."""
+        return self.recovery != "rounding"
 
     def parts(self) -> list:
         return [self.prior] + ([self.part] if self.part is not None else [])
@@ -139,12 +148,13 @@ class Row:
 
 
 ROWS: tuple[Row, ...] = (
-    Row("Diffusion-LM", PriorPart(), "rounding", clamp=True),
-    Row("SED", PriorPart(self_condition=True), "rounding"),
-    Row("CoDAR", PriorPart(), "decoder", DecoderPart()),
-    Row("DiHAL (l*={l})", PriorPart(), "hidden", BridgePart("l_star")),
-    Row("DiHAL (argmin S={l})", PriorPart(), "hidden", BridgePart("worst")),
-    Row("DiHAL-direct (l*={l})", PriorPart("l_star"), "hidden"),
-    Row("DiHAL (oracle={l})", PriorPart(), "hidden", BridgePart("oracle"), needs_oracle=True),
+    Row("diffusion-lm", "Diffusion-LM", PriorPart(), "rounding", clamp=True, baseline=True),
+    Row("sed", "SED", PriorPart(self_condition=True), "rounding", baseline=True),
+    Row("codar", "CoDAR", PriorPart(), "decoder", DecoderPart(), baseline=True),
+    Row("dihal", "DiHAL (l*={l})", PriorPart(), "hidden", BridgePart("l_star"), ours=True),
+    Row("dihal-worst", "DiHAL (argmin S={l})", PriorPart(), "hidden", BridgePart("worst")),
+    Row("dihal-direct", "DiHAL-direct (l*={l})", PriorPart("l_star"), "hidden"),
+    Row("dihal-oracle", "DiHAL (oracle={l})", PriorPart(), "hidden", BridgePart("oracle"), needs_oracle=True),
 )
+ROW_KEYS = tuple(row.key for row in ROWS)
 AR_REFERENCE_BRIDGE = BridgePart("l_star", noisy=False)  # the AR hybrid and original references

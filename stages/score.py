@@ -35,7 +35,7 @@ from dihal.artifacts.errors import DihalError
 from dihal.artifacts.store import Artifact, ArtifactStore
 from dihal.stages import registry
 from dihal.stages.configs import NORMALIZATIONS, ScoreConfig, excluded_positions
-from dihal.stages.runtime import plotting
+from dihal.stages.runtime import bootstrap, plotting
 from dihal.stages.runtime.allocator import keep_freed_memory
 from dihal.stages.runtime.progress import NullProgress, Progress
 
@@ -353,7 +353,9 @@ def stability(table: pd.DataFrame, draws: pd.DataFrame) -> pd.DataFrame:
     for suffix in ("", "_robust") if "S_robust" in draws else ("",):
         by_layer = draws.groupby("layer")[f"S{suffix}"]
         out[f"S{suffix}_boot_mean"], out[f"S{suffix}_boot_std"] = by_layer.mean(), by_layer.std(ddof=1)
-        out[f"S{suffix}_boot_lo"], out[f"S{suffix}_boot_hi"] = by_layer.quantile(0.025), by_layer.quantile(0.975)
+        ci = [bootstrap.interval(out.loc[layer, f"S{suffix}"], g) for layer, g in by_layer]  # contains S
+        out[f"S{suffix}_boot_lo"] = pd.Series([c["lo"] for c in ci], index=[layer for layer, _ in by_layer])
+        out[f"S{suffix}_boot_hi"] = pd.Series([c["hi"] for c in ci], index=[layer for layer, _ in by_layer])
         ranks = draws.groupby("layer")[f"rank{suffix}"]
         out[f"rank{suffix}_min"], out[f"rank{suffix}_max"] = ranks.min(), ranks.max()
         winners = draws.loc[draws.groupby("draw")[f"S{suffix}"].idxmax(), "layer"]

@@ -27,7 +27,7 @@ from dihal.stages import registry
 from dihal.stages import score as score_stage
 from dihal.stages.configs import NORMALIZATIONS, ScoreConfig, SweepConfig
 from dihal.stages.diffusion import trainer
-from dihal.stages.runtime import dist, plotting
+from dihal.stages.runtime import bootstrap, dist, plotting
 from dihal.stages.runtime.progress import NullProgress, Progress
 
 STAGE = "sweep"
@@ -227,7 +227,9 @@ def variant_table(
     loss_by_seed = runs.pivot(index="layer", columns="seed", values="val_loss").loc[layers].to_numpy()
     rng = np.random.default_rng([seed, 7])
     n_seeds = loss_by_seed.shape[1]
-    losses = [-loss_by_seed[:, rng.integers(0, n_seeds, n_seeds)].mean(axis=1) for _ in range(CI_RESAMPLES)]
+    losses = [neg_loss] + [  # the point's own losses first, then the seeds' resamples
+        -loss_by_seed[:, rng.integers(0, n_seeds, n_seeds)].mean(axis=1) for _ in range(CI_RESAMPLES)
+    ]
     rows = []
     for mode, art in variant_scores.items():
         scores = score_stage.load_table(art).set_index("layer")
@@ -260,17 +262,16 @@ def correlations(x: np.ndarray, neg_loss: np.ndarray, layers: np.ndarray, shallo
 
 
 def interval(x: np.ndarray, resampled: list[np.ndarray], losses: list[np.ndarray], rng, n_seeds: int) -> dict:
-    """95% percentile interval of rho over resamples of the seeds (with replacement) and of the score's
-    position draws (one drawn at random per resample); NaN when there is nothing to resample."""
+    """95% interval of rho over resamples of the seeds (with replacement) and of the score's position
+    draws (one of them, the score's own draw 0 included, at random per resample), containing the
+    point rho (stages/runtime/bootstrap.py); NaN when there is nothing to resample."""
     sources = (["seeds"] if n_seeds > 1 else []) + (["positions"] if resampled else [])
     if not sources or len(x) < 3:
         return {"rho_lo": float("nan"), "rho_hi": float("nan"), "resampled": "nothing"}
-    rhos = []
-    for loss in losses:
-        pred = resampled[rng.integers(len(resampled))] if resampled else x
-        rhos.append(spearmanr(pred, loss)[0])
-    lo, hi = np.nanpercentile(rhos, [2.5, 97.5])
-    return {"rho_lo": float(lo), "rho_hi": float(hi), "resampled": "+".join(sources)}
+    draws = [x, *resampled]
+    rhos = [spearmanr(draws[rng.integers(len(draws))], loss)[0] for loss in losses[1:]]
+    ci = bootstrap.interval(float(spearmanr(x, losses[0])[0]), rhos)
+    return {"rho_lo": ci["lo"], "rho_hi": ci["hi"], "resampled": "+".join(sources)}
 
 
 def plot(table: pd.DataFrame, summary: dict, path) -> None:

@@ -337,68 +337,72 @@ def test_bad_parallel_requests_are_one_line(parts, tiny_dirs, root):
     refused(invoke("train-prior", "--train-steps", "0"), "--train-steps must be at least 1")
 
 
-def test_compare_end_to_end_writes_the_table_plot_and_budgets(tiny_dirs, root):
-    res = invoke(
-        "compare",
-        "--model",
-        str(tiny_dirs["llama"]),
-        "--evaluator",
-        str(tiny_dirs["qwen3"]),
-        "--max-sequences",
-        "24",
-        "--seq-len",
-        "12",
-        "--seeds",
-        "0,1",
-        "--num-samples",
-        "4",
-        "--prior-steps",
-        "3",
-        "--sample-steps",
-        "2",
-        "--train-steps",
-        "3",
-        "--width",
-        "16",
-        "--depth",
-        "1",
-        "--tokens",
-        "150",
-        "--device",
-        "cpu",
-    )
-    assert res.exit_code == 0, res.output
-    art = ArtifactStore(root).resolve("latest", "compare")
-    for name in ("compare.csv", "compare.parquet", "compare.json", "per_seed.csv", "parts.csv", "compare.png"):
-        assert art.file(name).stat().st_size > 0, name
+COMPARE = ["compare", "--max-sequences", "48", "--seq-len", "12", "--seeds", "0,1", "--num-samples", "4",
+           "--prior-steps", "3", "--sample-steps", "2", "--train-steps", "3", "--width", "16", "--depth", "1",
+           "--tokens", "150", "--temperatures", "0,1", "--budgets", "1,2", "--device", "cpu"]  # fmt: skip
+
+
+def test_compare_end_to_end_writes_curves_controls_budgets_and_the_verdict(tiny_dirs, root):
     import pandas as pd
 
-    summary, per_seed, parts_df = (pd.read_csv(art.file(n)) for n in ("compare.csv", "per_seed.csv", "parts.csv"))
-    l_star, worst = art.manifest["metrics"]["l_star"], art.manifest["metrics"]["argmin_S"]
-    expected = [
-        "Diffusion-LM",
-        "SED",
-        "CoDAR",
-        f"DiHAL (l*={l_star})",
-        f"DiHAL (argmin S={worst})",
-        f"DiHAL-direct (l*={l_star})",
-        "AR hybrid (l*)",
-        "original (AR)",
-        "held-out text",
-    ]
-    assert summary["row"].tolist() == expected
-    assert (summary["seeds"] == 2).all() and len(per_seed) == 2 * len(expected)
-    for column in ("gen_ppl_token_backbone", "gen_ppl_mean_evaluator", "token_entropy", "diversity", "distinct_2"):
-        values = per_seed.set_index(["row", "seed"])[column].unstack().loc[summary["row"]]  # the table's order
-        np.testing.assert_allclose(summary.set_index("row")[f"{column}_mean"], values.mean(axis=1), rtol=1e-9)
-        np.testing.assert_allclose(
-            summary.set_index("row")[f"{column}_std"], values.std(axis=1, ddof=1).fillna(0), rtol=1e-9, atol=1e-12
-        )
-    generated = summary[summary.row != "held-out text"]  # every generated row has its cost, the AR ones too
-    assert (generated["ms_per_sample_mean"] > 0).all() and summary.set_index("row")["ms_per_sample_mean"].isna()[
-        "held-out text"
-    ]
-    # claim 3 in the claims table, by its rule recomputed here from compare.csv
+    from dihal.stages import compare as stage
+
+    args = [*COMPARE, "--model", str(tiny_dirs["llama"]), "--evaluator", str(tiny_dirs["qwen3"])]
+    res = invoke(*args)
+    assert res.exit_code == 0, res.output
+    art = ArtifactStore(root).resolve("latest", "compare")
+    for name in ("compare.csv", "summary.csv", "controls.csv", "parts.csv", "samples.csv", "compare.json",
+                 "compare_x1.png", "compare_x2.png"):  # fmt: skip
+        assert art.file(name).stat().st_size > 0, name
+    lines, summary, parts_df, samples = (
+        pd.read_csv(art.file(n)) for n in ("compare.csv", "summary.csv", "parts.csv", "samples.csv")
+    )
+    result = json.loads(art.file("compare.json").read_text())
+    l_star, worst = result["l_star"], result["argmin_S"]
+    curves = ["CoDAR", f"DiHAL (l*={l_star})", f"DiHAL (argmin S={worst})", f"DiHAL-direct (l*={l_star})",
+              "AR hybrid (l*)", "original (AR)"]  # fmt: skip
+    prior = lines[lines.source == "trained prior"]
+    # one line per row, temperature, seed and budget: curve rows at both temperatures, points once
+    for row in curves:
+        got = prior[prior.row == row].groupby("budget")["temperature"].apply(lambda t: sorted(t.tolist()))
+        assert got.tolist() == [[0.0, 0.0, 1.0, 1.0]] * 2, (row, got)
+    for row in ("Diffusion-LM", "SED"):
+        assert prior[prior.row == row]["temperature"].isna().all() and len(prior[prior.row == row]) == 4
+    # the controls: oracle and null for each default control row, at the grid's top temperature
+    ctrl = lines[lines.source.isin(["oracle prior", "null prior"])]
+    assert set(ctrl.row) == {"SED", "CoDAR", f"DiHAL (l*={l_star})", f"DiHAL-direct (l*={l_star})"}
+    assert len(ctrl) == 4 * 2 * 2 * 2  # rows x sources x seeds x budgets
+    oracle_sed = ctrl[(ctrl.row == "SED") & (ctrl.source == "oracle prior")]
+    held = lines[lines.row == "held-out text"]
+    np.testing.assert_allclose(oracle_sed["gen_ppl_token_evaluator"], held["gen_ppl_token_evaluator"], rtol=1e-9)
+    # every line's Gen.PPL, recomputed here from the per-sample scores
+    for _, line in prior.sample(6, random_state=0).iterrows():
+        mask = (samples.row == line.row) & (samples.seed == line.seed) & (samples.budget == line.budget)
+        mask &= samples.source == "trained prior"
+        mask &= samples.temperature.isna() if pd.isna(line.temperature) else samples.temperature == line.temperature
+        one = samples[mask & (samples.n_evaluator > 0)]
+        expected = np.exp(one.nll_evaluator.sum() / one.n_evaluator.sum())
+        assert line.gen_ppl_token_evaluator == pytest.approx(expected, rel=1e-9)
+    # the headline: every interval holds its point; a point row's headline is its pooled Gen.PPL
+    ok = summary.dropna(subset=["headline_evaluator"])
+    assert (ok.headline_evaluator_lo <= ok.headline_evaluator).all()
+    assert (ok.headline_evaluator <= ok.headline_evaluator_hi).all()
+    sed = samples[(samples.row == "SED") & (samples.budget == 1) & (samples.source == "trained prior")]
+    sed_head = summary[(summary.row == "SED") & (summary.budget == 1)].iloc[0]
+    assert sed_head.headline_evaluator == pytest.approx(stage.gen_ppl(sed, "evaluator"), rel=1e-9)
+    assert set(summary.status) <= {"ok", "not reached", "degenerate"}
+    # the budgets: each part at 3 and 6 steps, the decoder's table frozen and counted
+    for k, steps in ((1, 3), (2, 6)):
+        trained = parts_df[(parts_df.seed == 0) & (parts_df.budget == k)]
+        assert (trained["steps"] == steps).all() and len(trained) == 7
+        assert (trained["tokens_seen"] == steps * trained["global_batch"] * 11).all()
+    by_part = parts_df[parts_df.budget == 1].set_index("part")
+    assert (by_part.loc["decoder", "frozen_parameters"] > 0).all() and (
+        by_part.loc["prior", "frozen_parameters"] == 0
+    ).all()
+    assert by_part.filter(like="bridge", axis=0)["frozen_parameters"].gt(0).all()
+    # claim 3 per budget, and the claims table takes it from compare.json
+    assert [v["budget"] for v in result["verdicts"]] == [1, 2]
     proc = subprocess.run(
         [sys.executable, "scripts/summarize.py", "--claims", str(root / "claims.md"), str(root)],
         cwd=REPO,
@@ -407,58 +411,33 @@ def test_compare_end_to_end_writes_the_table_plot_and_budgets(tiny_dirs, root):
     )
     assert proc.returncode == 0, proc.stderr
     claim3 = next(line for line in (root / "claims.md").read_text().splitlines() if line.startswith("| 3."))
-    by = summary.set_index("row")
-    ours = by.loc[f"DiHAL (l*={l_star})"]
-    behind = {
-        b: [
-            name
-            for name, worse in (
-                ("Gen.PPL (backbone)", ours.gen_ppl_token_backbone_mean >= by.loc[b, "gen_ppl_token_backbone_mean"]),
-                ("Gen.PPL (evaluator)", ours.gen_ppl_token_evaluator_mean >= by.loc[b, "gen_ppl_token_evaluator_mean"]),
-                ("diversity", ours.diversity_mean <= by.loc[b, "diversity_mean"]),
-            )
-            if worse
-        ]
-        for b in ("Diffusion-LM", "SED", "CoDAR")
+    for v in result["verdicts"]:
+        assert f"{v['budget']}x: {v['claim_3']}" in claim3, claim3
+    assert "cache hit" in invoke(*args).output
+
+
+def test_compare_refuses_bad_requests_before_any_work(tiny_dirs, root):
+    base = ["compare", "--model", str(tiny_dirs["llama"]), "--evaluator", str(tiny_dirs["qwen3"]), "--dry-run"]
+    cases = {
+        ("--rows", "dihal,nope"): "unknown row 'nope'",
+        ("--temperatures", "0,-0.5"): "--temperatures must be >= 0",
+        ("--temperatures", "0,nan"): "nan",
+        ("--top-p", "1.5"): "--top-p must be in (0, 1]",
+        ("--top-p", "0"): "--top-p must be in (0, 1]",
+        ("--rows", "dihal,sed", "--controls", "codar"): "--controls codar: that row is not in --rows",
+        ("--rows", "sed,codar"): "--rows must include dihal",
+        ("--budgets", "1,0"): "--budgets must be whole multiples >= 1",
+        ("--budgets", "1.5"): "cannot read --budgets",
     }
-    for b, names in behind.items():
-        assert (f"{b} on {', '.join(names)}" in claim3) == bool(names), (b, names, claim3)
-    n_behind = sum(bool(v) for v in behind.values())
-    verdict = "holds" if not n_behind else "partly" if n_behind < 3 else "does not hold"
-    assert f"**{verdict}" in claim3, claim3
-    trained = parts_df[parts_df.seed == 0]  # one budget: every part ran the same steps x batch
-    assert trained["steps"].nunique() == 1 and trained["global_batch"].nunique() == 1 and len(trained) == 7
-    assert (trained["parameters"] > 0).all() and (trained["tokens_seen"] == 3 * trained["global_batch"] * 11).all()
-    again = invoke(
-        "compare",
-        "--model",
-        str(tiny_dirs["llama"]),
-        "--evaluator",
-        str(tiny_dirs["qwen3"]),
-        "--max-sequences",
-        "24",
-        "--seq-len",
-        "12",
-        "--seeds",
-        "0,1",
-        "--num-samples",
-        "4",
-        "--prior-steps",
-        "3",
-        "--sample-steps",
-        "2",
-        "--train-steps",
-        "3",
-        "--width",
-        "16",
-        "--depth",
-        "1",
-        "--tokens",
-        "150",
-        "--device",
-        "cpu",
-    )
-    assert again.exit_code == 0 and "cache hit" in again.output
+    for extra, needle in cases.items():
+        res = invoke(*base, *extra)
+        assert res.exit_code == 2 and "Traceback" not in res.output, (extra, res.output)
+        last = res.output.strip().splitlines()[-1]
+        assert last.startswith("error: ") and needle in res.output, (extra, res.output)
+    res = invoke("compare", "--model", str(tiny_dirs["llama"]), "--evaluator", str(tiny_dirs["llama"]),
+                 "--max-sequences", "16", "--seq-len", "12", "--device", "cpu")  # fmt: skip
+    assert res.exit_code == 2 and "is the backbone; the primary evaluator must be another model" in res.output
+    assert ArtifactStore(root).all("prior") == []  # refused before any part was trained
 
 
 def _samples(art) -> list[list[int]]:
