@@ -41,6 +41,7 @@ from dihal.stages.runtime.progress import NullProgress, Progress
 from dihal.stages.text.text_metrics import text_metrics, token_entropy
 
 STAGE = "compare"
+REVISION = 3  # 2: its AR rows' unprompted generation was fixed; 3: section 5 revision 2
 EVALUATORS = ("evaluator", "backbone")  # the primary one first: the backbone scores its own choices
 DEGENERATE = 0.9  # a row whose entropy is below 0.9 x the held-out text's at every temperature
 
@@ -450,7 +451,7 @@ def run(
             f"the oracle controls read {cfg.num_samples} held-out sequences but extract {extract.id} has {n_val}; "
             "use a smaller --num-samples, a larger --val-fraction, or --controls ''"
         )
-    config = {**asdict(cfg), "l_star": l_star, "worst": worst, "evaluator": primary, "revision": 2}
+    config = {**asdict(cfg), "l_star": l_star, "worst": worst, "evaluator": primary, "revision": REVISION}
     parents = {"extract": extract.id, "score": score_art.id}
     if cached := store.cached(STAGE, config, parents, force=force):
         return cached

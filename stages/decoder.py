@@ -35,6 +35,13 @@ from dihal.stages.runtime import plotting
 from dihal.stages.runtime.progress import NullProgress, Progress
 
 STAGE = "decoder"
+# 2: the token input and output are the backbone's frozen embedding table (section 5 revision 2); a
+#    revision-1 decoder trained its own vocabulary-sized table and head, and its weights do not load.
+REVISION = 2
+
+
+def hashed(cfg: DecoderTrainConfig) -> dict:
+    return {**asdict(cfg), "revision": REVISION}
 
 
 class DecoderTask:
@@ -126,7 +133,7 @@ def run(
 ) -> Artifact:
     progress = progress or NullProgress()
     group = hs.open_with_layers(extract, (0,))
-    config, parents = asdict(cfg), {"extract": extract.id}
+    config, parents = hashed(cfg), {"extract": extract.id}
     if cached := store.cached(STAGE, config, parents, force=force):
         return cached
 

@@ -25,7 +25,6 @@ def test_an_interval_is_the_percentile_interval_widened_to_its_point():
 def test_the_sweeps_rho_interval_contains_its_rho_where_the_old_one_did_not():
     """Two seeds whose losses disagree, and position draws all ranked unlike draw 0: the old interval
     (the resamples never the point's own draw) lay wholly above the point rho."""
-    layers = np.arange(1, 7)
     x = np.array([6.0, 1, 5, 2, 4, 3])  # draw 0: a poor ranking
     draws = [np.array([6.0, 5, 4, 3, 2, 1]) + 0.01 * k for k in range(5)]  # the other draws: the right one
     by_seed = np.stack([-np.array([1.0, 2, 3, 4, 5, 6]), -np.array([1.0, 2, 3, 4, 6, 5])], axis=1)

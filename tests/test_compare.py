@@ -507,3 +507,17 @@ def gen_stage_truncate(ids, eos):
     from dihal.stages.generate import truncate_at_eos
 
     return truncate_at_eos(ids, eos)
+
+
+@pytest.mark.parametrize("quick", ["0", "1"])
+def test_reproduce_compare_dry_run_passes_with_the_revision_2_grid(quick, tmp_path):
+    import os
+    from pathlib import Path
+
+    path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
+    env = {**os.environ, "DRY_RUN": "1", "QUICK": quick, "DIHAL_ROOT": str(tmp_path), "PATH": path}
+    proc = subprocess.run(["bash", "scripts/reproduce_compare.sh"], cwd=REPO, env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = proc.stdout
+    assert "(0.0, 0.7, 1.0)" in out and "(1, 5)" in out, out
+    assert ("seeds=(0,)" in out) == (quick == "1") and ("seeds=(0, 1)" in out) == (quick == "0"), out

@@ -231,9 +231,21 @@ def test_artifact_ids_do_not_move():
     assert artifact_id("bridge", asdict(bridge2), PARENT) == "d1ba952ccba3"
     prior = C.PriorConfig.from_protocol("compare-cpu", layer=0, self_condition=True)
     assert artifact_id("prior", asdict(prior), PARENT) == "b959c4f12aa6"
-    assert artifact_id("decoder", asdict(C.DecoderTrainConfig.from_protocol("compare-cpu")), PARENT) == "a8a443db7c36"
+    # the decoder's network changed (section 5 rev 2: the frozen table), so its config gained a revision
+    decoder = C.DecoderTrainConfig.from_protocol("compare-cpu")
+    assert artifact_id("decoder", asdict(decoder), PARENT) == "a8a443db7c36"  # the landed main's
+    from dihal.stages import decoder as dec
+
+    assert artifact_id("decoder", dec.hashed(decoder), PARENT) != "a8a443db7c36"
+    assert dec.hashed(decoder) == {**asdict(decoder), "revision": dec.REVISION}
+    # an AR generation hashes the temperature it uses: at the defaults, the landed main's ids
+    # (computed with its configs.py: fc16c39bd5d2 and a8e2c81d9800); a parallel one moved (README)
+    on_bridge = {"bridge": "0123456789ab"}
+    assert artifact_id("generate", C.GenerateConfig(num_samples=16).hashed(), on_bridge) == "fc16c39bd5d2"
+    greedy = C.GenerateConfig(num_samples=16, temperature=0.0, top_p=0.9)
+    assert artifact_id("generate", greedy.hashed(), on_bridge) == "a8e2c81d9800"
     gen = C.GenerateConfig(mode="parallel", recovery="hidden", num_samples=16)
-    assert artifact_id("generate", asdict(gen), {"prior": "0123456789ab"}) == "ec66f62b7c09"
+    assert artifact_id("generate", gen.hashed(), {"prior": "0123456789ab"}) != "ec66f62b7c09"
     from dihal.stages import score as sc
 
     score = {**asdict(C.ScoreConfig(tokens=512, bootstrap=2)), "candidates": [1, 2, 3], "device": None}
@@ -244,7 +256,8 @@ def test_artifact_ids_do_not_move():
     )
     sweep = C.SweepConfig(layers=(1, 2), overrides=(("steps", 20), ("width", 32)))
     assert artifact_id("sweep", asdict(sweep), PARENT) == "6204bf89a0bb"
-    assert artifact_id("compare", asdict(C.CompareConfig(overrides=(("steps", 20),))), PARENT) == "59141e67990c"
+    # section 5 revision 2 gave the comparison its grid, controls and budgets: a new id (README)
+    assert artifact_id("compare", asdict(C.CompareConfig(overrides=(("steps", 20),))), PARENT) != "59141e67990c"
 
 
 def test_recipe_overrides_keep_their_order_on_the_command_line(tiny_dirs):
