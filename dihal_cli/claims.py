@@ -18,7 +18,7 @@ from dihal.cli import options as o
 from dihal.cli.locate import extract_config, extract_parent
 from dihal.cli.tables import compare_tables, confirm_tables
 from dihal.cli.ui import console, dry, make_progress, report
-from dihal.stages.configs import CompareConfig, ConfirmConfig, ScoreConfig
+from dihal.stages.configs import CompareConfig, ConfirmConfig, ScoreConfig, parse_condition
 from dihal.stages.registry import ROW_KEYS
 
 
@@ -31,7 +31,9 @@ def compare(
     seeds: str = o.opt(CompareConfig, "seeds", help="Comma list; each part is trained per seed."),
     num_samples: int = o.opt(CompareConfig, "num_samples", help="Samples per row and seed."),
     prior_steps: int = o.opt(CompareConfig, "prior_steps"), sample_steps: int = o.opt(CompareConfig, "sample_steps"),
-    condition_noise: float = o.opt(CompareConfig, "condition_noise"),
+    condition_noise: str = typer.Option(
+        o.condition_default(CompareConfig), "--condition-noise",
+        help="How the decoder and bridges see their conditions: prior:T or sigma:S."),
     evaluator: str | None = o.opt(CompareConfig, "evaluator", help="Primary evaluator, not the backbone (default: "
                                   "the other builtin)."),
     temperatures: str = o.opt(CompareConfig, "temperatures", help="Decoding grid of every curve row (0 = argmax)."),
@@ -49,7 +51,9 @@ def compare(
 ) -> None:  # fmt: skip
     """Diffusion-LM, SED, CoDAR and DiHAL from one prior at a matched budget, with references (section 5)."""
     device, dtype = o.device_and_dtype(device, dtype, dry_run)
-    cfg = o.build(CompareConfig, locals(), seeds=o.seeds(seeds), overrides=recipe, rows=o.comma_list(rows),
+    condition_from, noise = parse_condition(condition_noise)
+    cfg = o.build(CompareConfig, {**locals(), "condition_noise": noise}, seeds=o.seeds(seeds), overrides=recipe,
+                  condition_from=condition_from, rows=o.comma_list(rows),
                   controls=o.comma_list(controls), temperatures=o.numbers(temperatures, "--temperatures"),
                   budgets=o.numbers(budgets, "--budgets", int))  # fmt: skip
     if (

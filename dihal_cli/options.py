@@ -122,6 +122,11 @@ def seeds(spec: str) -> tuple[int, ...]:
         raise DihalError(f"cannot read --seeds '{spec}'; use a comma list like 0,1,2") from None
 
 
+def condition_default(cls) -> str:
+    """--condition-noise's one default, as the kind:value the option reads."""
+    return f"{default(cls, 'condition_from')}:{default(cls, 'condition_noise'):g}"
+
+
 def comma_list(spec: str) -> tuple[str, ...]:
     return tuple(a.strip() for a in spec.split(",") if a.strip())
 

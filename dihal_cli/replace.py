@@ -16,9 +16,17 @@ from dihal.artifacts.store import ArtifactStore
 from dihal.cli import options as o
 from dihal.cli.locate import extract_config, extract_parent
 from dihal.cli.ui import console, dry, make_progress, report
-from dihal.stages.configs import BridgeConfig, DecoderTrainConfig, PriorConfig
+from dihal.stages.configs import BridgeConfig, DecoderTrainConfig, PriorConfig, parse_condition
 
 ExtractRef = typer.Option("latest", "--extract", help="Extract artifact holding layer 0 (and --layer).")
+
+
+CONDITION_HELP = "sigma:S (c + sigma z, sigma ~ U(0, S); a bare S too) or prior:T (the prior's x0 estimates, t <= T)."
+
+
+def condition(spec: str) -> dict:
+    kind, value = parse_condition(spec)
+    return {"condition_from": kind, "condition_noise": value}
 
 
 def train_from_extract(cls, stage_name: str, values: dict, **fixed):
@@ -31,7 +39,9 @@ def train_from_extract(cls, stage_name: str, values: dict, **fixed):
         return dry(f"train-{stage_name}", cfg)
     stage = importlib.import_module(f"dihal.stages.{stage_name}")
     store = ArtifactStore(v["root"])
-    return stage.run(cfg, store.resolve(v["extract"], "extract"), store, force=v["force"], progress=make_progress())
+    prior = {"prior": store.resolve(v["prior"], "prior") if v.get("prior") else None} if "prior" in v else {}
+    extract = store.resolve(v["extract"], "extract")
+    return stage.run(cfg, extract, store, **prior, force=v["force"], progress=make_progress())
 
 
 @o.command("train-bridge")
@@ -44,13 +54,14 @@ def train_bridge(
     store_dtype: str = o.StoreDtype,
     prediction: str = o.opt(BridgeConfig, "prediction", help="x0 or velocity."),
     skip_init: str = o.opt(BridgeConfig, "skip_init", help="ridge or zero."),
-    condition_noise: float = o.opt(BridgeConfig, "condition_noise", help="Train on c + sigma z, sigma ~ U(0, this)."),
+    condition_noise: str = typer.Option(o.condition_default(BridgeConfig), "--condition-noise", help=CONDITION_HELP),
+    prior: str | None = typer.Option(None, "--prior", help="With prior:T, the layer-0 prior (dihal train-prior)."),
     device: str = o.Device, dtype: str = o.Dtype, seed: int = o.Seed, force: bool = o.Force, dry_run: bool = o.DryRun,
     trust_remote_code: bool = o.Trust, root: str = o.Root, recipe: tuple = (),
 ) -> None:  # fmt: skip
     """Train the conditional flow-matching bridge h_0 -> h_layer (docs/method.md, replace)."""
     device, dtype = o.device_and_dtype(device, dtype, dry_run)
-    fixed = dict(layer=layer, prediction=prediction, skip_init=skip_init, condition_noise=condition_noise)
+    fixed = dict(layer=layer, prediction=prediction, skip_init=skip_init, **condition(condition_noise))
     cfg = BridgeConfig.for_run(protocol, recipe, seed=seed, device=device, dtype=dtype, **fixed)
     ecfg = extract_config(locals(), device, dtype, f"0,{layer}")
     if dry_run:
@@ -58,7 +69,9 @@ def train_bridge(
     from dihal.stages import bridge as stage
 
     store = ArtifactStore(root)
-    art = stage.run(cfg, extract_parent(store, extract, ecfg), store, force=force, progress=make_progress())
+    prior_art = store.resolve(prior, "prior") if prior else None
+    parent = extract_parent(store, extract, ecfg)
+    art = stage.run(cfg, parent, store, prior=prior_art, force=force, progress=make_progress())
     m = art.manifest["metrics"]
     console.print(
         f"layer {layer}: validation bridge loss {m['val_loss']:.4f} after {m['steps']} steps "
@@ -90,13 +103,16 @@ def train_prior(
 @o.command("train-decoder")
 @o.recipe_options(exclude=("depth",))
 def train_decoder(
-    condition_noise: float = o.opt(DecoderTrainConfig, "condition_noise", help="sigma_max of the noised conditions."),
+    condition_noise: str = typer.Option(
+        o.condition_default(DecoderTrainConfig), "--condition-noise",
+        help=CONDITION_HELP),
+    prior: str | None = typer.Option(None, "--prior", help="With prior:T, the layer-0 prior (dihal train-prior)."),
     protocol: str = o.protocol_opt(DecoderTrainConfig), extract: str = ExtractRef,
     device: str = o.Device, dtype: str = o.Dtype, seed: int = o.Seed, force: bool = o.Force, dry_run: bool = o.DryRun,
     root: str = o.Root, recipe: tuple = (),
 ) -> None:  # fmt: skip
     """CoDAR's recovery: a causal decoder cross-attending to normalized h_0 (docs/method.md section 5)."""
-    if (art := train_from_extract(DecoderTrainConfig, "decoder", locals(), condition_noise=condition_noise)) is None:
+    if (art := train_from_extract(DecoderTrainConfig, "decoder", locals(), **condition(condition_noise))) is None:
         return
     m = art.manifest["metrics"]
     console.print(f"decoder: validation cross-entropy {m['val_loss']:.4f} after {m['steps']} steps")

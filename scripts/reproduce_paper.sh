@@ -37,7 +37,7 @@ for spec in "meta-llama/Llama-3.1-8B-Instruct 1-31 32 128256 8.0e9" "Qwen/Qwen3-
   # second evaluator the other 8B backbone
   OTHER=$([ "$MODEL" = "Qwen/Qwen3-8B" ] && echo meta-llama/Llama-3.1-8B-Instruct || echo Qwen/Qwen3-8B)
   dihal compare --extract "$EXTRACT" --score "$SCORE" --protocol paper --seeds 0,1,2 --num-samples 256 \
-    --prior-steps 50 --sample-steps 16 --condition-noise 0.5 --temperatures 0,0.7,1.0 --top-p 1.0 \
+    --prior-steps 50 --sample-steps 16 --condition-noise prior:0.5 --temperatures 0,0.7,1.0 --top-p 1.0 \
     --budgets 1,5 --controls sed,codar,dihal,dihal-direct --evaluator "$OTHER" --batch-size 64 $DEV
   dry || python3 scripts/summarize.py "$DIHAL_ROOT" "$DIHAL_ROOT/summary.md"
 done

@@ -18,7 +18,7 @@ from dihal.artifacts import files
 from dihal.artifacts import hidden_states as hs
 from dihal.artifacts.errors import DihalError
 from dihal.artifacts.store import Artifact, ArtifactStore
-from dihal.stages.configs import BridgeConfig
+from dihal.stages.configs import BridgeConfig, part_hash
 from dihal.stages.diffusion import flow, trainer
 from dihal.stages.diffusion.denoiser import Denoiser, DenoiserConfig
 from dihal.stages.diffusion.normalizer import Normalizer
@@ -128,8 +128,9 @@ class BridgeTask:
     """The bridge as a task of the shared training loop (stages/diffusion/trainer.py): reads
     (h_0, h_l) for training sequences from the Zarr store, never the whole split."""
 
-    def __init__(self, group, cfg: BridgeConfig, norm: Normalizer, start: int):
-        self.group, self.cfg, self.norm, self.start = group, cfg, norm, start
+    def __init__(self, group, cfg: BridgeConfig, norm: Normalizer, start: int, prior=None):
+        """prior: a trained stages.prior.Prior whose estimates corrupt c (--condition-noise prior:T)."""
+        self.group, self.cfg, self.norm, self.start, self.prior = group, cfg, norm, start, prior
         self.train_seqs = hs.split_indices(group, "train")
         self.n_train, self.chunk = len(self.train_seqs), int(group.attrs["chunk_seqs"])
         self.tokens_per_item = group["input_ids"].shape[1] - start
@@ -150,7 +151,12 @@ class BridgeTask:
         y = self.norm.y(torch.from_numpy(batch["y"][:, self.start :].astype(np.float32))).to(device)
         t = torch.stack([torch.rand((), generator=g) for g in gens]).to(device)
         eps = torch.stack([torch.randn(y.shape[1:], generator=g) for g in gens]).to(device)
-        c = flow.corrupt(c.cpu(), self.cfg.condition_noise, gens).to(device)
+        if self.prior is not None:  # positions 1..T' only: the prior does not model position 0
+            raw = torch.from_numpy(batch["c"][:, 1:].astype(np.float32))
+            estimate = self.norm.c(self.prior.corrupt(raw, self.cfg.condition_noise, gens).cpu())
+            c = torch.cat([c[:, : 1 - self.start].cpu(), estimate], dim=1).to(device)
+        else:
+            c = flow.corrupt(c.cpu(), self.cfg.condition_noise, gens).to(device)
         out = net(flow.noisy(y, eps, t), t, c)
         return ((out.float() - flow.training_target(y, eps, self.cfg.prediction)) ** 2).mean(dim=(1, 2)).sum()
 
@@ -197,12 +203,12 @@ def validation_loss(net: Denoiser, y: torch.Tensor, c: torch.Tensor, prediction:
     return total / count
 
 
-def train(cfg: BridgeConfig, group, art: Artifact, progress: Progress) -> dict:
+def train(cfg: BridgeConfig, group, art: Artifact, progress: Progress, prior_art: Artifact | None = None) -> dict:
     """Train (or resume) into art; returns final metrics."""
     rank, _ = distributed()
     start = covered_start(group)
     norm = Normalizer.fit(group, 0, cfg.layer, hs.split_indices(group, "train"), start)
-    task = BridgeTask(group, cfg, norm, start)
+    task = BridgeTask(group, cfg, norm, start, condition_prior(prior_art, cfg))
     den_cfg = DenoiserConfig(
         dim=norm.mu_y.shape[0], width=cfg.width, depth=cfg.depth, heads=cfg.heads, max_len=task.tokens_per_item
     )
@@ -235,17 +241,47 @@ def train(cfg: BridgeConfig, group, art: Artifact, progress: Progress) -> dict:
 
 # -- the stage ----------------------------------------------------------------------------------
 def config_dict(cfg: BridgeConfig) -> dict:
-    return asdict(cfg)
+    return part_hash(cfg)
+
+
+def condition_prior(prior_art: Artifact | None, cfg):
+    """The loaded prior of --condition-noise prior:T (on the training device), else None."""
+    if cfg.condition_from != "prior":
+        return None
+    from dihal.stages.prior import Prior
+
+    device = cfg.device if cfg.device != "auto" else "cpu"
+    return Prior.load(prior_art, device)
+
+
+def check_condition_prior(cfg, extract: Artifact, prior_art: Artifact | None) -> dict[str, str]:
+    """The parents a part gains from its condition: {} for sigma:S, {"prior": id} for prior:T."""
+    if cfg.condition_from != "prior":
+        if prior_art is not None:
+            raise DihalError("--prior is for --condition-noise prior:T; leave it out with sigma:S")
+        return {}
+    if prior_art is None:
+        raise DihalError("--condition-noise prior:T needs --prior ID (a `dihal train-prior --layer 0` artifact)")
+    if prior_art.manifest.get("parents", {}).get("extract") != extract.id or prior_art.config.get("layer") != 0:
+        raise DihalError(f"prior {prior_art.id} is not a prior over layer 0 of extract {extract.id}; train one on it")
+    return {"prior": prior_art.id}
 
 
 def run(
-    cfg: BridgeConfig, extract: Artifact, store: ArtifactStore, *, force: bool = False, progress: Progress | None = None
+    cfg: BridgeConfig,
+    extract: Artifact,
+    store: ArtifactStore,
+    *,
+    prior: Artifact | None = None,
+    force: bool = False,
+    progress: Progress | None = None,
 ) -> Artifact:
-    """Under torchrun every rank trains its shard; rank 0 owns the artifact and writes it."""
+    """Under torchrun every rank trains its shard; rank 0 owns the artifact and writes it.
+    prior: the layer-0 prior of --condition-noise prior:T."""
     progress = progress or NullProgress()
     group = hs.open_with_layers(extract, (0, cfg.layer))
-    config, parents = config_dict(cfg), {"extract": extract.id}
+    config, parents = config_dict(cfg), {"extract": extract.id, **check_condition_prior(cfg, extract, prior)}
     if cached := store.cached(STAGE, config, parents, force=force):
         return cached
-    train_fn = lambda art, report: train(cfg, group, art, report)  # noqa: E731
+    train_fn = lambda art, report: train(cfg, group, art, report, prior)  # noqa: E731
     return trainer.write_trained(store, STAGE, config, parents, extract, cfg, train_fn, force=force, progress=progress)

@@ -106,6 +106,7 @@ def part_configs(cfg: CompareConfig, seed: int, l_star: int, worst: int, k: int 
     rows (and of the AR references) once, every one under the one protocol."""
     layers = layer_names(l_star, worst, cfg.oracle)
     common = dict(seed=seed, device=cfg.device, dtype=cfg.dtype)
+    condition = dict(condition_noise=cfg.condition_noise, condition_from=cfg.condition_from)
     overrides = budget_overrides(cfg, k) if k != 1 else dict(cfg.overrides)
 
     def build(spec) -> tuple:
@@ -116,13 +117,11 @@ def part_configs(cfg: CompareConfig, seed: int, l_star: int, worst: int, k: int 
             return prior_stage.run, pcfg
         if isinstance(spec, registry.DecoderPart):  # the decoder's depth is fixed (DECODER_DEPTH)
             decoder_overrides = {k: v for k, v in overrides.items() if k != "depth"}
-            dcfg = DecoderTrainConfig.for_run(
-                cfg.protocol, decoder_overrides, condition_noise=cfg.condition_noise, **common
-            )
+            dcfg = DecoderTrainConfig.for_run(cfg.protocol, decoder_overrides, **condition, **common)
             return decoder_stage.run, dcfg
-        noise = cfg.condition_noise if spec.noisy else 0.0
+        noise = condition if spec.noisy else {"condition_noise": 0.0}
         return bridge_stage.run, BridgeConfig.for_run(
-            cfg.protocol, overrides, layer=layers[spec.layer], condition_noise=noise, **common
+            cfg.protocol, overrides, layer=layers[spec.layer], **noise, **common
         )
 
     specs = [spec for row in active_rows(cfg) for spec in row.parts()] + [registry.AR_REFERENCE_BRIDGE]
@@ -132,10 +131,11 @@ def part_configs(cfg: CompareConfig, seed: int, l_star: int, worst: int, k: int 
 def train_parts(
     cfg: CompareConfig, extract, store, seed: int, l_star: int, worst: int, k: int, progress: Progress
 ) -> dict[str, Artifact]:
-    parts = {}
+    parts = {}  # the prior over h_0 comes first: with prior:T the decoder and the noisy bridges read it
     for name, (run, part_cfg) in part_configs(cfg, seed, l_star, worst, k).items():
         progress.log(f"budget x{k}, seed {seed}: {name}")
-        parts[name] = run(part_cfg, extract, store, progress=progress)
+        reads = getattr(part_cfg, "condition_from", None) == "prior"
+        parts[name] = run(part_cfg, extract, store, progress=progress, **({"prior": parts["prior"]} if reads else {}))
     return parts
 
 

@@ -202,6 +202,45 @@ class PartRecipe(Recipe):
         require(self.width % self.heads == 0, f"--width {self.width} must be divisible by --heads {self.heads}")
 
 
+CONDITIONS = ("sigma", "prior")
+
+
+def check_condition(cfg) -> None:
+    one_of(cfg, "condition_from", CONDITIONS)
+    require(cfg.condition_noise >= 0, f"--condition-noise must be >= 0, got {cfg.condition_noise}")
+    require(
+        cfg.condition_from == "sigma" or 0 < cfg.condition_noise <= 1,
+        f"--condition-noise prior:T needs a noise time T in (0, 1], got {cfg.condition_noise}",
+    )
+
+
+def parse_condition(spec: str) -> tuple[str, float]:
+    """--condition-noise: 'prior:T' (the prior's own x0 estimates from t ~ U(0, T)), 'sigma:S' or a bare
+    S (c + sigma z, sigma ~ U(0, S)) -> (condition_from, condition_noise)."""
+    kind, _, value = spec.rpartition(":")
+    kind = kind or "sigma"
+    try:
+        number = float(value)
+    except ValueError:
+        raise DihalError(f"cannot read --condition-noise '{spec}'; use prior:0.5, sigma:0.5 or 0.5") from None
+    require(kind in CONDITIONS, f"cannot read --condition-noise '{spec}'; use prior:T or sigma:S")
+    require(math.isfinite(number), f"--condition-noise must be finite, got {spec}")
+    return kind, number
+
+
+def condition_label(cfg) -> str:
+    return f"{cfg.condition_from}:{cfg.condition_noise:g}"
+
+
+def part_hash(cfg) -> dict:
+    """asdict of a bridge or decoder config; condition_from at its default "sigma" is left out, so a
+    config made before the field existed keeps its id."""
+    out = asdict(cfg)
+    if out.get("condition_from") == "sigma":
+        out.pop("condition_from")
+    return out
+
+
 @dataclass(frozen=True, kw_only=True)
 class BridgeConfig(PartRecipe):
     """A bridge's whole recipe (docs/method.md section 2); protocol fields come from PROTOCOLS."""
@@ -212,14 +251,15 @@ class BridgeConfig(PartRecipe):
     objective: str = "flow"
     prediction: str = "x0"
     skip_init: str = "ridge"  # "ridge": A starts at the least-squares map c -> y; "zero": plain init
-    condition_noise: float = 0.0  # sigma_max: train on c + sigma z, sigma ~ U(0, sigma_max)
+    condition_noise: float = 0.0  # sigma: sigma_max of c + sigma z; prior: T, the prior's estimates from t <= T
+    condition_from: str = "sigma"  # "sigma" or "prior" (section 5's corrupted conditions)
 
     def check(self) -> None:
         super().check()
         require(self.layer >= 1, "--layer must be at least 1 (layer 0 is the condition itself)")
         one_of(self, "prediction", PREDICTIONS)
         require(self.objective == "flow", "only --objective flow (rectified flow) is implemented")
-        require(self.condition_noise >= 0, f"--condition-noise must be >= 0, got {self.condition_noise}")
+        check_condition(self)
         one_of(self, "skip_init", ("ridge", "zero"))
 
 
@@ -243,10 +283,11 @@ class DecoderTrainConfig(PartRecipe):
 
     protocol: str = "compare-cpu"
     condition_noise: float = COMPARISON_CONDITION_NOISE
+    condition_from: str = "sigma"
 
     def check(self) -> None:
         super().check()
-        require(self.condition_noise >= 0, f"--condition-noise must be >= 0, got {self.condition_noise}")
+        check_condition(self)
 
 
 # -- locate ---------------------------------------------------------------------------------------------
@@ -497,6 +538,7 @@ class CompareConfig(Config):
     prior_steps: int = GenerateConfig.prior_steps
     sample_steps: int = GenerateConfig.sample_steps
     condition_noise: float = COMPARISON_CONDITION_NOISE
+    condition_from: str = "prior"  # section 5's default prior:0.5; "sigma": revision 1's c + sigma z
     evaluator: str | None = None  # the primary evaluator, a model other than the backbone; None: the other builtin
     temperatures: tuple[float, ...] = (0.0, 0.7, 1.0)  # the decoding grid of every row that ends in a distribution
     top_p: float = 1.0
@@ -511,7 +553,7 @@ class CompareConfig(Config):
     def check(self) -> None:
         distinct_seeds(self.seeds)
         at_least(self, 1, "num_samples", "prior_steps", "sample_steps", "batch_size", "layer", "oracle")
-        require(self.condition_noise >= 0, f"--condition-noise must be >= 0, got {self.condition_noise}")
+        check_condition(self)
         require(bool(self.temperatures), "--temperatures must name at least one temperature")
         for t in self.temperatures:
             require(t >= 0, f"--temperatures must be >= 0 (0 = argmax), got {t}")

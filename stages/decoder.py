@@ -24,7 +24,7 @@ from dihal.artifacts import files
 from dihal.artifacts import hidden_states as hs
 from dihal.artifacts.errors import DihalError
 from dihal.artifacts.store import Artifact, ArtifactStore
-from dihal.stages.configs import DECODER_DEPTH, DecoderTrainConfig
+from dihal.stages.configs import DECODER_DEPTH, DecoderTrainConfig, part_hash
 from dihal.stages.diffusion import trainer
 from dihal.stages.diffusion.cross_decoder import CrossDecoder, DecoderConfig
 from dihal.stages.diffusion.flow import corrupt
@@ -41,12 +41,13 @@ REVISION = 2
 
 
 def hashed(cfg: DecoderTrainConfig) -> dict:
-    return {**asdict(cfg), "revision": REVISION}
+    return {**part_hash(cfg), "revision": REVISION}
 
 
 class DecoderTask:
-    def __init__(self, group, cfg: DecoderTrainConfig, norm: Normalizer):
-        self.group, self.cfg, self.norm = group, cfg, norm
+    def __init__(self, group, cfg: DecoderTrainConfig, norm: Normalizer, prior=None):
+        """prior: a trained stages.prior.Prior whose estimates corrupt e (--condition-noise prior:T)."""
+        self.group, self.cfg, self.norm, self.prior = group, cfg, norm, prior
         self.train_seqs = hs.split_indices(group, "train")
         self.n_train, self.chunk = len(self.train_seqs), int(group.attrs["chunk_seqs"])
         self.tokens_per_item = group["input_ids"].shape[1] - 1
@@ -63,7 +64,11 @@ class DecoderTask:
         return self.norm.c(torch.from_numpy(raw[:, 1:].astype(np.float32)))
 
     def loss(self, net, batch, gens, device) -> torch.Tensor:
-        e = corrupt(self.condition(batch["c"]), self.cfg.condition_noise, gens).to(device)
+        if self.prior is not None:
+            raw = torch.from_numpy(batch["c"][:, 1:].astype(np.float32))
+            e = self.norm.c(self.prior.corrupt(raw, self.cfg.condition_noise, gens).cpu()).to(device)
+        else:
+            e = corrupt(self.condition(batch["c"]), self.cfg.condition_noise, gens).to(device)
         ids = torch.from_numpy(batch["ids"].astype(np.int64)).to(device)
         logits = net(ids[:, :-1], e).float()
         per_token = F.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none")
@@ -86,11 +91,11 @@ def unigram_entropy(ids: np.ndarray) -> float:
     return float(-(p * np.log(p)).sum())
 
 
-def train(cfg: DecoderTrainConfig, group, art: Artifact, table: torch.Tensor, progress: Progress) -> dict:
+def train(cfg: DecoderTrainConfig, group, art: Artifact, table: torch.Tensor, progress: Progress, prior=None) -> dict:
     """table: the backbone's raw (V, D) embedding table (stages/recover.py's embedding_table)."""
     rank, _ = distributed()
     norm = Normalizer.fit(group, 0, 0, hs.split_indices(group, "train"), 1)
-    task = DecoderTask(group, cfg, norm)
+    task = DecoderTask(group, cfg, norm, prior)
     net_cfg = DecoderConfig(
         vocab=int(table.shape[0]),
         dim=int(norm.mu_c.shape[0]),
@@ -128,12 +133,16 @@ def run(
     extract: Artifact,
     store: ArtifactStore,
     *,
+    prior: Artifact | None = None,
     force: bool = False,
     progress: Progress | None = None,
 ) -> Artifact:
+    """prior: the layer-0 prior of --condition-noise prior:T."""
+    from dihal.stages.bridge import check_condition_prior, condition_prior
+
     progress = progress or NullProgress()
     group = hs.open_with_layers(extract, (0,))
-    config, parents = hashed(cfg), {"extract": extract.id}
+    config, parents = hashed(cfg), {"extract": extract.id, **check_condition_prior(cfg, extract, prior)}
     if cached := store.cached(STAGE, config, parents, force=force):
         return cached
 
@@ -142,7 +151,7 @@ def run(
         from dihal.stages.recover import embedding_table
 
         table = embedding_table(backbone_for(extract, "cpu", "float32").model)  # frozen: its values, once
-        return train(cfg, group, art, table, report)
+        return train(cfg, group, art, table, report, condition_prior(prior, cfg))
 
     return trainer.write_trained(store, STAGE, config, parents, extract, cfg, train_fn, force=force, progress=progress)
 

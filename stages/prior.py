@@ -199,6 +199,19 @@ class Prior:
             out.append(self._integrate(noise, steps, clamp_to))
         return torch.cat(out)
 
+    @torch.no_grad()
+    def corrupt(self, raw: torch.Tensor, t_max: float, gens: list[torch.Generator]) -> torch.Tensor:
+        """Section 5's `prior:T` conditions: raw states (B, T', D) at positions 1..T' -> the prior's own
+        x0 estimate (raw units, no gradient) from them noised to t ~ U(0, t_max) per sequence: errors
+        of the kind generation feeds a recovery. Drawn after the item's other draws, as flow.corrupt."""
+        device = next(self.net.parameters()).device
+        e = ((raw.to(device) - self.mu) / self.sigma).float()
+        t = torch.stack([torch.rand((), generator=g) * t_max for g in gens]).to(device)
+        eps = torch.stack([torch.randn(e.shape[1:], generator=g) for g in gens]).to(device)
+        x0_prev = torch.zeros_like(e) if self.self_condition else None
+        y_hat = self.net(flow.noisy(e, eps, t), t, x0_prev=x0_prev).float()
+        return y_hat * self.sigma + self.mu
+
     def _integrate(self, x: torch.Tensor, steps: int, clamp_to: torch.Tensor | None) -> torch.Tensor:
         if steps == 0:
             return x

@@ -86,6 +86,20 @@ def test_self_conditioning_feeds_the_previous_estimate_and_clamping_lands_on_the
     assert not (best_cosine(free) > 1 - 1e-5).all()
 
 
+def test_prior_conditions_are_the_priors_own_estimates_from_noise_up_to_t():
+    """prior:T: from t near 0 the toy prior gives its data back; from t up to 1 its estimates stray
+    further (it must guess the template); the draws repeat with the generators' seeds."""
+    prior, _ = _toy_prior(False, steps=300)
+    raw = TEMPLATES[[0, 1, 2, 0, 1, 2]]
+    gens = lambda: [torch.Generator().manual_seed(i) for i in range(6)]  # noqa: E731
+    near = prior.corrupt(raw, 1e-3, gens())
+    far = prior.corrupt(raw, 1.0, gens())
+    assert (near - raw).abs().max() < 0.3
+    assert (far - raw).norm(dim=-1).mean() > 3 * (near - raw).norm(dim=-1).mean()
+    torch.testing.assert_close(prior.corrupt(raw, 1.0, gens()), far)
+    assert not far.requires_grad
+
+
 def test_prior_noise_depends_on_seed_and_sample_index_only():
     prior, _ = _toy_prior(False, steps=20)
     a, b = prior.sample(7, 5, seed=3, batch=2), prior.sample(7, 5, seed=3, batch=7)
@@ -281,6 +295,30 @@ def test_rows_that_share_a_prior_and_seed_share_its_samples(parts, root):
         other.exit_code == 0
         and store.resolve("latest", "generate").manifest["metrics"]["prior_samples_sha256"] != digests["rounding"]
     )
+
+
+def test_parts_trained_on_the_priors_estimates_record_it_and_refuse_bad_specs(parts, root):
+    store = ArtifactStore(root)
+    small = ["--train-steps", "2", "--width", "16", "--batch-size", "4", "--heads", "2"]
+    res = invoke("train-decoder", *small, "--condition-noise", "prior:0.5", "--prior", parts["prior"].id)
+    assert res.exit_code == 0, res.output
+    dec = store.resolve("latest", "decoder")
+    assert dec.manifest["parents"]["prior"] == parts["prior"].id and dec.config["condition_from"] == "prior"
+    res = invoke("train-bridge", "--layer", "2", "--extract", "latest", *small, "--depth", "1",
+                 "--condition-noise", "prior:0.5", "--prior", parts["prior"].id)  # fmt: skip
+    assert res.exit_code == 0, res.output
+    assert store.resolve("latest", "bridge").manifest["parents"]["prior"] == parts["prior"].id
+    for spec, extra, needle in (
+        ("prior:0.5", [], "needs --prior ID"),
+        ("prior:1.5", ["--prior", parts["prior"].id], "noise time T in (0, 1]"),
+        ("prior:x", [], "cannot read --condition-noise"),
+        ("blur:0.5", [], "use prior:T or sigma:S"),
+        ("sigma:nan", [], "must be finite"),
+        ("sigma:0.5", ["--prior", parts["prior"].id], "--prior is for --condition-noise prior:T"),
+    ):
+        res = invoke("train-decoder", *small, "--condition-noise", spec, *extra)
+        assert res.exit_code == 2 and res.output.strip().splitlines()[-1].startswith("error: "), (spec, res.output)
+        assert needle in res.output, (spec, res.output)
 
 
 def test_bad_parallel_requests_are_one_line(parts, tiny_dirs, root):

@@ -187,6 +187,8 @@ def _config_default(classes, name: str):
         if field.default is MISSING:
             return MISSING
         value = field.default
+        if name == "condition_noise":  # the option reads kind:value (prior:T or sigma:S)
+            return f"{cls.__dataclass_fields__['condition_from'].default}:{value:g}"
         return ",".join(map(str, value)) if isinstance(value, tuple) else value
     return MISSING
 
@@ -224,20 +226,30 @@ def test_artifact_ids_do_not_move():
     # than the landed main's 41fc8ad98336 (README, Artifacts)
     assert artifact_id_for(C.ExtractConfig(model="smollm2-135m", layers="0,3", data=data)) == "4264ada3be75"
     bridge = C.BridgeConfig.from_protocol("cpu-small", layer=3)
-    assert artifact_id("bridge", asdict(bridge), PARENT) == "bd3dce03b649"
+    assert artifact_id("bridge", C.part_hash(bridge), PARENT) == "bd3dce03b649"  # condition_from at its default
     bridge2 = C.BridgeConfig.from_protocol(
         "sweep-tiny", layer=2, steps=40, width=64, condition_noise=0.5, precision="bfloat16", device="cuda"
     )
-    assert artifact_id("bridge", asdict(bridge2), PARENT) == "d1ba952ccba3"
+    assert artifact_id("bridge", C.part_hash(bridge2), PARENT) == "d1ba952ccba3"
+    assert (
+        artifact_id(
+            "bridge",
+            C.part_hash(
+                C.BridgeConfig.from_protocol("cpu-small", layer=3, condition_from="prior", condition_noise=0.5)
+            ),
+            PARENT,
+        )
+        != "bd3dce03b649"
+    )
     prior = C.PriorConfig.from_protocol("compare-cpu", layer=0, self_condition=True)
     assert artifact_id("prior", asdict(prior), PARENT) == "b959c4f12aa6"
     # the decoder's network changed (section 5 rev 2: the frozen table), so its config gained a revision
     decoder = C.DecoderTrainConfig.from_protocol("compare-cpu")
-    assert artifact_id("decoder", asdict(decoder), PARENT) == "a8a443db7c36"  # the landed main's
+    assert artifact_id("decoder", C.part_hash(decoder), PARENT) == "a8a443db7c36"  # the landed main's
     from dihal.stages import decoder as dec
 
     assert artifact_id("decoder", dec.hashed(decoder), PARENT) != "a8a443db7c36"
-    assert dec.hashed(decoder) == {**asdict(decoder), "revision": dec.REVISION}
+    assert dec.hashed(decoder) == {**C.part_hash(decoder), "revision": dec.REVISION}
     # an AR generation hashes the temperature it uses: at the defaults, the landed main's ids
     # (computed with its configs.py: fc16c39bd5d2 and a8e2c81d9800); a parallel one moved (README)
     on_bridge = {"bridge": "0123456789ab"}

@@ -1,0 +1,50 @@
+"""The condition-noise ablation of docs/method.md section 5: for every comparison in a store run at
+1x, the headline of CoDAR and DiHAL (l*) per --condition-noise, as a markdown table.
+
+    python scripts/ablation.py runs/compare-smollm2 [out.md]
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from dihal.artifacts.store import ArtifactStore
+
+
+def cell(r: dict) -> str:
+    v, lo, hi = r["headline_evaluator"], r["headline_evaluator_lo"], r["headline_evaluator_hi"]
+    return "not reached" if v != v else f"{v:.4g} [{lo:.4g}, {hi:.4g}]"
+
+
+def rows(root: str) -> list[str]:
+    out = []
+    for art in ArtifactStore(root).all("compare"):
+        if art.status != "complete" or not art.file("compare.json").exists():
+            continue
+        result, cfg = json.loads(art.file("compare.json").read_text()), art.config
+        if "verdicts" not in result or 1 not in result["budgets"]:
+            continue
+        noise = f"{cfg.get('condition_from', 'sigma')}:{cfg['condition_noise']:g}"
+        for r in result["summary"]:
+            if r["budget"] == 1 and (r["row"] == "CoDAR" or r["row"] == result["ours"]):
+                value = cell(r)
+                out.append(f"| {noise} | {r['row']} | {value} | {r['entropy_at_top_t']:.3f} | "
+                           f"{r['diversity_at_top_t']:.3f} | {r['status']} | {art.id} |")  # fmt: skip
+    return sorted(set(out))
+
+
+def main() -> None:
+    if len(sys.argv) < 2:
+        sys.exit("usage: python scripts/ablation.py ROOT [out.md]")
+    head = ["| condition | row | Gen.PPL at held-out entropy [95%] | entropy, top t | diversity | status | compare |",
+            "|---|---|---|---|---|---|---|"]  # fmt: skip
+    text = "\n".join(head + rows(sys.argv[1])) + "\n"
+    print(text)
+    if len(sys.argv) > 2:
+        Path(sys.argv[2]).write_text(text)
+
+
+if __name__ == "__main__":
+    main()
