@@ -42,6 +42,7 @@ COMMANDS = {  # stage -> the `dihal` command that makes it
     "bridge": "train-bridge",
     "prior": "train-prior",
     "decoder": "train-decoder",
+    "autoencoder": "train-autoencoder",
     "evaluate": "evaluate",
     "generate": "generate",
     "sweep": "sweep",

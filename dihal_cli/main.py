@@ -61,7 +61,9 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     add_completion=False,
 )
-ORDER = "extract score train-bridge evaluate generate sweep confirm train-prior train-decoder compare".split()
+ORDER = (
+    "extract score train-bridge evaluate generate sweep confirm train-prior train-decoder train-autoencoder compare"
+).split()
 for _name, _fn in sorted(COMMANDS, key=lambda c: ORDER.index(c[0])):  # the order of the pipeline
     app.command(_name)(user_errors(_fn))
 app.add_typer(runs.app, name="runs")

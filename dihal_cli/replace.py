@@ -16,7 +16,7 @@ from dihal.artifacts.store import ArtifactStore
 from dihal.cli import options as o
 from dihal.cli.locate import extract_config, extract_parent
 from dihal.cli.ui import console, dry, make_progress, report
-from dihal.stages.configs import BridgeConfig, DecoderTrainConfig, PriorConfig, parse_condition
+from dihal.stages.configs import AutoencoderConfig, BridgeConfig, DecoderTrainConfig, PriorConfig, parse_condition
 
 ExtractRef = typer.Option("latest", "--extract", help="Extract artifact holding layer 0 (and --layer).")
 
@@ -29,19 +29,20 @@ def condition(spec: str) -> dict:
     return {"condition_from": kind, "condition_noise": value}
 
 
-def train_from_extract(cls, stage_name: str, values: dict, **fixed):
+def train_from_extract(cls, stage_name: str, values: dict, command: str | None = None, reads=None, **fixed):
     """A part trained on a named extract (the prior, the decoder) from the command's parameters
-    (`values`) and its own settings (`fixed`); None under --dry-run."""
+    (`values`) and its own settings (`fixed`); None under --dry-run. reads: {keyword of the stage's
+    run: (stage, artifact reference or None)}, the other parts it trains on."""
     v = values
     device, dtype = o.device_and_dtype(v["device"], v["dtype"], v["dry_run"])
     cfg = cls.for_run(v["protocol"], v["recipe"], seed=v["seed"], device=device, dtype=dtype, **fixed)
     if v["dry_run"]:
-        return dry(f"train-{stage_name}", cfg)
+        return dry(command or f"train-{stage_name}", cfg)
     stage = importlib.import_module(f"dihal.stages.{stage_name}")
     store = ArtifactStore(v["root"])
-    prior = {"prior": store.resolve(v["prior"], "prior") if v.get("prior") else None} if "prior" in v else {}
+    parts = {k: store.resolve(ref, stage) if ref else None for k, (stage, ref) in (reads or {}).items()}
     extract = store.resolve(v["extract"], "extract")
-    return stage.run(cfg, extract, store, **prior, force=v["force"], progress=make_progress())
+    return stage.run(cfg, extract, store, **parts, force=v["force"], progress=make_progress())
 
 
 @o.command("train-bridge")
@@ -85,16 +86,20 @@ def train_bridge(
 def train_prior(
     layer: int = o.opt(PriorConfig, "layer", help="0: normalized h_0 (the comparison's prior); l: h_l (DiHAL-direct)."),
     self_condition: bool = o.opt(PriorConfig, "self_condition", help="SED's self-conditioning."),
+    latents: str | None = typer.Option(None, "--latents", help="Model this autoencoder's latents (LD4LG-style)."),
     protocol: str = o.protocol_opt(PriorConfig), extract: str = ExtractRef,
     device: str = o.Device, dtype: str = o.Dtype, seed: int = o.Seed, force: bool = o.Force, dry_run: bool = o.DryRun,
     root: str = o.Root, recipe: tuple = (),
 ) -> None:  # fmt: skip
     """Sequence diffusion prior over normalized states, positions 1..T-1 (docs/method.md section 5)."""
-    if (art := train_from_extract(PriorConfig, "prior", locals(), layer=layer, self_condition=self_condition)) is None:
+    fixed = dict(layer=layer, self_condition=self_condition, latent=latents is not None)
+    if (
+        art := train_from_extract(PriorConfig, "prior", locals(), reads={"latents": ("autoencoder", latents)}, **fixed)
+    ) is None:
         return
-    m = art.manifest["metrics"]
+    m, over = art.manifest["metrics"], "latents" if latents else f"layer {layer}"
     console.print(
-        f"prior over layer {layer}: validation x0 loss {m['val_loss']:.4f} after {m['steps']} steps, "
+        f"prior over {over}: validation x0 loss {m['val_loss']:.4f} after {m['steps']} steps, "
         f"{m['parameters']:,} parameters"
     )
     report(art)
@@ -112,8 +117,33 @@ def train_decoder(
     root: str = o.Root, recipe: tuple = (),
 ) -> None:  # fmt: skip
     """CoDAR's recovery: a causal decoder cross-attending to normalized h_0 (docs/method.md section 5)."""
-    if (art := train_from_extract(DecoderTrainConfig, "decoder", locals(), **condition(condition_noise))) is None:
+    if (
+        art := train_from_extract(
+            DecoderTrainConfig, "decoder", locals(), reads={"prior": ("prior", prior)}, **condition(condition_noise)
+        )
+    ) is None:
         return
     m = art.manifest["metrics"]
     console.print(f"decoder: validation cross-entropy {m['val_loss']:.4f} after {m['steps']} steps")
+    report(art)
+
+
+@o.command("train-autoencoder")
+@o.recipe_options(exclude=("depth",))
+def train_autoencoder(
+    latents: int = o.opt(AutoencoderConfig, "latents", help="K latent vectors per sequence."),
+    latent_dim: int = o.opt(AutoencoderConfig, "latent_dim", help="Width d of each latent."),
+    protocol: str = o.protocol_opt(AutoencoderConfig), extract: str = ExtractRef,
+    device: str = o.Device, dtype: str = o.Dtype, seed: int = o.Seed, force: bool = o.Force, dry_run: bool = o.DryRun,
+    root: str = o.Root, recipe: tuple = (),
+) -> None:  # fmt: skip
+    """LD4LG-style: resampler over the frozen backbone's last layer, decoded by CoDAR's decoder (section 5)."""
+    fixed = dict(latents=latents, latent_dim=latent_dim)
+    if (art := train_from_extract(AutoencoderConfig, "latent", locals(), "train-autoencoder", **fixed)) is None:
+        return
+    m = art.manifest["metrics"]
+    console.print(
+        f"autoencoder: layer {m['encoder_layer']} -> {latents} x {latent_dim}; validation reconstruction accuracy "
+        f"{m['reconstruction_accuracy']:.3f} after {m['steps']} steps"
+    )
     report(art)

@@ -40,6 +40,7 @@ def generate(
     prior: str | None = typer.Option(None, "--prior", help="parallel: the prior artifact (dihal train-prior)."),
     recovery: str = o.opt(GenerateConfig, "recovery", help=f"parallel: {', '.join(RECOVERIES)}."),
     decoder: str | None = typer.Option(None, "--decoder", help="parallel, --recovery decoder: the decoder artifact."),
+    autoencoder: str | None = typer.Option(None, "--autoencoder", help="parallel, --recovery latent: its autoencoder."),
     prior_steps: int = o.opt(GenerateConfig, "prior_steps", help="parallel: Euler steps of the prior."),
     clamp: bool = o.opt(GenerateConfig, "clamp", help="parallel: Diffusion-LM clamping to token embeddings."),
     source: str = o.opt(GenerateConfig, "source", help="parallel: prior, null (its noise) or oracle (real states)."),
@@ -69,10 +70,11 @@ def generate(
     if mode == "parallel":
         if prior is None:
             raise DihalError("--mode parallel needs --prior ID (a `dihal train-prior` artifact)")
-        if bridge is not None and decoder is not None:
-            raise DihalError("give --bridge (recovery hidden) or --decoder (recovery decoder), not both")
+        given = {k: v for k, v in {"bridge": bridge, "decoder": decoder, "autoencoder": autoencoder}.items() if v}
+        if len(given) > 1:
+            raise DihalError("give one of --bridge (hidden), --decoder (decoder), --autoencoder (latent)")
         prior_art = store.resolve(prior, "prior")
-        part = store.resolve(bridge, "bridge") if bridge else store.resolve(decoder, "decoder") if decoder else None
+        part = next((store.resolve(ref, stage) for stage, ref in given.items()), None)
         load = lambda: backbone_for(prior_art, device, dtype, trust_remote_code)  # noqa: E731
         art = stage.run_parallel(cfg, prior_art, store, load, part, force=force, progress=make_progress())
         m = art.manifest["metrics"]

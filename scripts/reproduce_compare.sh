@@ -6,7 +6,7 @@
 # (rounding), CoDAR, DiHAL and DiHAL-direct, on 32-token sequences. Primary evaluator: gemma3-270m.
 #   default   2 seeds, N = 64 samples per row, temperature and seed (what was traded for the 3-hour
 #             budget: N, not rows or budgets; the intervals say how much that costs)
-#   QUICK=1   the same rows on one seed, N = 24, 100-step base budget (1x and 5x), 600 sequences
+#   QUICK=1   the same rows on one seed, N = 24, a 40-step base budget (1x and 5x), 600 sequences
 # Then the condition-noise ablation (sigma:0.5, prior:0.5, prior:1.0 at 1x; scripts/ablation.py prints it).
 # Results: $DIHAL_ROOT/compare/<id>/{summary,compare,controls,parts}.csv, compare.json, compare_x*.png.
 #   DRY_RUN=1 validates the arguments only; SEEDS, NUM_SAMPLES, SEQ_LEN, PROTOCOL, BUDGETS override.
@@ -14,7 +14,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 if [ "${QUICK:-0}" = 1 ]; then
   export DIHAL_ROOT=${DIHAL_ROOT:-runs/compare-smollm2-quick}
-  SEEDS=${SEEDS:-0} NUM_SAMPLES=${NUM_SAMPLES:-24} EXTRA=(--train-steps 100 --max-sequences 600)
+  SEEDS=${SEEDS:-0} NUM_SAMPLES=${NUM_SAMPLES:-24} EXTRA=(--train-steps 40 --max-sequences 600)
 else
   export DIHAL_ROOT=${DIHAL_ROOT:-runs/compare-smollm2}
   SEEDS=${SEEDS:-0,1} NUM_SAMPLES=${NUM_SAMPLES:-64} EXTRA=()

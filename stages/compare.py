@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import asdict
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -31,10 +32,19 @@ from dihal.stages import bridge as bridge_stage
 from dihal.stages import decoder as decoder_stage
 from dihal.stages import evaluate as eval_stage
 from dihal.stages import generate as gen_stage
+from dihal.stages import latent as latent_stage
 from dihal.stages import prior as prior_stage
 from dihal.stages import registry
 from dihal.stages import score as score_stage
-from dihal.stages.configs import PROTOCOLS, BridgeConfig, CompareConfig, DecoderTrainConfig, GenerateConfig, PriorConfig
+from dihal.stages.configs import (
+    PROTOCOLS,
+    AutoencoderConfig,
+    BridgeConfig,
+    CompareConfig,
+    DecoderTrainConfig,
+    GenerateConfig,
+    PriorConfig,
+)
 from dihal.stages.lineage import origin
 from dihal.stages.runtime import bootstrap, plotting
 from dihal.stages.runtime.progress import NullProgress, Progress
@@ -57,10 +67,13 @@ def frozen_parameters(model, part: Artifact) -> int:
     bridge's upper blocks, final norm and LM head; nothing for a prior."""
     if part.stage == "decoder":
         return int(part.manifest.get("metrics", {}).get("frozen_parameters") or 0)
-    if part.stage != "bridge":
+    if part.stage == "autoencoder":  # the frozen encoder: embeddings and blocks up to the layer it reads
+        layer = part.manifest.get("metrics", {}).get("encoder_layer", len(model.model.layers))
+        modules = [model.model.embed_tokens, *list(model.model.layers)[:layer]]
+    elif part.stage == "bridge":
+        modules = [*list(model.model.layers)[part.config["layer"] :], model.model.norm, model.lm_head]
+    else:
         return 0
-    layer = part.config["layer"]
-    modules = [*list(model.model.layers)[layer:], model.model.norm, model.lm_head]
     return sum(p.numel() for p in {id(p): p for m in modules for p in m.parameters()}.values())
 
 
@@ -76,13 +89,15 @@ def part_row(name: str, art: Artifact, model) -> dict:
         "tokens_seen": m.get("tokens_seen"),
         "val_loss": m.get("val_loss"),
         "unigram_entropy": m.get("unigram_entropy"),
+        "reconstruction_accuracy": m.get("reconstruction_accuracy"),
         "wall_seconds": art.wall_seconds,
     }
 
 
-def layer_names(l_star: int, worst: int, oracle: int | None) -> dict[str, int]:
-    """What the registry's layer names stand for in this comparison."""
-    return {"0": 0, "l_star": l_star, "worst": worst, **({"oracle": oracle} if oracle is not None else {})}
+def layer_names(l_star: int, worst: int, oracle: int | None, backbone: str = "the backbone") -> dict:
+    """What the registry's layer names (and a row name's {backbone}) stand for in this comparison."""
+    named = {"0": 0, "l_star": l_star, "worst": worst, **({"oracle": oracle} if oracle is not None else {})}
+    return {**named, "backbone": backbone}
 
 
 def active_rows(cfg: CompareConfig) -> list[registry.Row]:
@@ -111,10 +126,14 @@ def part_configs(cfg: CompareConfig, seed: int, l_star: int, worst: int, k: int 
 
     def build(spec) -> tuple:
         if isinstance(spec, registry.PriorPart):
-            pcfg = PriorConfig.for_run(
-                cfg.protocol, overrides, layer=layers[spec.layer], self_condition=spec.self_condition, **common
-            )
+            pcfg = PriorConfig.for_run(cfg.protocol, overrides, layer=layers[spec.layer],
+                                       self_condition=spec.self_condition, latent=spec.latent, **common)  # fmt: skip
             return prior_stage.run, pcfg
+        if isinstance(spec, registry.AutoencoderPart):  # its decoder and resampler have fixed depths
+            acfg = AutoencoderConfig.for_run(
+                cfg.protocol, {k: v for k, v in overrides.items() if k != "depth"}, **common
+            )
+            return latent_stage.run, acfg
         if isinstance(spec, registry.DecoderPart):  # the decoder's depth is fixed (DECODER_DEPTH)
             decoder_overrides = {k: v for k, v in overrides.items() if k != "depth"}
             dcfg = DecoderTrainConfig.for_run(cfg.protocol, decoder_overrides, **condition, **common)
@@ -134,14 +153,16 @@ def train_parts(
     parts = {}  # the prior over h_0 comes first: with prior:T the decoder and the noisy bridges read it
     for name, (run, part_cfg) in part_configs(cfg, seed, l_star, worst, k).items():
         progress.log(f"budget x{k}, seed {seed}: {name}")
-        reads = getattr(part_cfg, "condition_from", None) == "prior"
-        parts[name] = run(part_cfg, extract, store, progress=progress, **({"prior": parts["prior"]} if reads else {}))
+        reads = {"prior": parts["prior"]} if getattr(part_cfg, "condition_from", None) == "prior" else {}
+        if getattr(part_cfg, "latent", False):
+            reads = {"latents": parts["autoencoder"]}
+        parts[name] = run(part_cfg, extract, store, progress=progress, **reads)
     return parts
 
 
-def generations(cfg: CompareConfig, l_star: int, worst: int) -> list[dict]:
+def generations(cfg: CompareConfig, l_star: int, worst: int, backbone: str = "the backbone") -> list[dict]:
     """Every generation of one seed and budget: (row, source, temperature) and what it reads."""
-    layers = layer_names(l_star, worst, cfg.oracle)
+    layers = layer_names(l_star, worst, cfg.oracle, backbone)
     out = []
     for row in active_rows(cfg):
         temps = cfg.temperatures if row.curve else (None,)
@@ -152,13 +173,13 @@ def generations(cfg: CompareConfig, l_star: int, worst: int) -> list[dict]:
     return out
 
 
-def generate_rows(cfg, parts, store, loaded, seed, l_star, worst, progress) -> list[tuple[dict, Artifact]]:
+def generate_rows(cfg, parts, store, loaded, seed, l_star, worst, progress, backbone: str = "the backbone"):
     """(what, generate artifact) for every registry row, source and temperature, then the AR references."""
-    layers = layer_names(l_star, worst, cfg.oracle)
+    layers = layer_names(l_star, worst, cfg.oracle, backbone)
     common = dict(sample_steps=cfg.sample_steps, num_samples=cfg.num_samples, batch_size=cfg.batch_size, seed=seed)
     common |= dict(device=cfg.device, dtype=cfg.dtype, top_p=cfg.top_p)
     out = []
-    for g in generations(cfg, l_star, worst):
+    for g in generations(cfg, l_star, worst, backbone):
         row = g["row"]
         gcfg = GenerateConfig(
             mode="parallel",
@@ -385,6 +406,39 @@ def summarize(samples: pd.DataFrame, h_ref: float, seed: int) -> tuple[pd.DataFr
     return pd.DataFrame(lines), pd.DataFrame(heads)
 
 
+def mauve_available() -> str | None:
+    """The installed mauve-text's version (`pip install dihal[mauve]`), or None."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        import mauve  # noqa: F401
+    except ImportError:
+        return None
+    try:
+        return f"mauve-text {version('mauve-text')}"
+    except PackageNotFoundError:
+        return "mauve (version unknown)"
+
+
+def mauve_scores(samples: pd.DataFrame, evaluator, held_out: np.ndarray, top_t: float, seed: int) -> pd.DataFrame:
+    """MAUVE of every trained-prior row at the grid's top temperature (and of every point row) against
+    the held-out text, on the primary evaluator's features; one line per budget, row and seed. Empty
+    without mauve-text."""
+    if mauve_available() is None:
+        return pd.DataFrame(columns=["budget", "row", "seed", "mauve"])
+    import mauve
+
+    picked = samples[
+        (samples.source == "trained prior") & (samples.temperature.isna() | (samples.temperature == top_t))
+    ]
+    out = []
+    for (budget, row, s), g in picked.groupby(["budget", "row", "seed"], sort=False):
+        p = eval_stage.last_token_features(evaluator, g["text"].tolist())
+        score = mauve.compute_mauve(p_features=p, q_features=held_out, seed=seed, verbose=False).mauve
+        out.append({"budget": budget, "row": row, "seed": s, "mauve": float(score)})
+    return pd.DataFrame(out)
+
+
 def bootstrap_resamples(n: int) -> int:
     return 200 if n > 2000 else 400
 
@@ -441,6 +495,7 @@ def run(
     needed = {0, l_star, worst} | ({cfg.oracle} if cfg.oracle else set())
     hs.open_with_layers(extract, needed, ": compare needs layers 0, l*, argmin S (and the oracle)")
     backbone = extract.config["model"]
+    short = Path(backbone).name
     primary = eval_stage.second_evaluator(cfg.evaluator, backbone)
     if primary == backbone:
         raise DihalError(f"--evaluator {primary} is the backbone; the primary evaluator must be another model")
@@ -469,13 +524,22 @@ def run(
             for seed in cfg.seeds:
                 parts = train_parts(cfg, extract, store, seed, l_star, worst, k, progress)
                 parts_table += [{"budget": k, "seed": seed, **part_row(n, a, loaded.model)} for n, a in parts.items()]
-                gens = generate_rows(cfg, parts, store, loaded, seed, l_star, worst, progress)
+                gens = generate_rows(cfg, parts, store, loaded, seed, l_star, worst, progress, short)
                 frames.append(sample_table(gens, evaluators, store, cfg, k, seed))
                 frames.append(real.assign(budget=k, seed=seed))
         samples = pd.concat(frames, ignore_index=True)
         lines, heads = summarize(samples, h_ref, cfg.seeds[0])
-        ours = next(r.label(layer_names(l_star, worst, cfg.oracle)) for r in active_rows(cfg) if r.ours)
-        baselines = [r.name for r in active_rows(cfg) if r.baseline]
+        top_t = max(cfg.temperatures)
+        held_features = eval_stage.last_token_features(evaluators["evaluator"], texts) if mauve_available() else None
+        scores = mauve_scores(samples, evaluators["evaluator"], held_features, top_t, cfg.seeds[0])
+        at_top = lines.source.eq("trained prior") & (lines.temperature.isna() | lines.temperature.eq(top_t))
+        lines = lines.merge(scores, on=["budget", "row", "seed"], how="left")
+        lines.loc[~at_top.to_numpy(), "mauve"] = np.nan
+        per_row = scores.groupby(["budget", "row"])["mauve"].mean() if len(scores) else {}
+        heads["mauve_at_top_t"] = [per_row.get((b, r), np.nan) for b, r in zip(heads.budget, heads.row)]
+        named = layer_names(l_star, worst, cfg.oracle, short)
+        ours = next(r.label(named) for r in active_rows(cfg) if r.ours)
+        baselines = [r.label(named) for r in active_rows(cfg) if r.baseline]
         verdicts = []
         for k in cfg.budgets:
             one = samples[(samples.budget == k) & (samples.source == "trained prior")]
@@ -496,6 +560,7 @@ def run(
             "oracle": cfg.oracle,
             "evaluators": {"backbone": backbone, "evaluator": primary},
             "held_out_entropy": h_ref,
+            "mauve": mauve_available() or "not installed (pip install dihal[mauve])",
             "temperatures": list(cfg.temperatures),
             "budgets": list(cfg.budgets),
             "seeds": list(cfg.seeds),

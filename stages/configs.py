@@ -233,11 +233,13 @@ def condition_label(cfg) -> str:
 
 
 def part_hash(cfg) -> dict:
-    """asdict of a bridge or decoder config; condition_from at its default "sigma" is left out, so a
-    config made before the field existed keeps its id."""
+    """asdict of a trained part's config; a field added later is left out at its old meaning (a
+    bridge's or decoder's condition_from "sigma", a prior's latent False), so a config made before
+    it existed keeps its id."""
     out = asdict(cfg)
-    if out.get("condition_from") == "sigma":
-        out.pop("condition_from")
+    for name, old in (("condition_from", "sigma"), ("latent", False)):
+        if name in out and out[name] == old:
+            out.pop(name)
     return out
 
 
@@ -271,10 +273,12 @@ class PriorConfig(PartRecipe):
     layer: int = 0  # 0: normalized h_0; l >= 1: normalized h_l (DiHAL-direct)
     depth: int
     self_condition: bool = False  # SED
+    latent: bool = False  # over an autoencoder's latents (the LD4LG-style row) instead of a layer
 
     def check(self) -> None:
         super().check()
         require(self.layer >= 0, f"--layer must be >= 0 (0: the embeddings), got {self.layer}")
+        require(not self.latent or self.layer == 0, "--latents models an autoencoder's latents; leave out --layer")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -288,6 +292,20 @@ class DecoderTrainConfig(PartRecipe):
     def check(self) -> None:
         super().check()
         check_condition(self)
+
+
+@dataclass(frozen=True, kw_only=True)
+class AutoencoderConfig(PartRecipe):
+    """The LD4LG-style row's autoencoder (section 5): a Perceiver resampler from the frozen backbone's
+    last-layer states to `latents` x `latent_dim`, and the CoDAR decoder (frozen table) reading them."""
+
+    protocol: str = "compare-cpu"
+    latents: int = 8
+    latent_dim: int = 64
+
+    def check(self) -> None:
+        super().check()
+        at_least(self, 1, "latents", "latent_dim")
 
 
 # -- locate ---------------------------------------------------------------------------------------------
@@ -543,7 +561,13 @@ class CompareConfig(Config):
     temperatures: tuple[float, ...] = (0.0, 0.7, 1.0)  # the decoding grid of every row that ends in a distribution
     top_p: float = 1.0
     rows: tuple[str, ...] = ()  # registry row keys; (): every row
-    controls: tuple[str, ...] = ("sed", "codar", "dihal", "dihal-direct")  # rows whose recovery gets oracle/null
+    controls: tuple[str, ...] = (
+        "sed",
+        "codar",
+        "ld4lg",
+        "dihal",
+        "dihal-direct",
+    )  # rows whose recovery gets oracle/null
     budgets: tuple[int, ...] = (1, 5)  # multiples of the protocol's steps; every part trains at each
     batch_size: int = 32  # samples per generation batch
     overrides: tuple[tuple[str, object], ...] = ()  # protocol fields changed for every part alike

@@ -151,6 +151,19 @@ def sample_nlls(loaded: LoadedModel, prompts: list[str], texts: list[str]) -> li
     return out
 
 
+@torch.no_grad()
+def last_token_features(loaded: LoadedModel, texts: list[str]) -> np.ndarray:
+    """(N, D) the evaluator's last-layer state at each text's last token, after the start token: the
+    features MAUVE compares (as MAUVE's reference code does with GPT-2's)."""
+    from dihal.stages.generate import prompt_ids
+
+    rows = []
+    for text in texts:
+        ids = torch.tensor([prompt_ids(loaded.tokenizer, text)], device=loaded.device)
+        rows.append(loaded.model.model(input_ids=ids, use_cache=False).last_hidden_state[0, -1].float().cpu())
+    return torch.stack(rows).numpy().astype(np.float64)
+
+
 def gen_ppl(nlls: list[tuple[float, int]]) -> dict[str, float]:
     scored = [(s, n) for s, n in nlls if n > 0]
     if not scored:

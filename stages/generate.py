@@ -210,7 +210,18 @@ def run(
 # -- parallel generation (docs/method.md section 5) -----------------------------------------------------------
 def check_parallel(cfg: GenerateConfig, prior_art: Artifact, recovery_art: Artifact | None) -> None:
     """Every way the prior, the recovery and its part can disagree, as one line each."""
-    layer = prior_art.config.get("layer", 0)
+    layer, latent = prior_art.config.get("layer", 0), prior_art.config.get("latent", False)
+    if latent != (cfg.recovery == "latent"):
+        raise DihalError(
+            f"prior {prior_art.id} models an autoencoder's latents: use --recovery latent --autoencoder ID"
+            if latent
+            else "--recovery latent reads a prior over latents (dihal train-prior --latents ID)"
+        )
+    made_by = prior_art.manifest["parents"].get("autoencoder")
+    if latent and (recovery_art is None or recovery_art.id != made_by):
+        raise DihalError(f"prior {prior_art.id} models the latents of autoencoder {made_by}; give it as --autoencoder")
+    if cfg.clamp and latent:
+        raise DihalError("--clamp snaps to token embeddings, so it applies to a prior over layer 0 only")
     needs = RECOVERIES[cfg.recovery].needs if layer == 0 else None
     if layer and cfg.recovery != "hidden":
         raise DihalError(
@@ -237,6 +248,8 @@ def check_parallel(cfg: GenerateConfig, prior_art: Artifact, recovery_art: Artif
 
 def parallel_label(prior_art: Artifact, cfg: GenerateConfig, recovery_art: Artifact | None) -> str:
     layer, sc = prior_art.config.get("layer", 0), prior_art.config.get("self_condition")
+    if prior_art.config.get("latent"):
+        layer = "latents"
     part = f" L{recovery_art.config['layer']}" if recovery_art is not None and recovery_art.stage == "bridge" else ""
     source = "" if cfg.source == "prior" else f" ({cfg.source} prior)"
     return f"prior h_{layer}{' SC' if sc else ''}{' clamp' if cfg.clamp else ''}{source} + {cfg.recovery}{part}"
@@ -245,10 +258,25 @@ def parallel_label(prior_art: Artifact, cfg: GenerateConfig, recovery_art: Artif
 def sources(cfg: GenerateConfig, prior, prior_art: Artifact, store: ArtifactStore, table) -> torch.Tensor:
     """(N, T', D) normalized states the recovery reads: the prior's samples, its initial noise (the
     null prior: zero denoising steps) or the held-out real states it models (the oracle prior)."""
+    if cfg.source == "oracle" and prior.latent:
+        return oracle_latents(prior, prior_art, store, cfg.num_samples).to(cfg.device)
     if cfg.source == "oracle":
         return oracle_states(prior, prior_art, store, cfg.num_samples).to(cfg.device)
     steps = 0 if cfg.source == "null" else cfg.prior_steps
     return prior.sample(cfg.num_samples, steps, cfg.seed, cfg.batch_size, table() if cfg.clamp else None)
+
+
+def oracle_latents(prior, prior_art: Artifact, store: ArtifactStore, n: int) -> torch.Tensor:
+    """The autoencoder's latents of the first n validation sequences, in the prior's normalization."""
+    from dihal.stages.latent import latents_of
+
+    val = latents_of(store.load("autoencoder", prior_art.manifest["parents"]["autoencoder"]), "validation")
+    if val.shape[0] < n:
+        raise DihalError(
+            f"--source oracle reads held-out sequences, but the autoencoder holds {val.shape[0]} validation "
+            f"latents; use --num-samples {val.shape[0]} or fewer"
+        )
+    return (val[:n].to(prior.mu.device) - prior.mu) / prior.sigma
 
 
 def oracle_states(prior, prior_art: Artifact, store: ArtifactStore, n: int) -> torch.Tensor:

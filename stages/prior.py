@@ -8,6 +8,8 @@ Rectified flow, x0-parameterization, MSE over positions 1..T-1, trained by the s
 
 - `--self-condition` (SED): with probability 0.5 per sequence, a first pass's x0 estimate
   (no gradient) is fed as an extra input; at sampling, the previous step's estimate.
+- `--latents ID` (the LD4LG-style row): the sequence is an autoencoder's K latents of a sequence
+  (stages/latent.py), normalized per dimension over the train split, instead of a layer.
 - clamping (Diffusion-LM) is a sampling option (`Prior.sample(clamp_to=E)`): each step's x0
   estimate, de-normalized, is replaced by its cosine-nearest row of the raw embedding table E,
   rescaled to the estimate's norm.
@@ -25,7 +27,7 @@ from dihal.artifacts import files
 from dihal.artifacts import hidden_states as hs
 from dihal.artifacts.errors import DihalError
 from dihal.artifacts.store import Artifact, ArtifactStore
-from dihal.stages.configs import PriorConfig
+from dihal.stages.configs import PriorConfig, part_hash
 from dihal.stages.diffusion import flow, trainer
 from dihal.stages.diffusion.denoiser import Denoiser, DenoiserConfig
 from dihal.stages.diffusion.normalizer import Normalizer
@@ -91,6 +93,33 @@ class PriorTask:
         return validation_loss(net, self.y_val)
 
 
+class LatentPriorTask(PriorTask):
+    """The prior over an autoencoder's latents: the same loss, its data the stored (N, K, d) latents."""
+
+    def __init__(self, group, cfg: PriorConfig, latents: dict[str, torch.Tensor], norm: Normalizer):
+        self.group, self.cfg, self.latents = group, cfg, latents["train"].float()
+        self.mu, self.sigma = norm.mu_c, norm.sigma_c
+        self.n_train, self.chunk = self.latents.shape[0], int(group.attrs["chunk_seqs"])
+        self.tokens_per_item = self.latents.shape[1]
+        val = latents["validation"][: cfg.val_sequences].float()
+        if val.shape[0] == 0:
+            raise DihalError("the extract has no validation sequences; extract with --val-fraction > 0")
+        self.y_val = (val - self.mu) / self.sigma
+
+    def normalize(self, raw: np.ndarray) -> torch.Tensor:
+        return (torch.from_numpy(np.asarray(raw, dtype=np.float32)) - self.mu) / self.sigma
+
+    def read(self, positions: np.ndarray) -> dict[str, np.ndarray]:
+        return {"y": self.latents[positions].numpy()}
+
+
+def latent_normalizer(latents: torch.Tensor) -> Normalizer:
+    """Per-dimension statistics of (N, K, d) latents, as a Normalizer whose condition half is them."""
+    flat = latents.reshape(-1, latents.shape[-1]).double()
+    mu, sigma = flat.mean(0).float(), flat.std(0).clamp_min(1e-6).float()
+    return Normalizer(mu, sigma, mu.clone(), sigma.clone(), torch.zeros_like(mu))
+
+
 @torch.no_grad()
 def validation_loss(net: Denoiser, y: torch.Tensor, batch: int = 64) -> float:
     """x0 MSE over the fixed grid t = (j + 0.5)/16, noise from a fixed seed (no self-conditioning input)."""
@@ -107,10 +136,17 @@ def validation_loss(net: Denoiser, y: torch.Tensor, batch: int = 64) -> float:
     return total / count
 
 
-def train(cfg: PriorConfig, group, art: Artifact, progress: Progress) -> dict:
+def train(cfg: PriorConfig, group, art: Artifact, progress: Progress, latents_art: Artifact | None = None) -> dict:
     rank, _ = distributed()
-    norm = Normalizer.fit(group, 0, max(cfg.layer, 0), hs.split_indices(group, "train"), 1)
-    task = PriorTask(group, cfg, norm)
+    if cfg.latent:
+        from dihal.stages.latent import latents_of
+
+        stored = {split: latents_of(latents_art, split) for split in ("train", "validation")}
+        norm = latent_normalizer(stored["train"])
+        task = LatentPriorTask(group, cfg, stored, norm)
+    else:
+        norm = Normalizer.fit(group, 0, max(cfg.layer, 0), hs.split_indices(group, "train"), 1)
+        task = PriorTask(group, cfg, norm)
     den_cfg = denoiser_config(cfg, int(task.mu.shape[0]), task.tokens_per_item)
     torch.manual_seed(cfg.seed)
     net = Denoiser(den_cfg)
@@ -119,14 +155,14 @@ def train(cfg: PriorConfig, group, art: Artifact, progress: Progress) -> dict:
             "layer": cfg.layer,
             "self_condition": cfg.self_condition,
             "denoiser": asdict(den_cfg),
-            "seq_len": task.tokens_per_item + 1,
+            "seq_len": task.tokens_per_item + 1,  # latents: K + 1, so that sampling draws K vectors
+            "latent": cfg.latent,
         }
         art.file("prior.json").write_text(json.dumps(meta, indent=2))
         files.save_tensors(art.file("stats.safetensors"), norm.tensors())
     loop = trainer.loop_config(cfg)
-    result = trainer.train(
-        task, net, loop, art.path, progress, f"prior L{cfg.layer}" + (" SC" if cfg.self_condition else "")
-    )
+    name = "prior over latents" if cfg.latent else f"prior L{cfg.layer}" + (" SC" if cfg.self_condition else "")
+    result = trainer.train(task, net, loop, art.path, progress, name)
     log = result.pop("log")
     if rank == 0:
         plotting.loss_curve(
@@ -136,19 +172,32 @@ def train(cfg: PriorConfig, group, art: Artifact, progress: Progress) -> dict:
         **result,
         "n_train_sequences": task.n_train,
         "parameters": sum(p.numel() for p in net.parameters()),
-        "tokens_seen": result["steps"] * result["global_batch"] * task.tokens_per_item,
+        # the text's tokens the sequences hold (for latents, the K vectors per sequence stand for them)
+        "tokens_seen": result["steps"] * result["global_batch"] * (group["input_ids"].shape[1] - 1),
+        "vectors_per_sequence": task.tokens_per_item,
     }
 
 
 def run(
-    cfg: PriorConfig, extract: Artifact, store: ArtifactStore, *, force: bool = False, progress: Progress | None = None
+    cfg: PriorConfig,
+    extract: Artifact,
+    store: ArtifactStore,
+    *,
+    latents: Artifact | None = None,
+    force: bool = False,
+    progress: Progress | None = None,
 ) -> Artifact:
+    """latents: the autoencoder artifact whose latents a --latents prior models."""
     progress = progress or NullProgress()
     group = hs.open_with_layers(extract, (0, cfg.layer))
-    config, parents = asdict(cfg), {"extract": extract.id}
+    if cfg.latent != (latents is not None):
+        raise DihalError("a prior over latents needs --latents ID (a `dihal train-autoencoder` artifact), and only it")
+    if latents is not None and latents.manifest.get("parents", {}).get("extract") != extract.id:
+        raise DihalError(f"autoencoder {latents.id} was not trained on extract {extract.id}; use one that was")
+    config, parents = part_hash(cfg), {"extract": extract.id, **({"autoencoder": latents.id} if latents else {})}
     if cached := store.cached(STAGE, config, parents, force=force):
         return cached
-    train_fn = lambda art, report: train(cfg, group, art, report)  # noqa: E731
+    train_fn = lambda art, report: train(cfg, group, art, report, latents)  # noqa: E731
     return trainer.write_trained(store, STAGE, config, parents, extract, cfg, train_fn, force=force, progress=progress)
 
 
@@ -156,14 +205,11 @@ def run(
 class Prior:
     """A trained prior at use time: seeded noise -> sequences of normalized states (positions 1..T-1)."""
 
-    def __init__(self, net: Denoiser, norm: Normalizer, layer: int, self_condition: bool, seq_len: int):
-        self.net, self.norm, self.layer, self.self_condition, self.seq_len = (
-            net.eval(),
-            norm,
-            layer,
-            self_condition,
-            seq_len,
-        )
+    def __init__(
+        self, net: Denoiser, norm: Normalizer, layer: int, self_condition: bool, seq_len: int, latent: bool = False
+    ):
+        self.net, self.norm, self.layer, self.self_condition = net.eval(), norm, layer, self_condition
+        self.seq_len, self.latent = seq_len, latent
         self.mu, self.sigma = space(norm, layer)
 
     @staticmethod
@@ -172,7 +218,9 @@ class Prior:
         net = Denoiser(DenoiserConfig(**meta["denoiser"]))
         net.load_state_dict(files.load_tensors(art.file("weights_ema.safetensors")))
         norm = Normalizer(**files.load_tensors(art.file("stats.safetensors"))).to(device)
-        return Prior(net.to(device), norm, meta["layer"], meta["self_condition"], meta["seq_len"])
+        return Prior(
+            net.to(device), norm, meta["layer"], meta["self_condition"], meta["seq_len"], meta.get("latent", False)
+        )
 
     @torch.no_grad()
     def sample(

@@ -125,3 +125,17 @@ class Hidden:
             h = direct_states(block, p.mu, p.sigma, p.norm.pos0)
         gens = generators(cfg.seed, first, block.shape[0], DRAWS)
         return upper_tokens(self.model, self.suffix, h, cfg.decoding_temperature, cfg.top_p, gens)
+
+
+class LatentRecovery:
+    """The LD4LG-style row: the prior's normalized latents, de-normalized, read by the autoencoder's decoder."""
+
+    def __init__(self, loaded, prior, part, cfg, table):
+        from dihal.stages.latent import Autoencoder
+
+        self.autoencoder, self.prior, self.cfg = Autoencoder(part, table(), cfg.device), prior, cfg
+
+    def tokens(self, block: torch.Tensor, first: int) -> torch.Tensor:
+        gens = generators(self.cfg.seed, first, block.shape[0], DRAWS)
+        z = block * self.prior.sigma + self.prior.mu
+        return self.autoencoder.tokens(z, self.cfg.decoding_temperature, self.cfg.top_p, gens)

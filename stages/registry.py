@@ -83,6 +83,7 @@ RECOVERIES: dict[str, Recovery] = {
         Recovery("rounding", None, f"{_RECOVER}:Rounding", "nearest token embedding (Diffusion-LM, SED)"),
         Recovery("decoder", "decoder", f"{_RECOVER}:DecoderRecovery", "a decoder cross-attending to e (CoDAR)"),
         Recovery("hidden", "bridge", f"{_RECOVER}:Hidden", "bridge -> upper blocks -> LM head (DiHAL)"),
+        Recovery("latent", "autoencoder", f"{_RECOVER}:LatentRecovery", "an autoencoder's decoder (LD4LG-style)"),
     )
 }
 
@@ -93,10 +94,13 @@ RECOVERIES: dict[str, Recovery] = {
 class PriorPart:
     layer: str = "0"  # "0": normalized h_0; a named layer: DiHAL-direct's prior over h_l
     self_condition: bool = False
+    latent: bool = False  # over the autoencoder's latents (LD4LG-style)
 
     stage = "prior"
 
     def label(self, layers: dict[str, int]) -> str:
+        if self.latent:
+            return "prior over latents"
         if self.layer != "0":
             return f"prior over h_{layers[self.layer]}"
         return "prior (self-conditioned)" if self.self_condition else "prior"
@@ -108,6 +112,14 @@ class DecoderPart:
 
     def label(self, layers: dict[str, int]) -> str:
         return "decoder"
+
+
+@dataclass(frozen=True)
+class AutoencoderPart:
+    stage = "autoencoder"
+
+    def label(self, layers: dict[str, int]) -> str:
+        return "autoencoder"
 
 
 @dataclass(frozen=True)
@@ -127,7 +139,7 @@ class Row:
     name: str  # "{l}" stands for the layer of its bridge (or of its prior)
     prior: PriorPart
     recovery: str  # a RECOVERIES name
-    part: BridgePart | DecoderPart | None = None
+    part: BridgePart | DecoderPart | AutoencoderPart | None = None
     clamp: bool = False  # Diffusion-LM's clamping of each prior step's x0 estimate
     needs_oracle: bool = False  # only when a sweep's oracle layer is given
     baseline: bool = False  # claim 3 compares DiHAL (l*) with it
@@ -140,17 +152,28 @@ class Row:
         return self.recovery != "rounding"
 
     def parts(self) -> list:
-        return [self.prior] + ([self.part] if self.part is not None else [])
+        """In training order: a prior over latents after the autoencoder that makes them."""
+        parts = [self.prior] + ([self.part] if self.part is not None else [])
+        return parts[::-1] if self.prior.latent else parts
 
-    def label(self, layers: dict[str, int]) -> str:
+    def label(self, layers: dict) -> str:
+        """layers: what each layer name stands for, and "backbone" (the model's short name)."""
         ref = self.part.layer if isinstance(self.part, BridgePart) else self.prior.layer
-        return self.name.format(l=layers.get(ref))
+        return self.name.format(l=layers.get(ref), backbone=layers.get("backbone", "the backbone"))
 
 
 ROWS: tuple[Row, ...] = (
     Row("diffusion-lm", "Diffusion-LM", PriorPart(), "rounding", clamp=True, baseline=True),
     Row("sed", "SED", PriorPart(self_condition=True), "rounding", baseline=True),
     Row("codar", "CoDAR", PriorPart(), "decoder", DecoderPart(), baseline=True),
+    Row(
+        "ld4lg",
+        "LD4LG-style (frozen {backbone} encoder)",
+        PriorPart(latent=True),
+        "latent",
+        AutoencoderPart(),
+        baseline=True,
+    ),  # fmt: skip
     Row("dihal", "DiHAL (l*={l})", PriorPart(), "hidden", BridgePart("l_star"), ours=True),
     Row("dihal-worst", "DiHAL (argmin S={l})", PriorPart(), "hidden", BridgePart("worst")),
     Row("dihal-direct", "DiHAL-direct (l*={l})", PriorPart("l_star"), "hidden"),

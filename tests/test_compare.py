@@ -321,6 +321,49 @@ def test_parts_trained_on_the_priors_estimates_record_it_and_refuse_bad_specs(pa
         assert needle in res.output, (spec, res.output)
 
 
+def test_ld4lg_autoencoder_reconstructs_through_its_latents_and_its_prior_feeds_the_decoder(tiny_dirs, root):
+    """The resampler + frozen-table decoder learns the toy train set through 4 x 16 latents; the prior
+    over those latents trains on them; generate reads them (prior, oracle, null); a wrong pairing is
+    one error line."""
+    import transformers
+
+    from dihal.artifacts import files
+    from dihal.artifacts import hidden_states as hs
+    from dihal.stages import latent, recover
+
+    ok = lambda res: res.exit_code == 0 or pytest.fail(res.output)  # noqa: E731
+    ok(invoke("extract", "--model", str(tiny_dirs["llama"]), "--max-sequences", "16", "--seq-len", "12",
+              "--val-fraction", "0.25", "--device", "cpu"))  # fmt: skip
+    store = ArtifactStore(root)
+    ex = store.resolve("latest", "extract")
+    cfg = latent.AutoencoderConfig.from_protocol("sweep-tiny", steps=150, width=64, heads=4, batch_size=12, lr=3e-3,
+                                                 latents=4, latent_dim=16)  # fmt: skip
+    ae = latent.run(cfg, ex, store)
+    group = hs.open_group(ex.path / "hidden.zarr")
+    train = hs.split_indices(group, "train")
+    ids = torch.from_numpy(np.asarray(group["input_ids"].oindex[train])[:, 1:].astype(np.int64))
+    z = latent.latents_of(ae, "train")
+    assert z.shape == (len(train), 4, 16)
+    model = transformers.AutoModelForCausalLM.from_pretrained(tiny_dirs["llama"])
+    tokens = latent.Autoencoder(ae, recover.embedding_table(model)).tokens(z)
+    assert (tokens == ids).float().mean() >= 0.95
+    m = ae.manifest["metrics"]
+    assert 0 <= m["reconstruction_accuracy"] <= 1 and m["encoder_layer"] == max(hs.stored_layers(group))
+    weights = files.load_tensors(ae.file("weights_ema.safetensors"))
+    assert not any(t.shape[0] == model.config.vocab_size for t in weights.values())  # the table stays frozen
+    small = ["--train-steps", "3", "--width", "16", "--depth", "1", "--heads", "2"]
+    ok(invoke("train-prior", "--latents", ae.id, *small))
+    prior = store.resolve("latest", "prior")
+    assert prior.manifest["parents"]["autoencoder"] == ae.id
+    base = ["generate", "--mode", "parallel", "--prior", prior.id, "--num-samples", "3", "--prior-steps", "2"]
+    for source in ("prior", "oracle", "null"):
+        ok(invoke(*base, "--recovery", "latent", "--autoencoder", ae.id, "--source", source, "--device", "cpu"))
+        rows = _samples(store.resolve("latest", "generate"))
+        assert len(rows) == 3 and all(len(r) <= 11 for r in rows)
+    res = invoke(*base, "--recovery", "rounding")
+    assert res.exit_code == 2 and "use --recovery latent --autoencoder ID" in res.output
+
+
 def test_bad_parallel_requests_are_one_line(parts, tiny_dirs, root):
     def refused(res, needle):
         assert res.exit_code == 2 and "Traceback" not in res.output, res.output
@@ -397,7 +440,8 @@ def test_compare_end_to_end_writes_curves_controls_budgets_and_the_verdict(tiny_
     )
     result = json.loads(art.file("compare.json").read_text())
     l_star, worst = result["l_star"], result["argmin_S"]
-    curves = ["CoDAR", f"DiHAL (l*={l_star})", f"DiHAL (argmin S={worst})", f"DiHAL-direct (l*={l_star})",
+    ld4lg = f"LD4LG-style (frozen {tiny_dirs['llama'].name} encoder)"
+    curves = ["CoDAR", ld4lg, f"DiHAL (l*={l_star})", f"DiHAL (argmin S={worst})", f"DiHAL-direct (l*={l_star})",
               "AR hybrid (l*)", "original (AR)"]  # fmt: skip
     prior = lines[lines.source == "trained prior"]
     # one line per row, temperature, seed and budget: curve rows at both temperatures, points once
@@ -408,8 +452,8 @@ def test_compare_end_to_end_writes_curves_controls_budgets_and_the_verdict(tiny_
         assert prior[prior.row == row]["temperature"].isna().all() and len(prior[prior.row == row]) == 4
     # the controls: oracle and null for each default control row, at the grid's top temperature
     ctrl = lines[lines.source.isin(["oracle prior", "null prior"])]
-    assert set(ctrl.row) == {"SED", "CoDAR", f"DiHAL (l*={l_star})", f"DiHAL-direct (l*={l_star})"}
-    assert len(ctrl) == 4 * 2 * 2 * 2  # rows x sources x seeds x budgets
+    assert set(ctrl.row) == {"SED", "CoDAR", ld4lg, f"DiHAL (l*={l_star})", f"DiHAL-direct (l*={l_star})"}
+    assert len(ctrl) == 5 * 2 * 2 * 2  # rows x sources x seeds x budgets
     oracle_sed = ctrl[(ctrl.row == "SED") & (ctrl.source == "oracle prior")]
     held = lines[lines.row == "held-out text"]
     np.testing.assert_allclose(oracle_sed["gen_ppl_token_evaluator"], held["gen_ppl_token_evaluator"], rtol=1e-9)
@@ -432,13 +476,17 @@ def test_compare_end_to_end_writes_curves_controls_budgets_and_the_verdict(tiny_
     # the budgets: each part at 3 and 6 steps, the decoder's table frozen and counted
     for k, steps in ((1, 3), (2, 6)):
         trained = parts_df[(parts_df.seed == 0) & (parts_df.budget == k)]
-        assert (trained["steps"] == steps).all() and len(trained) == 7
+        assert (trained["steps"] == steps).all() and len(trained) == 9
         assert (trained["tokens_seen"] == steps * trained["global_batch"] * 11).all()
     by_part = parts_df[parts_df.budget == 1].set_index("part")
     assert (by_part.loc["decoder", "frozen_parameters"] > 0).all() and (
         by_part.loc["prior", "frozen_parameters"] == 0
     ).all()
     assert by_part.filter(like="bridge", axis=0)["frozen_parameters"].gt(0).all()
+    assert by_part.loc["autoencoder", "reconstruction_accuracy"].between(0, 1).all()
+    enc, dec = (by_part.loc[k, "frozen_parameters"].to_numpy() for k in ("autoencoder", "decoder"))
+    assert (enc > dec).all()  # the frozen encoder's blocks beside the same table
+    assert [b["baseline"] for b in result["verdicts"][0]["baselines"]] == ["Diffusion-LM", "SED", "CoDAR", ld4lg]
     # claim 3 per budget, and the claims table takes it from compare.json
     assert [v["budget"] for v in result["verdicts"]] == [1, 2]
     proc = subprocess.run(
@@ -559,3 +607,50 @@ def test_reproduce_compare_dry_run_passes_with_the_revision_2_grid(quick, tmp_pa
     out = proc.stdout
     assert "(0.0, 0.7, 1.0)" in out and "(1, 5)" in out, out
     assert ("seeds=(0,)" in out) == (quick == "1") and ("seeds=(0, 1)" in out) == (quick == "0"), out
+
+
+def test_mauve_scores_each_rows_top_temperature_against_held_out_features(monkeypatch):
+    """Without mauve-text the column is empty ("-" in the table); with it (a stand-in module here, since
+    the GPL package is never a dependency) each budget, row and seed at the top temperature and each
+    point row is scored once, its own samples' features against the held-out text's."""
+    import types
+
+    import pandas as pd
+
+    from dihal.stages import compare as stage
+
+    rows = []
+    for budget in (1, 5):
+        for seed in (0, 1):
+            for row, temps in (("CoDAR", (0.0, 1.0)), ("SED", (None,))):
+                for t in temps:
+                    for i in range(3):
+                        rows.append({"budget": budget, "seed": seed, "row": row, "temperature": t, "index": i,
+                                     "source": "trained prior", "text": f"{row} {t} {seed} {i}"})  # fmt: skip
+    rows.append({"budget": 1, "seed": 0, "row": "CoDAR", "temperature": 1.0, "index": 0, "source": "null prior",
+                 "text": "control"})  # fmt: skip
+    samples = pd.DataFrame(rows)
+    monkeypatch.setitem(sys.modules, "mauve", None)  # not installed
+    assert stage.mauve_available() is None and stage.mauve_scores(samples, None, None, 1.0, 0).empty
+    seen = []
+
+    def compute_mauve(p_features, q_features, seed, verbose):
+        seen.append((p_features.copy(), q_features))
+        return types.SimpleNamespace(mauve=float(p_features.sum()))
+
+    monkeypatch.setitem(sys.modules, "mauve", types.SimpleNamespace(compute_mauve=compute_mauve))
+    features = lambda ev, texts: np.array([[float(len(t))] for t in texts])  # noqa: E731
+    monkeypatch.setattr(stage.eval_stage, "last_token_features", features)
+    held = np.zeros((3, 1))
+    out = stage.mauve_scores(samples, None, held, 1.0, 0)
+    assert len(out) == 2 * 2 * 2 and set(out.row) == {"CoDAR", "SED"}  # budgets x seeds x rows, no control
+    for _, r in out.iterrows():
+        texts = samples[
+            (samples.budget == r.budget)
+            & (samples.seed == r.seed)
+            & (samples.row == r.row)
+            & (samples.source == "trained prior")
+            & (samples.temperature.isna() | (samples.temperature == 1.0))
+        ]
+        assert r.mauve == sum(len(t) for t in texts.text)  # fmt: skip
+    assert all(q is held for _, q in seen)

@@ -27,6 +27,8 @@ class DecoderConfig:
     depth: int = 2
     heads: int = 4
     max_len: int = 63  # positions 1..T-1
+    memory_dim: int | None = None  # width of the states it cross-attends to; None: dim (the LD4LG-style
+    # decoder reads latents of another width than the embedding table)
 
 
 class Attention(nn.Module):
@@ -67,7 +69,7 @@ class CrossDecoder(nn.Module):
         self.register_buffer("table", table.float(), persistent=False)
         self.token_in = nn.Linear(cfg.dim, cfg.width)
         self.pos = nn.Embedding(cfg.max_len, cfg.width)
-        self.memory_in = nn.Linear(cfg.dim, cfg.width)
+        self.memory_in = nn.Linear(cfg.memory_dim or cfg.dim, cfg.width)
         self.memory_pos = nn.Embedding(cfg.max_len, cfg.width)
         self.blocks = nn.ModuleList(Block(cfg.width, cfg.heads) for _ in range(cfg.depth))
         self.norm = nn.LayerNorm(cfg.width)

@@ -1,0 +1,237 @@
+"""`dihal train-autoencoder`: the LD4LG-style row of docs/method.md section 5.
+
+LD4LG compresses a frozen encoder's states into a few latent vectors with a Perceiver resampler,
+runs diffusion over those latents and decodes with the frozen decoder. BART and T5 are not
+available offline, so here the frozen encoder is the backbone itself (its last stored layer at
+positions 1..T-1, read from the extract) and the decoder is the CoDAR decoder on the backbone's
+frozen embedding table, cross-attending to the latents:
+
+    z   = Resampler(h_L)            K learned queries cross-attend to W h_L + positions (2 blocks),
+                                    then a projection to K x d latents (defaults 8 x 64)
+    out = CrossDecoder(tokens, z)   teacher forced, cross-entropy on tokens 1..T-1
+
+Both train together as an autoencoder under the protocol. The artifact then holds every train and
+validation sequence's latents (`latents.safetensors`), which `dihal train-prior --latents ID`
+models (normalized per dimension) and `--source oracle` reads back. Its reconstruction accuracy
+(teacher-forced token accuracy from the real latents, validation) is in the manifest.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dihal.artifacts import files
+from dihal.artifacts import hidden_states as hs
+from dihal.artifacts.errors import DihalError
+from dihal.artifacts.store import Artifact, ArtifactStore
+from dihal.stages.configs import DECODER_DEPTH, AutoencoderConfig
+from dihal.stages.diffusion import trainer
+from dihal.stages.diffusion.cross_decoder import Attention, CrossDecoder, DecoderConfig
+from dihal.stages.diffusion.normalizer import Normalizer
+from dihal.stages.diffusion.trainer import distributed
+from dihal.stages.lm import decoding
+from dihal.stages.runtime import plotting
+from dihal.stages.runtime.progress import NullProgress, Progress
+
+STAGE = "autoencoder"
+RESAMPLER_DEPTH = 2
+
+
+class Resampler(nn.Module):
+    """A Perceiver resampler: K learned queries, each block cross-attention to the states then
+    self-attention among the queries and an MLP (pre-norm), then a projection to the latent width."""
+
+    def __init__(self, dim: int, width: int, heads: int, latents: int, latent_dim: int, max_len: int):
+        super().__init__()
+        self.queries = nn.Parameter(torch.randn(latents, width) * 0.02)
+        self.state_in, self.pos = nn.Linear(dim, width), nn.Embedding(max_len, width)
+        nn.init.normal_(self.pos.weight, std=0.02)
+        self.blocks = nn.ModuleList(
+            nn.ModuleDict(
+                {
+                    "n1": nn.LayerNorm(width),
+                    "cross": Attention(width, heads, causal=False),
+                    "n2": nn.LayerNorm(width),
+                    "self": Attention(width, heads, causal=False),
+                    "n3": nn.LayerNorm(width),
+                    "mlp": nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(approximate="tanh"),
+                                         nn.Linear(4 * width, width)),
+                }
+            )
+            for _ in range(RESAMPLER_DEPTH)
+        )  # fmt: skip
+        self.out = nn.Sequential(nn.LayerNorm(width), nn.Linear(width, latent_dim))
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        """h (B, T', D) -> latents (B, K, d)."""
+        memory = self.state_in(h) + self.pos(torch.arange(h.shape[1], device=h.device))[None]
+        x = self.queries[None].expand(h.shape[0], -1, -1)
+        for b in self.blocks:
+            x = x + b["cross"](b["n1"](x), memory)
+            q = b["n2"](x)
+            x = x + b["self"](q, q)
+            x = x + b["mlp"](b["n3"](x))
+        return self.out(x)
+
+
+class AutoencoderNet(nn.Module):
+    def __init__(self, cfg: AutoencoderConfig, dim: int, length: int, table: torch.Tensor):
+        super().__init__()
+        self.resampler = Resampler(dim, cfg.width, cfg.heads, cfg.latents, cfg.latent_dim, length)
+        vocab, width = (int(n) for n in table.shape)
+        dcfg = DecoderConfig(vocab=vocab, dim=width, width=cfg.width, depth=DECODER_DEPTH, heads=cfg.heads,
+                             max_len=length, memory_dim=cfg.latent_dim)  # fmt: skip
+        self.decoder = CrossDecoder(dcfg, table)
+
+    def forward(self, ids_in: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        return self.decoder(ids_in, self.resampler(h))
+
+
+class AutoencoderTask:
+    """(h_L at positions 1..T-1, tokens) of training sequences; loss: token cross-entropy."""
+
+    def __init__(self, group, cfg: AutoencoderConfig, layer: int, norm: Normalizer):
+        self.group, self.cfg, self.layer, self.norm = group, cfg, layer, norm
+        self.train_seqs = hs.split_indices(group, "train")
+        self.n_train, self.chunk = len(self.train_seqs), int(group.attrs["chunk_seqs"])
+        self.tokens_per_item = group["input_ids"].shape[1] - 1
+        val = hs.split_indices(group, "validation")[: cfg.val_sequences]
+        if val.size == 0:
+            raise DihalError("the extract has no validation sequences; extract with --val-fraction > 0")
+        self.val = self.read_seqs(val)
+
+    def read_seqs(self, seqs: np.ndarray) -> dict[str, np.ndarray]:
+        return {
+            "h": hs.read_sequences(self.group, self.layer, seqs),
+            "ids": np.asarray(self.group["input_ids"].oindex[seqs]),
+        }
+
+    def read(self, positions: np.ndarray) -> dict[str, np.ndarray]:
+        return self.read_seqs(self.train_seqs[positions])
+
+    def states(self, raw: np.ndarray) -> torch.Tensor:
+        return self.norm.y(torch.from_numpy(raw[:, 1:].astype(np.float32)))
+
+    def loss(self, net, batch, gens, device) -> torch.Tensor:
+        ids = torch.from_numpy(batch["ids"].astype(np.int64)).to(device)
+        logits = net(ids[:, :-1], self.states(batch["h"]).to(device)).float()
+        return F.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none").mean(dim=1).sum()
+
+    @torch.no_grad()
+    def scores(self, net) -> tuple[float, float]:
+        """(cross-entropy, token accuracy) on the validation sequences, teacher forced from their latents."""
+        device = next(net.parameters()).device
+        ids = torch.from_numpy(self.val["ids"].astype(np.int64)).to(device)
+        logits = net(ids[:, :-1], self.states(self.val["h"]).to(device)).float()
+        ce = float(F.cross_entropy(logits.transpose(1, 2), ids[:, 1:]))
+        return ce, float((logits.argmax(-1) == ids[:, 1:]).float().mean())
+
+    def validate(self, net) -> float:
+        return self.scores(net)[0]
+
+
+@torch.no_grad()
+def encode(net: AutoencoderNet, task: AutoencoderTask, seqs: np.ndarray, batch: int = 64) -> torch.Tensor:
+    device = next(net.parameters()).device
+    out = []
+    for s in range(0, len(seqs), batch):
+        raw = hs.read_sequences(task.group, task.layer, seqs[s : s + batch])
+        out.append(net.resampler(task.states(raw).to(device)).float().cpu())
+    return torch.cat(out)
+
+
+def train(cfg: AutoencoderConfig, group, art: Artifact, table: torch.Tensor, progress: Progress) -> dict:
+    rank, _ = distributed()
+    layer = max(hs.stored_layers(group))
+    norm = Normalizer.fit(group, 0, layer, hs.split_indices(group, "train"), 1)
+    task = AutoencoderTask(group, cfg, layer, norm)
+    length = group["input_ids"].shape[1] - 1
+    torch.manual_seed(cfg.seed)
+    net = AutoencoderNet(cfg, int(norm.mu_y.shape[0]), length, norm.c(table.float().cpu()))
+    result = trainer.train(task, net, trainer.loop_config(cfg), art.path, progress, "autoencoder")
+    log = result.pop("log")
+    ce, accuracy = task.scores(net)
+    if rank == 0:
+        meta = {"layer": layer, "dim": int(norm.mu_y.shape[0]), "seq_len": length + 1, "latents": cfg.latents,
+                "latent_dim": cfg.latent_dim, "width": cfg.width, "heads": cfg.heads,
+                "start_token": int(np.asarray(group["input_ids"][:1, 0])[0]),
+                "decoder": asdict(net.decoder.cfg)}  # fmt: skip
+        art.file("autoencoder.json").write_text(json.dumps(meta, indent=2))
+        files.save_tensors(art.file("stats.safetensors"), norm.tensors())
+        splits = {s: encode(net, task, hs.split_indices(group, s)) for s in ("train", "validation")}
+        files.save_tensors(art.file("latents.safetensors"), splits)
+        title = f"LD4LG-style autoencoder ({cfg.protocol}), layer {layer} -> {cfg.latents} x {cfg.latent_dim}"
+        plotting.loss_curve(log, art.file("loss_curve.png"), title, "token cross-entropy")
+    return {
+        **result,
+        "encoder_layer": layer,
+        "reconstruction_accuracy": accuracy,
+        "reconstruction_cross_entropy": ce,
+        "n_train_sequences": task.n_train,
+        "parameters": sum(p.numel() for p in net.parameters()),
+        "tokens_seen": result["steps"] * result["global_batch"] * length,
+    }
+
+
+def run(
+    cfg: AutoencoderConfig,
+    extract: Artifact,
+    store: ArtifactStore,
+    *,
+    force: bool = False,
+    progress: Progress | None = None,
+) -> Artifact:
+    progress = progress or NullProgress()
+    group = hs.open_with_layers(extract, (0,))
+    config, parents = asdict(cfg), {"extract": extract.id}
+    if cached := store.cached(STAGE, config, parents, force=force):
+        return cached
+
+    def train_fn(art, report):
+        from dihal.stages.lineage import backbone_for
+        from dihal.stages.recover import embedding_table
+
+        table = embedding_table(backbone_for(extract, "cpu", "float32").model)  # frozen: its values, once
+        return train(cfg, group, art, table, report)
+
+    return trainer.write_trained(store, STAGE, config, parents, extract, cfg, train_fn, force=force, progress=progress)
+
+
+# -- at use time --------------------------------------------------------------------------------------------
+def latents_of(art: Artifact, split: str) -> torch.Tensor:
+    """(N, K, d) stored latents of a split's sequences, raw (not normalized)."""
+    return files.load_tensors(art.file("latents.safetensors"))[split]
+
+
+class Autoencoder:
+    """The trained decoder of an autoencoder: raw latents (B, K, d) -> tokens (B, T')."""
+
+    def __init__(self, art: Artifact, table: torch.Tensor, device: str = "cpu"):
+        meta = json.loads(art.file("autoencoder.json").read_text())
+        norm = Normalizer(**files.load_tensors(art.file("stats.safetensors")))
+        self.net = CrossDecoder(DecoderConfig(**meta["decoder"]), norm.c(table.float().cpu()))
+        weights = files.load_tensors(art.file("weights_ema.safetensors"))
+        self.net.load_state_dict(
+            {k.removeprefix("decoder."): v for k, v in weights.items() if k.startswith("decoder.")}
+        )
+        self.net = self.net.to(device).eval()
+        self.start, self.length = meta["start_token"], meta["seq_len"] - 1
+
+    @torch.no_grad()
+    def tokens(self, z: torch.Tensor, temperature: float = 0.0, top_p: float = 1.0, gens=None) -> torch.Tensor:
+        """Token i of sample b drawn with gens[b] (temperature 0: argmax), T' tokens from K latents."""
+        tokens = torch.full((z.shape[0], 1), self.start, dtype=torch.long, device=z.device)
+        for _ in range(self.length):
+            logits = self.net.logits(self.net.hidden(tokens, z)[:, -1])
+            if temperature == 0:
+                nxt = logits.argmax(-1)
+            else:
+                nxt = torch.stack([decoding.sample(row, temperature, top_p, gen=g) for row, g in zip(logits, gens)])
+            tokens = torch.cat([tokens, nxt[:, None]], dim=1)
+        return tokens[:, 1:]
