@@ -168,6 +168,15 @@ def ci(r: dict, key: str) -> str:
     return "-" if v != v else f"{v:.3g} [{lo:.3g}, {hi:.3g}]"
 
 
+def part_note(p: dict) -> str:
+    """What a part's validation loss is measured against."""
+    if p.get("reconstruction_accuracy") == p.get("reconstruction_accuracy") and p.get("reconstruction_accuracy"):
+        return f"recon. acc. {p['reconstruction_accuracy']:.3f}"
+    if p.get("unigram_entropy") == p.get("unigram_entropy") and p.get("unigram_entropy"):
+        return f"unigram H {p['unigram_entropy']:.2f}"
+    return ""
+
+
 def compare_tables(result: dict) -> list[Table]:
     """Per budget: each row's headline under both evaluators, then claim 3's verdict per baseline."""
     from pathlib import Path
@@ -191,6 +200,29 @@ def compare_tables(result: dict) -> list[Table]:
                         r["status"],
                     ]
                     for r in rows
+                ],  # fmt: skip
+            )
+        )
+        ctrl = {(c["row"], c["source"]): c for c in result.get("controls", []) if c["budget"] == k}
+        names = list(dict.fromkeys(row for row, _ in ctrl))
+        sources = ("trained prior", "oracle prior", "null prior")
+        cell = lambda c: "-" if c is None else f"{c['gen_ppl_token_evaluator']:.4g} / {c['token_entropy']:.2f}"  # noqa: E731
+        if names:
+            out.append(
+                table(
+                    f"controls at {k}x, top temperature: Gen.PPL under {ev} / entropy",
+                    ["row", "trained prior", "oracle (ceiling)", "null (floor)"],
+                    [[n[:22], *(cell(ctrl.get((n, src))) for src in sources)] for n in names],
+                )
+            )
+        parts = [p for p in result.get("parts", []) if p["budget"] == k and p["seed"] == result["seeds"][0]]
+        out.append(
+            table(
+                f"parts at {k}x (seed {result['seeds'][0]})",
+                ["part", "trained", "frozen", "steps", "val loss", "note"],
+                [
+                    [p["part"][:24], p["parameters"], p["frozen_parameters"], p["steps"], p["val_loss"], part_note(p)]
+                    for p in parts
                 ],  # fmt: skip
             )
         )

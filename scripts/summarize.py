@@ -157,24 +157,30 @@ def claim_layer(store: ArtifactStore) -> tuple[str, str]:
 
 def claim_compare(store: ArtifactStore) -> tuple[str, str]:
     """Claim 3 per budget, as `dihal compare` judged it (docs/method.md section 5): DiHAL's Gen.PPL under
-    the primary evaluator, interpolated at each baseline's entropy, against the baseline's."""
-    compare = latest(store, "compare")
-    if not compare:
-        return "not run", "-"
-    result = json.loads(compare.file("compare.json").read_text())
-    if "verdicts" not in result:
-        return "made before section 5 revision 2", "rerun `dihal compare`"
-    heads = {(r["budget"], r["row"]): r for r in result["summary"]}
-    ours = []
-    for v in result["verdicts"]:
-        me = heads[(v["budget"], result["ours"])]
-        value = (
-            "not reached" if me["headline_evaluator"] != me["headline_evaluator"] else f"{me['headline_evaluator']:.4g}"
-        )
+    the primary evaluator, interpolated at each baseline's entropy, against the baseline's. Every
+    complete comparison of all rows counts (a script may run its budgets as separate comparisons;
+    the newest one per budget is taken); comparisons of a subset of rows (an ablation) do not."""
+    newest = {}
+    for art in sorted(store.all("compare"), key=lambda a: a.manifest.get("finished", "")):
+        if art.status != "complete" or art.config.get("rows") or not art.file("compare.json").exists():
+            continue
+        result = json.loads(art.file("compare.json").read_text())
+        for v in result.get("verdicts", []):
+            newest[v["budget"]] = (result, v)
+    if not newest:
+        return "not run (or made before section 5 revision 2)", "-"
+    ours, verdicts = [], []
+    for budget, (result, v) in sorted(newest.items()):
+        me = next(r for r in result["summary"] if r["budget"] == budget and r["row"] == result["ours"])
+        value = me["headline_evaluator"]
+        shown = "not reached" if value != value else f"{value:.4g}"
         outcomes = ", ".join(f"{b['baseline']}: {b['outcome']}" for b in v["baselines"])
-        ours.append(f"{v['budget']}x: DiHAL Gen.PPL {value} at H {result['held_out_entropy']:.2f}; {outcomes}")
-    verdict = "; ".join(f"{v['budget']}x: {v['claim_3']}" for v in result["verdicts"])
-    return " / ".join(ours), verdict
+        seeds = ",".join(map(str, result["seeds"]))
+        ours.append(
+            f"{budget}x (seeds {seeds}): DiHAL Gen.PPL {shown} at H {result['held_out_entropy']:.2f}; {outcomes}"
+        )
+        verdicts.append(f"{budget}x: {v['claim_3']}")
+    return " / ".join(ours), "; ".join(verdicts)
 
 
 def claim_confirm(store: ArtifactStore) -> tuple[str, str]:

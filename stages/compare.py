@@ -568,12 +568,19 @@ def run(
             "summary": heads.to_dict("records"),
             "verdicts": verdicts,
             "parts": parts_df.to_dict("records"),
+            "controls": controls.groupby(["budget", "row", "source"], sort=False)[
+                ["gen_ppl_token_evaluator", "gen_ppl_token_backbone", "token_entropy", "diversity"]
+            ]
+            .mean()
+            .reset_index()
+            .to_dict("records"),  # mean over seeds
             "wall_seconds": time.time() - clock,
         }
         art.file("compare.json").write_text(json.dumps(result, indent=2, default=float))
         for k in cfg.budgets:
             title = f"section 5 at {k}x the protocol's steps; seeds {list(cfg.seeds)}"
             plot(samples[samples.budget == k], lines[lines.budget == k], h_ref, art.file(f"compare_x{k}.png"), title)
-        art.manifest["metrics"] = {k: v for k, v in result.items() if k not in ("summary", "parts", "verdicts")}
+        big = ("summary", "parts", "verdicts", "controls")
+        art.manifest["metrics"] = {k: v for k, v in result.items() if k not in big}
         art.manifest["metrics"]["claim_3"] = {str(v["budget"]): v["claim_3"] for v in verdicts}
     return art

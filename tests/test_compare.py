@@ -605,8 +605,12 @@ def test_reproduce_compare_dry_run_passes_with_the_revision_2_grid(quick, tmp_pa
     proc = subprocess.run(["bash", "scripts/reproduce_compare.sh"], cwd=REPO, env=env, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     out = proc.stdout
-    assert "(0.0, 0.7, 1.0)" in out and "(1, 5)" in out, out
-    assert ("seeds=(0,)" in out) == (quick == "1") and ("seeds=(0, 1)" in out) == (quick == "0"), out
+    assert "temperatures=(0.0, 0.7, 1.0)" in out and "condition_from='prior'" in out, out
+    if quick == "1":
+        assert "seeds=(0,)" in out and "budgets=(1,)" in out and "budgets=(5,)" not in out, out
+    else:  # both budgets, the ablation's sigma:0.5 and prior:1.0 on CoDAR and DiHAL only
+        assert "seeds=(0, 1)" in out and "budgets=(5,)" in out and "condition_from='sigma'" in out, out
+        assert "condition_noise=1.0" in out and "rows=('codar', 'dihal')" in out, out
 
 
 def test_mauve_scores_each_rows_top_temperature_against_held_out_features(monkeypatch):
