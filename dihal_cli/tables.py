@@ -162,16 +162,28 @@ def sweep_tables(per_layer: list[dict], variants: list[dict], metrics: dict, pro
     return [layers, predictors]
 
 
+def short(x: float) -> str:
+    """3 significant digits, whole numbers from 100 up, k and M beyond 10^4: 41.2, 827, 38.4k."""
+    if x != x:
+        return "-"
+    a = abs(x)
+    if a >= 1e6:
+        return f"{x / 1e6:.3g}M"
+    if a >= 1e4:
+        return f"{x / 1e3:.3g}k"
+    return f"{x:.0f}" if a >= 100 else f"{x:.3g}"
+
+
 def ci(r: dict, key: str) -> str:
-    """A headline with its interval: 41.2 [38.0, 45.1] (3 significant digits)."""
+    """A headline with its interval: 41.2 [38, 45.1]."""
     v, lo, hi = r[key], r[key + "_lo"], r[key + "_hi"]
-    return "-" if v != v else f"{v:.3g} [{lo:.3g}, {hi:.3g}]"
+    return "-" if v != v else f"{short(v)} [{short(lo)}, {short(hi)}]"
 
 
 def part_note(p: dict) -> str:
     """What a part's validation loss is measured against."""
     if p.get("reconstruction_accuracy") == p.get("reconstruction_accuracy") and p.get("reconstruction_accuracy"):
-        return f"recon. acc. {p['reconstruction_accuracy']:.3f}"
+        return f"recon {p['reconstruction_accuracy']:.3f}"
     if p.get("unigram_entropy") == p.get("unigram_entropy") and p.get("unigram_entropy"):
         return f"unigram H {p['unigram_entropy']:.2f}"
     return ""
@@ -181,32 +193,20 @@ def compare_tables(result: dict) -> list[Table]:
     """Per budget: each row's headline under both evaluators, then claim 3's verdict per baseline."""
     from pathlib import Path
 
-    ev, bb = (Path(result["evaluators"][k]).name[:14] for k in ("evaluator", "backbone"))
+    ev = Path(result["evaluators"]["evaluator"]).name[:14]
     out = []
     for v in result["verdicts"]:
         k = v["budget"]
         rows = [r for r in result["summary"] if r["budget"] == k]
-        out.append(
-            table(
-                f"{k}x budget, l*={result['l_star']}: Gen.PPL [95%] at entropy {result['held_out_entropy']:.2f}",
-                ["row", ev, bb, "H top-t", "div", "status"],
-                [
-                    [
-                        r["row"][:22],
-                        ci(r, "headline_evaluator"),
-                        ci(r, "headline_backbone"),
-                        r["entropy_at_top_t"],
-                        r["diversity_at_top_t"],
-                        r["status"],
-                    ]
-                    for r in rows
-                ],  # fmt: skip
-            )
-        )
+        head = f"{k}x, l*={result['l_star']}: Gen.PPL under {ev} [95%] at H {result['held_out_entropy']:.2f}"
+        mauve = lambda r: short(r["mauve_at_top_t"]) if r.get("mauve_at_top_t") is not None else "-"  # noqa: E731
+        cells = [[r["row"][:20], ci(r, "headline_evaluator"), f"{r['entropy_at_top_t']:.2f}",
+                  f"{r['diversity_at_top_t']:.2f}", mauve(r), r["status"]] for r in rows]  # fmt: skip
+        out.append(table(head, ["row", "Gen.PPL", "H", "div", "MAUVE", "status"], cells))
         ctrl = {(c["row"], c["source"]): c for c in result.get("controls", []) if c["budget"] == k}
         names = list(dict.fromkeys(row for row, _ in ctrl))
         sources = ("trained prior", "oracle prior", "null prior")
-        cell = lambda c: "-" if c is None else f"{c['gen_ppl_token_evaluator']:.4g} / {c['token_entropy']:.2f}"  # noqa: E731
+        cell = lambda c: "-" if c is None else f"{short(c['gen_ppl_token_evaluator'])} / {c['token_entropy']:.2f}"  # noqa: E731
         if names:
             out.append(
                 table(
@@ -221,7 +221,14 @@ def compare_tables(result: dict) -> list[Table]:
                 f"parts at {k}x (seed {result['seeds'][0]})",
                 ["part", "trained", "frozen", "steps", "val loss", "note"],
                 [
-                    [p["part"][:24], p["parameters"], p["frozen_parameters"], p["steps"], p["val_loss"], part_note(p)]
+                    [
+                        p["part"][:22],
+                        short(p["parameters"]),
+                        short(p["frozen_parameters"]),
+                        p["steps"],
+                        f"{p['val_loss']:.3f}",
+                        part_note(p),
+                    ]
                     for p in parts
                 ],  # fmt: skip
             )

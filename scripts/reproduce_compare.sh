@@ -9,7 +9,8 @@
 #             and seed, then the condition-noise ablation at 1x (sigma:0.5, prior:0.5, prior:1.0 for
 #             CoDAR and DiHAL; scripts/ablation.py prints it). Traded for the 3-hour budget on 2 cores:
 #             batch 16 instead of 32 for every part, one seed at 5x, N = 64 (the intervals show the cost).
-#   QUICK=1   the same rows on seed 0, N = 24, one 40-step budget, no ablation (a check, not a result)
+#   QUICK=1   the same rows on seed 0, N = 16, one 30-step budget, 400 sequences, no ablation (a check
+#             of the whole pipeline, not a result)
 # Results: $DIHAL_ROOT/compare/<id>/{summary,compare,controls,parts}.csv, compare.json, compare_x*.png;
 # $DIHAL_ROOT/claims.md. DRY_RUN=1 validates the arguments only; NUM_SAMPLES, SEQ_LEN, PROTOCOL override.
 set -euo pipefail
@@ -23,7 +24,7 @@ compare() {
 }
 if [ "${QUICK:-0}" = 1 ]; then
   export DIHAL_ROOT=${DIHAL_ROOT:-runs/compare-smollm2-quick}
-  compare --seeds 0 --num-samples "${NUM_SAMPLES:-24}" --budgets 1 --train-steps 40 --max-sequences 600 \
+  compare --seeds 0 --num-samples "${NUM_SAMPLES:-16}" --budgets 1 --train-steps 30 --max-sequences 400 \
     --condition-noise prior:0.5 --controls sed,codar,ld4lg,dihal,dihal-direct
 else
   export DIHAL_ROOT=${DIHAL_ROOT:-runs/compare-smollm2}

@@ -236,10 +236,12 @@ def texts_of(art: Artifact) -> dict[str, list[dict]]:
     return out
 
 
-def sample_table(gens, evaluators: dict, store, cfg, budget: int, seed: int) -> pd.DataFrame:
+def sample_table(gens, evaluators: dict, store, cfg, budget: int, seed: int, progress) -> pd.DataFrame:
     """One line per generated sample of one budget and seed, scored under both evaluators."""
     frames = []
-    for what, art in gens:
+    for i, (what, art) in enumerate(gens):
+        progress.log(f"budget x{budget}, seed {seed}: scoring {i + 1}/{len(gens)}: {what['label']}, "
+                     f"{what['source']}, t={what['temperature']}")  # fmt: skip
         scores = {name: scored_samples(art, ev, store, cfg) for name, ev in evaluators.items()}
         for model, samples in texts_of(art).items():
             row = AR_NAMES.get(model, what["label"]) if what["label"] == "AR references" else what["label"]
@@ -525,7 +527,7 @@ def run(
                 parts = train_parts(cfg, extract, store, seed, l_star, worst, k, progress)
                 parts_table += [{"budget": k, "seed": seed, **part_row(n, a, loaded.model)} for n, a in parts.items()]
                 gens = generate_rows(cfg, parts, store, loaded, seed, l_star, worst, progress, short)
-                frames.append(sample_table(gens, evaluators, store, cfg, k, seed))
+                frames.append(sample_table(gens, evaluators, store, cfg, k, seed, progress))
                 frames.append(real.assign(budget=k, seed=seed))
         samples = pd.concat(frames, ignore_index=True)
         lines, heads = summarize(samples, h_ref, cfg.seeds[0])
