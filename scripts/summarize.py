@@ -167,8 +167,8 @@ def claim_compare(store: ArtifactStore) -> tuple[str, str]:
         result = json.loads(art.file("compare.json").read_text())
         for v in result.get("verdicts", []):
             newest[v["budget"]] = (result, v)
-    if not newest:
-        return "not run (or made before section 5 revision 2)", "-"
+    if not newest:  # (a comparison made before section 5 revision 2 has no verdicts: rerun it)
+        return "not run", "-"
     ours, verdicts = [], []
     for budget, (result, v) in sorted(newest.items()):
         me = next(r for r in result["summary"] if r["budget"] == budget and r["row"] == result["ours"])
