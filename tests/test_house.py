@@ -242,7 +242,9 @@ def test_artifact_ids_do_not_move():
         != "bd3dce03b649"
     )
     prior = C.PriorConfig.from_protocol("compare-cpu", layer=0, self_condition=True)
-    assert artifact_id("prior", asdict(prior), PARENT) == "b959c4f12aa6"
+    assert artifact_id("prior", C.part_hash(prior), PARENT) == "b959c4f12aa6"  # latent False is not hashed
+    latent = C.PriorConfig.from_protocol("compare-cpu", latent=True)
+    assert artifact_id("prior", C.part_hash(latent), PARENT) != artifact_id("prior", C.part_hash(prior), PARENT)
     # the decoder's network changed (section 5 rev 2: the frozen table), so its config gained a revision
     decoder = C.DecoderTrainConfig.from_protocol("compare-cpu")
     assert artifact_id("decoder", C.part_hash(decoder), PARENT) == "a8a443db7c36"  # the landed main's
@@ -344,6 +346,7 @@ def test_every_stage_names_a_command_that_exists():
 
     from dihal.artifacts.store import COMMANDS
 
-    stages = ("extract", "score", "bridge", "prior", "decoder", "evaluate", "generate", "sweep", "confirm", "compare")
+    stages = ("extract", "score", "bridge", "prior", "decoder", "latent", "evaluate", "generate", "sweep", "confirm",
+              "compare")  # fmt: skip
     assert {importlib.import_module(f"dihal.stages.{m}").STAGE for m in stages} == set(COMMANDS)
     assert set(COMMANDS.values()) <= set(_commands())
