@@ -53,6 +53,8 @@ PROXIES: dict[str, Proxy] = {
         # dihal's own, not the paper's: how much of h_l a ridge map from the token embeddings explains
         Proxy("r2_token", +1, False, f"{_SCORE}:r2_token", "held-out R^2 of h_0 -> h_l, the token alone", True),
         Proxy("r2_context", +1, False, f"{_SCORE}:r2_context", "held-out R^2 of h_0 -> h_l, 4-token window", True),
+        Proxy("r2_token_penalty", None, False, f"{_SCORE}:r2_token_penalty", "its GCV ridge penalty, x rows", True),
+        Proxy("r2_context_penalty", None, False, f"{_SCORE}:r2_context_penalty", "its GCV ridge penalty, x rows", True),
     )
 }
 

@@ -198,10 +198,19 @@ class Geometry:
 
     def __init__(self, x: torch.Tensor, cfg: ScoreConfig, pairs, embeddings: Embeddings | None = None):
         self.x, self.cfg, self.pairs, self.embeddings = x, cfg, pairs, embeddings
+        self._ridge: dict[int, dict[str, float]] = {}
 
     @functools.cached_property
     def spectrum(self) -> tuple[torch.Tensor, torch.Tensor]:
         return torch.linalg.eigh(covariance(self.x))  # Sigma = U diag(eig) U^T, eig ascending
+
+    def ridge(self, width: int) -> dict[str, float]:
+        """Embeddings.fit of this layer at one window width, once for its R^2 and its penalty."""
+        if self.embeddings is None:
+            return {"r2": float("nan"), "penalty": float("nan")}
+        if width not in self._ridge:
+            self._ridge[width] = self.embeddings.fit(self.x, width)
+        return self._ridge[width]
 
 
 # the proxies of stages/registry.py's PROXIES, each a function of one layer's Geometry
@@ -226,24 +235,35 @@ def entropy_rank(g: Geometry) -> float:
 
 
 def r2_token(g: Geometry) -> float:
-    return g.embeddings.r2(g.x, 1) if g.embeddings is not None else float("nan")
+    return g.ridge(1)["r2"]
 
 
 def r2_context(g: Geometry) -> float:
-    return g.embeddings.r2(g.x, Embeddings.WINDOW) if g.embeddings is not None else float("nan")
+    return g.ridge(Embeddings.WINDOW)["r2"]
+
+
+def r2_token_penalty(g: Geometry) -> float:
+    return g.ridge(1)["penalty"]
+
+
+def r2_context_penalty(g: Geometry) -> float:
+    return g.ridge(Embeddings.WINDOW)["penalty"]
 
 
 class Embeddings:
     """dihal's own proxies of how far layer l still is from the embedding interface (docs/method.md
     section 1, not the paper's): the held-out R^2 of the ridge map from the token embeddings h_0 to
     h_l at the score's positions, from the token alone (r2_token) and from a causal window of it
-    and its WINDOW - 1 predecessors (r2_context). For one draw of positions it holds the window,
-    a seeded held-out fifth of the positions, and the ridge hat matrices, which do not depend on
-    the layer, so each layer costs one matrix product."""
+    and its WINDOW - 1 predecessors (r2_context).
+
+    The penalty is chosen per layer on the held-in positions alone, by generalized cross-validation
+    (Golub, Heath and Wahba 1979) over PENALTIES x held-in rows; the held-out fifth then scores the
+    chosen map. For one draw of positions this holds the split and, per width, the eigenbasis of the
+    held-in Gram matrix, which does not depend on the layer: each layer costs two matrix products."""
 
     WINDOW = 4
     HELD_OUT = 0.2
-    PENALTY = 1e-3  # x rows: the bridge's ridge skip init (stages/bridge.py ridge_skip), same units
+    PENALTIES = tuple(10.0 ** (k / 4) for k in range(-16, 9))  # 1e-4 .. 1e2, x held-in rows
 
     def __init__(self, window: np.ndarray, seed: int, draw: int, device: str = "cpu"):
         n = window.shape[0]
@@ -251,26 +271,41 @@ class Embeddings:
         n_test = max(1, int(round(self.HELD_OUT * n)))
         self.test, self.train = (torch.from_numpy(np.sort(i)).to(device) for i in (order[:n_test], order[n_test:]))
         x = torch.from_numpy(window).to(device, torch.float64)
-        self.hats = {w: self._hat(x[:, :w].reshape(n, -1)) for w in (1, self.WINDOW)}
+        self.bases = {w: self._basis(x[:, :w].reshape(n, -1)) for w in (1, self.WINDOW)}
 
-    def _hat(self, x: torch.Tensor) -> torch.Tensor:
-        """(n_test, n_train): held-out predictions = hat @ held-in targets, features normalized per
-        dimension with held-in statistics and an intercept, penalty PENALTY x held-in rows."""
+    def _basis(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(eigenvalues e of F'F, held-in features F V, held-out features F_test V) for the features
+        normalized per dimension with held-in statistics plus an intercept; F'F = V diag(e) V'. The
+        rotated features are float32: they enter only the two products per layer."""
         train, test = x[self.train], x[self.test]
         mu, sd = train.mean(0), train.std(0).clamp_min(1e-6)
         ones = lambda m: torch.ones(m.shape[0], 1, dtype=m.dtype, device=m.device)  # noqa: E731
         train, test = (torch.cat([(m - mu) / sd, ones(m)], dim=1) for m in (train, test))
-        eye = torch.eye(train.shape[1], dtype=train.dtype, device=train.device)
-        gram = train.T @ train + self.PENALTY * len(self.train) * eye
-        return test @ torch.linalg.solve(gram, train.T)
+        e, v = torch.linalg.eigh(train.T @ train)
+        return e.clamp_min(0), (train @ v).float(), (test @ v).float()
 
-    def r2(self, y: torch.Tensor, width: int) -> float:
-        """1 - SSE / SST on the held-out positions, targets normalized per dimension (as the bridge's)."""
+    def fit(self, y: torch.Tensor, width: int) -> dict[str, float]:
+        """The GCV-chosen penalty (x held-in rows) and the held-out R^2 = 1 - SSE / SST of its map,
+        targets normalized per dimension with held-in statistics (as the bridge's). With Z = F V and
+        G = Z'Y, the held-in fit at penalty lam has SSE = |Y|^2 - 2 sum g/(e+lam) + sum e g/(e+lam)^2
+        (g the squared row norms of G) and trace(H) = sum e/(e+lam), so every penalty is O(p)."""
+        e, z_train, z_test = self.bases[width]
         train, test = y[self.train], y[self.test]
         mu, sd = train.mean(0), train.std(0).clamp_min(1e-6)
         train, test = (train - mu) / sd, (test - mu) / sd
-        residual = test - self.hats[width] @ train
-        return float(1 - (residual**2).sum() / (test**2).sum())
+        gram_y = z_train.T @ train.float()  # G = Z'Y, (p, D)
+        g, total, n = (gram_y.double() ** 2).sum(1), float((train**2).sum()), len(self.train)
+
+        def gcv(lam: float) -> float:
+            shrink = 1 / (e + lam)
+            sse = total - 2 * float((g * shrink).sum()) + float((e * g * shrink**2).sum())
+            dof = float((e * shrink).sum())
+            return max(sse, 0.0) / (n * (1 - dof / n) ** 2) if dof < n else float("inf")
+
+        penalty = min(self.PENALTIES, key=lambda k: gcv(k * n))
+        coef = gram_y / (e + penalty * n).float()[:, None]
+        residual = test - (z_test @ coef).double()
+        return {"r2": float(1 - (residual**2).sum() / (test**2).sum()), "penalty": penalty}
 
     @classmethod
     def for_draws(cls, group, positions: list, seed: int, device: str = "cpu") -> list[Embeddings | None]:
@@ -446,9 +481,13 @@ def score_layers(
 
 
 def config_dict(cfg: ScoreConfig, layers: list[int]) -> dict:
-    """What a score's id hashes: its config, the candidates resolved, and the registered proxies (a
-    score made before r2_token and r2_context were registered has other columns, so another id)."""
-    return {**asdict(cfg), "candidates": layers, "device": None, "proxies": list(registry.PROXIES)}
+    """What a score's id hashes: its config, the candidates resolved, the registered proxies (a
+    score made before r2_token and r2_context were registered has other columns, so another id) and
+    the penalty grid their GCV chooses from (a score of the fixed penalty before it has another id)."""
+    config = {**asdict(cfg), "candidates": layers, "device": None, "proxies": list(registry.PROXIES)}
+    if any(p.embeddings for p in registry.PROXIES.values()):
+        config["r2_penalties"] = [float(f"{k:.6g}") for k in Embeddings.PENALTIES]
+    return config
 
 
 def run(
@@ -484,7 +523,8 @@ def run(
             "r2": {  # how r2_token and r2_context were fitted
                 "window": Embeddings.WINDOW,
                 "held_out": Embeddings.HELD_OUT,
-                "ridge_penalty": f"{Embeddings.PENALTY} x held-in rows",
+                "ridge_penalty": "chosen per layer by GCV on the held-in rows (columns r2_*_penalty, x rows)",
+                "penalty_grid": list(Embeddings.PENALTIES),
             },
         }
         for suffix in ("", "_robust") if "S_robust" in table else ("",):

@@ -264,9 +264,10 @@ def test_artifact_ids_do_not_move():
 
     score = {**asdict(C.ScoreConfig(tokens=512, bootstrap=2)), "candidates": [1, 2, 3], "device": None}
     assert artifact_id("score", score, PARENT) == "a0aa95eb4ce8"  # the config as the landed main hashed it
-    # a score now also hashes the registered proxies: r2_token and r2_context are new columns (README)
+    # a score now also hashes the registered proxies (r2_token, r2_context and their penalties are
+    # columns) and the penalty grid GCV chooses from: 4cbcff973dcf with the fixed penalty (README)
     assert artifact_id("score", sc.config_dict(C.ScoreConfig(tokens=512, bootstrap=2), [1, 2, 3]), PARENT) == (
-        "4cbcff973dcf"
+        "efbe8a0948fd"
     )
     sweep = C.SweepConfig(layers=(1, 2), overrides=(("steps", 20), ("width", 32)))
     assert artifact_id("sweep", asdict(sweep), PARENT) == "6204bf89a0bb"

@@ -211,7 +211,9 @@ def test_score_cli_writes_table_positions_plot(tiny_extract):
     assert art.file("scores.png").stat().st_size > 1000
     assert art.manifest["config"]["k"] == 10 and art.manifest["parents"]["extract"]
     assert ((table["r2_token"] > -1) & (table["r2_token"] <= 1) & (table["r2_context"] <= 1)).all()
-    assert art.manifest["metrics"]["r2"] == {"window": 4, "held_out": 0.2, "ridge_penalty": "0.001 x held-in rows"}
+    r2 = art.manifest["metrics"]["r2"]
+    assert (r2["window"], r2["held_out"], r2["penalty_grid"][0], r2["penalty_grid"][-1]) == (4, 0.2, 1e-4, 100.0)
+    assert table["r2_context_penalty"].isin(r2["penalty_grid"]).all()  # each layer's GCV choice, recorded
     # the stored positions let anyone recompute a layer's numbers
     from dihal.artifacts import hidden_states as hs
 
@@ -382,8 +384,42 @@ def test_r2_token_matches_the_closed_form():
     signal = (a**2).sum(axis=1)
     expected = float(np.mean(signal / (signal + sigma**2)))
     emb = sc.Embeddings(window, seed=0, draw=0)
-    assert emb.r2(torch.from_numpy(y), 1) == pytest.approx(expected, abs=0.02)
+    assert emb.fit(torch.from_numpy(y), 1)["r2"] == pytest.approx(expected, abs=0.02)
     assert emb.test.numel() == 1200 and emb.train.numel() == 4800  # a held-out fifth
+
+
+def _explicit_ridge(x: np.ndarray, y: np.ndarray, train, test, lam: float) -> tuple[float, float]:
+    """(GCV on the held-in rows, held-out R^2) of ridge at penalty lam x rows, by the explicit hat
+    matrix: features and targets normalized with held-in statistics, an intercept column."""
+    xs, ys = ((m - m[train].mean(0)) / np.maximum(m[train].std(0, ddof=1), 1e-6) for m in (x.reshape(len(x), -1), y))
+    f = np.hstack([xs, np.ones((len(xs), 1))])
+    n = len(train)
+    inverse = np.linalg.inv(f[train].T @ f[train] + lam * n * np.eye(f.shape[1]))
+    hat = f[train] @ inverse @ f[train].T
+    sse = ((ys[train] - hat @ ys[train]) ** 2).sum()
+    pred = f[test] @ inverse @ f[train].T @ ys[train]
+    return sse / (n * (1 - np.trace(hat) / n) ** 2), 1 - ((ys[test] - pred) ** 2).sum() / (ys[test] ** 2).sum()
+
+
+def test_r2_penalty_is_the_gcv_minimum_and_stops_the_window_overfitting():
+    """Many features for the rows and a weak signal, where the bridge's fixed 1e-3 x rows overfits
+    (held-out R^2 well below 0): the chosen penalty is the grid's GCV minimum by the explicit hat
+    matrix, its held-out R^2 matches the explicit fit, and it is positive and near the best any
+    penalty of the grid gets on the held-out rows."""
+    n, d, sigma = 500, 80, 1.0  # 321 features for 400 held-in rows
+    window, rng = _r2_window(n, d, 2)
+    a = rng.normal(size=(d, d)) * 0.1
+    y = window[:, 0] @ a.T + sigma * rng.normal(size=(n, d))
+    emb = sc.Embeddings(window, seed=0, draw=0)
+    train, test = emb.train.numpy(), emb.test.numpy()
+    fit = emb.fit(torch.from_numpy(y), sc.Embeddings.WINDOW)
+    explicit = {lam: _explicit_ridge(window, y, train, test, lam) for lam in sc.Embeddings.PENALTIES}
+    assert fit["penalty"] == min(explicit, key=lambda lam: explicit[lam][0])
+    assert fit["r2"] == pytest.approx(explicit[fit["penalty"]][1], abs=1e-4)
+    assert _explicit_ridge(window, y, train, test, 1e-3)[1] < -0.1  # the fixed penalty of before
+    best = max(r2 for _, r2 in explicit.values())  # the oracle's choice, which peeks at the held-out rows
+    assert 0.1 < fit["r2"] and fit["r2"] > best - 0.03
+    assert fit["penalty"] > 1e-3
 
 
 def test_r2_context_sees_the_previous_token_that_r2_token_cannot():
@@ -393,7 +429,7 @@ def test_r2_context_sees_the_previous_token_that_r2_token_cannot():
     y = torch.from_numpy(window[:, 0] @ a.T + window[:, 1] @ b.T + sigma * rng.normal(size=(n, d)))
     sa, sb = (a**2).sum(axis=1), (b**2).sum(axis=1)
     emb = sc.Embeddings(window, seed=0, draw=0)
-    token, context = emb.r2(y, 1), emb.r2(y, sc.Embeddings.WINDOW)
+    token, context = emb.fit(y, 1)["r2"], emb.fit(y, sc.Embeddings.WINDOW)["r2"]
     assert token == pytest.approx(float(np.mean(sa / (sa + sb + sigma**2))), abs=0.03)
     assert context == pytest.approx(float(np.mean((sa + sb) / (sa + sb + sigma**2))), abs=0.03)
     assert context > token + 0.2
