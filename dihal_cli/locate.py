@@ -18,7 +18,8 @@ from dihal.stages.configs import DataConfig, ExtractConfig, ScoreConfig, SweepCo
 def extract_config(values: dict, device: str, dtype: str, layers: str) -> ExtractConfig:
     """The extract another command runs first when no --extract is given: its model and data options
     (the rest at their defaults)."""
-    data = DataConfig(**{k: values[k] for k in ("dataset", "seq_len", "max_sequences", "seed")})
+    sources = o.data_sources(values["dataset"], values["mix"])
+    data = DataConfig(**{k: values[k] for k in ("seq_len", "max_sequences", "seed")}, **sources)
     picked = {k: values[k] for k in ("model", "store_dtype", "trust_remote_code")}
     return ExtractConfig(**picked, layers=layers, device=device, dtype=dtype, data=data)
 
@@ -33,7 +34,8 @@ def extract_parent(store, ref: str | None, cfg: ExtractConfig):
 @o.command()
 def extract(
     model: str = o.Model,
-    dataset: str = o.Dataset,
+    dataset: list[str] = o.Dataset,
+    mix: str | None = o.Mix,
     dataset_config: str | None = o.opt(DataConfig, "dataset_config"),
     split: str = o.opt(DataConfig, "split", help="Hub split to stream."),
     text_field: str = o.opt(DataConfig, "text_field"),
@@ -52,7 +54,8 @@ def extract(
     from dihal.stages import extract as stage
 
     device, dtype = o.device_and_dtype(device, dtype, dry_run)
-    cfg = o.build(ExtractConfig, locals(), data=o.build(DataConfig, locals()))
+    data = o.build(DataConfig, {k: v for k, v in locals().items() if k != "dataset"}, **o.data_sources(dataset, mix))
+    cfg = o.build(ExtractConfig, locals(), data=data)
     if dry_run:
         plan = stage.plan(cfg)
         span = f"{plan.layers[0]}..{plan.layers[-1]} ({len(plan.layers)})" if plan.layers else f"'{layers}' (unchecked)"
@@ -111,7 +114,8 @@ def sweep(
     tokens: int = o.opt(ScoreConfig, "tokens", help="Score sample size when scoring now."),
     bootstrap: int = o.opt(ScoreConfig, "bootstrap", help="Score draws behind each rho interval (scoring now)."),
     outlier_mads: float | None = o.opt(ScoreConfig, "outlier_mads", help="Also the robust proxies (scoring now)."),
-    model: str = o.Model, dataset: str = o.Dataset, max_sequences: int | None = o.MaxSeq, seq_len: int = o.SeqLen,
+    model: str = o.Model, dataset: list[str] = o.Dataset, mix: str | None = o.Mix,
+    max_sequences: int | None = o.MaxSeq, seq_len: int = o.SeqLen,
     store_dtype: str = o.StoreDtype,
     sample_steps: int = o.opt(SweepConfig, "sample_steps", help="Bridge Euler steps for each layer's fidelity."),
     eval_limit: int = o.opt(SweepConfig, "eval_limit"),

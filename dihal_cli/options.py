@@ -50,7 +50,13 @@ def build(cls, values: dict, **extra):
 # -- shared options -------------------------------------------------------------------------------------
 Root = typer.Option("runs", "--root", envvar="DIHAL_ROOT", help="Artifact root.")
 Model = opt(ExtractConfig, "model", help="Builtin name, local directory, .gguf file, or hub id.")
-Dataset = opt(DataConfig, "dataset", help="Builtin 'pydoc', local .txt/.jsonl/.json/.parquet files or glob, or hub id.")
+Dataset = typer.Option(
+    [default(DataConfig, "dataset")],
+    "--dataset",
+    help="Builtin 'pydoc', local .txt/.jsonl/.json/.parquet files or glob, a hub id, or generate:ID (a generate "
+    "artifact's token ids). Repeat it to mix sources (--mix).",
+)
+Mix = typer.Option(None, "--mix", help="With repeated --dataset: each one's share of the sequences, e.g. 0.5,0.5.")
 SeqLen = opt(DataConfig, "seq_len")
 MaxSeq = opt(DataConfig, "max_sequences")
 StoreDtype = opt(ExtractConfig, "store_dtype", help="auto (float16 per layer where it fits), float16 or float32.")
@@ -120,6 +126,12 @@ def seeds(spec: str) -> tuple[int, ...]:
         return tuple(int(x) for x in spec.split(",") if x.strip())
     except ValueError:
         raise DihalError(f"cannot read --seeds '{spec}'; use a comma list like 0,1,2") from None
+
+
+def data_sources(datasets: list[str], mix: str | None) -> dict:
+    """DataConfig's dataset, also and mix from repeated --dataset and --mix (the extract stage
+    writes each generate:<ref> with its artifact's full id)."""
+    return {"dataset": datasets[0], "also": tuple(datasets[1:]), "mix": numbers(mix, "--mix") if mix else ()}
 
 
 def condition_default(cls) -> str:

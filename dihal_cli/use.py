@@ -53,7 +53,9 @@ def generate(
     top_p: float = o.opt(GenerateConfig, "top_p"),
     sample_steps: int = o.opt(GenerateConfig, "sample_steps", help="Bridge Euler steps per position."),
     batch_size: int = o.opt(GenerateConfig, "batch_size"),
-    baseline: str = o.opt(GenerateConfig, "baseline", help="original: also sample the unmodified backbone."),
+    baseline: str = o.opt(GenerateConfig, "baseline", help="original: also sample the unmodified backbone; "
+                          "original-only: it alone (--model, no bridge)."),
+    model: str | None = o.opt(GenerateConfig, "model", help="--baseline original-only: the backbone."),
     no_cache: bool = typer.Option(False, "--no-cache", help="Recompute every position each step (reference path)."),
     device: str = o.Device, dtype: str = o.Dtype, seed: int = o.Seed, force: bool = o.Force, dry_run: bool = o.DryRun,
     trust_remote_code: bool = o.Trust, root: str = o.Root,
@@ -80,10 +82,18 @@ def generate(
         m = art.manifest["metrics"]
         cost = f"{m['prior_ms_per_sample']:.1f} prior, {m['recovery_ms_per_sample']:.1f} recovery"
         console.print(f"{m['label']}: {m['ms_per_sample']:.1f} ms per sample ({cost}), {m['mean_tokens']:.1f} tokens")
+    elif baseline == "original-only":
+        if bridge is not None:
+            raise DihalError("--baseline original-only samples the backbone alone; give --model, not --bridge")
+        from dihal.stages.lm.models import load_model
+
+        load = lambda: load_model(model, device, dtype, None, trust_remote_code)  # noqa: E731
+        art = stage.run(cfg, None, store, load, force=force, progress=make_progress())
     else:
         bridge_art = store.resolve(bridge or "latest", "bridge")
         load = lambda: backbone_for(bridge_art, device, dtype, trust_remote_code)  # noqa: E731
         art = stage.run(cfg, bridge_art, store, load, force=force, progress=make_progress())
+    if mode == "ar":
         for name, m in art.manifest["metrics"].items():
             console.print(f"{name}: {m['ms_per_token']:.1f} ms per token (batch step), {m['mean_tokens']:.1f} tokens")
     for line in art.file("samples.jsonl").read_text().splitlines()[:3]:

@@ -311,6 +311,10 @@ class AutoencoderConfig(PartRecipe):
 # -- locate ---------------------------------------------------------------------------------------------
 @dataclass(frozen=True, kw_only=True)
 class DataConfig(Config):
+    """`dataset` and the `also` sources are each a builtin, local files, a hub id or generate:<ID> (a
+    generate artifact's token ids); with `also`, `mix` gives each source's share of the sequences
+    of each split (dataset first)."""
+
     dataset: str = "pydoc"
     dataset_config: str | None = None
     split: str = "train"  # the hub split to stream
@@ -319,13 +323,39 @@ class DataConfig(Config):
     val_fraction: float = 0.1
     max_sequences: int | None = None
     seed: int = 0
+    also: tuple[str, ...] = ()  # more sources after dataset (repeated --dataset)
+    mix: tuple[float, ...] = ()  # their shares, dataset's first, summing to 1 (--mix)
 
     def check(self) -> None:
         require(self.seq_len >= 2, f"--seq-len must be at least 2 (a start token and one more), got {self.seq_len}")
         require(0 <= self.val_fraction < 1, f"--val-fraction must be in [0, 1), got {self.val_fraction}")
         at_least(self, 1, "max_sequences")
         require(bool(self.text_field), "--text-field must name a field")
-        require(bool(self.dataset), "--dataset must name a builtin, local files or a hub id")
+        require(all(self.sources), "--dataset must name a builtin, local files, a hub id or generate:<ID>")
+        require(len(set(self.sources)) == len(self.sources), "--dataset names a source twice; give each once")
+        require(
+            len(self.mix) == len(self.sources) if self.also else not self.mix,
+            f"--mix gives {len(self.mix)} shares for {len(self.sources)} --dataset sources; give one share each"
+            if self.also
+            else "--mix needs two or more --dataset sources to share out",
+        )
+        require(all(0 < m < 1 for m in self.mix), f"--mix shares must each be in (0, 1), got {list(self.mix)}")
+        require(not self.mix or abs(sum(self.mix) - 1) < 1e-6, f"--mix shares must sum to 1, got {sum(self.mix):g}")
+
+    @property
+    def sources(self) -> tuple[str, ...]:
+        return (self.dataset, *self.also)
+
+    @property
+    def shares(self) -> tuple[float, ...]:
+        return self.mix or (1.0,)
+
+    def hashed(self) -> dict:
+        """asdict without also and mix when there is one source, so a one-source extract keeps its id."""
+        out = asdict(self)
+        if not self.also:
+            out.pop("also"), out.pop("mix")
+        return out
 
 
 def parse_layers(spec: str, num_blocks: int | None) -> list[int]:
@@ -468,7 +498,7 @@ class GenerateConfig(Config):
     sample_steps: int = 8  # Euler steps of the bridge sampler per position
     batch_size: int = 8
     mode: str = "ar"  # ar: the hybrid, token by token; parallel: a prior's samples, recovered (section 5)
-    baseline: str = "none"  # "original": also generate with the unmodified backbone
+    baseline: str = "none"  # "original": also generate with the unmodified backbone; "original-only": it alone
     prior_steps: int = 50  # parallel: Euler steps of the prior
     recovery: str = "rounding"  # parallel: a name of stages/registry.py's RECOVERIES
     clamp: bool = False  # parallel: Diffusion-LM clamping of each step's x0 estimate
@@ -477,9 +507,19 @@ class GenerateConfig(Config):
     seed: int = 0
     device: str = "cpu"
     dtype: str = "float32"
+    model: str | None = None  # --baseline original-only: the backbone (no bridge)
 
     def check(self) -> None:
         one_of(self, "mode", ("ar", "parallel"))
+        require(
+            self.baseline != "original-only" or self.model is not None,
+            "--baseline original-only samples a backbone alone; name it with --model",
+        )
+        require(
+            self.model is None or self.baseline == "original-only",
+            "--model is for --baseline original-only; a hybrid's backbone is its bridge's",
+        )
+        require(self.baseline != "original-only" or self.mode == "ar", "--baseline original-only is --mode ar")
         require(
             self.mode != "parallel" or not self.prompts,
             "--mode parallel generates whole sequences from the start token; leave out --prompt",
@@ -497,7 +537,7 @@ class GenerateConfig(Config):
             "leave out --temperature, --top-p and --top-k",
         )
         at_least(self, 1, "prior_steps", "num_samples", "max_new_tokens", "sample_steps", "batch_size")
-        one_of(self, "baseline", ("none", "original"))
+        one_of(self, "baseline", ("none", "original", "original-only"))
         one_of(self, "source", SOURCES)
         require(self.mode == "parallel" or self.source == "prior", "--source applies to --mode parallel only")
         require(self.source == "prior" or not self.clamp, "--clamp acts on the prior's steps; --source prior only")
@@ -518,6 +558,8 @@ class GenerateConfig(Config):
         out = {**asdict(self), "temperature": self.decoding_temperature}
         if self.mode == "ar":
             out.pop("source")
+        if self.model is None:
+            out.pop("model")
         return out
 
 

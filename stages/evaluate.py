@@ -15,7 +15,7 @@ from dihal.artifacts.store import Artifact, ArtifactStore
 from dihal.stages.bridge import Bridge
 from dihal.stages.configs import FidelityConfig, SamplesConfig
 from dihal.stages.fidelity import evaluate_fidelity
-from dihal.stages.lineage import backbone_for, origin
+from dihal.stages.lineage import backbone_for, origin, same_model, trained_on
 from dihal.stages.lm.hybrid import lm_logits
 from dihal.stages.lm.models import LoadedModel, load_model
 from dihal.stages.text.data import DataConfig, check, pack, start_token
@@ -73,7 +73,7 @@ def run_fidelity(
     """Teacher-forced fidelity on the extract's validation split, on --dataset, or on `samples`."""
     if samples is not None and cfg.dataset is not None:
         raise DihalError("measure fidelity on --dataset or on --samples, not both")
-    if samples is not None and samples.manifest.get("model") != bridge_art.manifest.get("model"):
+    if samples is not None and not same_model(samples.manifest.get("model"), bridge_art.manifest.get("model")):
         raise DihalError(f"generate {samples.id} did not come from the bridge's backbone; use samples of that model")
     check_inputs(cfg)
     config, parents = {"kind": "fidelity", **asdict(cfg)}, {"bridge": bridge_art.id}
@@ -93,11 +93,14 @@ def run_fidelity(
         loaded = loaded or backbone_for(bridge_art, cfg.device, cfg.dtype, trust_remote_code)
         bridge = Bridge.load(bridge_art, cfg.device)
         seq_len = origin(bridge_art).seq_len
+        held_out = True  # the extract's validation split; samples the bridge was not trained on
         if samples is not None:
             ids, source = sample_ids(samples, loaded.tokenizer, seq_len, cfg.limit)
-            source = f"generate {samples.id} ({source})"
+            held_out = samples.id not in trained_on(store, bridge_art)
+            source = f"generate {samples.id} ({source}{'' if held_out else ', which the bridge was trained on'})"
         elif cfg.dataset is not None:
             ids, source = dataset_ids(cfg, loaded.tokenizer, seq_len), f"dataset {cfg.dataset}"
+            held_out = None  # whether its text overlaps the training text is not known here
         else:
             ids, source = validation_ids(store, bridge_art, cfg.limit), "extract validation split"
         totals = evaluate_fidelity(loaded.model, bridge, ids, list(cfg.sample_steps), cfg.batch_size, cfg.seed)
@@ -109,6 +112,7 @@ def run_fidelity(
         summary = {
             "layer": bridge.layer,
             "source": source,
+            "held_out": held_out,
             "n_sequences": sum(int(g.shape[0]) for g in groups),
             "seq_len": max(int(g.shape[1]) for g in groups),
         }

@@ -12,7 +12,7 @@ import math
 import os
 import shutil
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import numpy as np
 import torch
@@ -21,6 +21,7 @@ from dihal.artifacts import hidden_states as hs
 from dihal.artifacts.errors import DihalError
 from dihal.artifacts.store import Artifact, ArtifactStore, artifact_id
 from dihal.stages.configs import ExtractConfig, parse_layers
+from dihal.stages.lineage import same_model
 from dihal.stages.lm.capture import capture_layers, run_capture
 from dihal.stages.lm.models import LoadedModel, check_remote_code, load_model, locate
 from dihal.stages.runtime import dist
@@ -34,12 +35,42 @@ AUTO_HEADROOM = 4.0  # --store-dtype auto: float16 only for a layer whose first 
 
 def resolved_config(cfg: ExtractConfig) -> dict:
     """What the artifact id hashes: the flags plus what makes the inputs unique."""
-    resolved = asdict(cfg)
-    if cfg.data.dataset == "pydoc":
+    resolved = {**asdict(cfg), "data": cfg.data.hashed()}
+    if "pydoc" in cfg.data.sources:
         resolved["pydoc_python"] = data_mod.python_version_tag()
     if cfg.store_dtype != "float32":  # float16 layers keep position 0 apart (pos0/<l>) and auto scales them
         resolved["float16_layout"] = "position 0 apart in float32; auto divides a layer by 2^k to fit"
     return resolved
+
+
+def generated_documents(data, store: ArtifactStore, loaded: LoadedModel) -> dict[str, list[list[int]]]:
+    """{generate:<ID>: documents} for the generate: sources of `data`. A document is one
+    sample as its model wrote it: the prompt's ids after the start token, the new ids, and EOS where
+    the sample ended there. The backbone's own samples are read (samples_original.jsonl, or
+    samples.jsonl of an original-only artifact); an artifact of another model is refused."""
+    import json
+
+    docs, tok = {}, loaded.tokenizer
+    eos = tok.eos_token_id
+    for spec in (s for s in data.sources if data_mod.is_generated(s)):
+        art = store.resolve(spec.removeprefix(data_mod.GENERATED), "generate")
+        if not same_model(art.manifest.get("model") or {}, loaded.identity):
+            made_by = (art.manifest.get("model") or {}).get("name", "another model")
+            raise DihalError(
+                f"generate artifact {art.id} holds token ids of {made_by}, which mean nothing to the tokenizer "
+                f"of {loaded.identity['name']}; extract it with --model {made_by}"
+            )
+        name = "samples_original.jsonl" if art.file("samples_original.jsonl").exists() else "samples.jsonl"
+        rows = [json.loads(line) for line in art.file(name).read_text().splitlines()]
+        if not rows or rows[0]["model"] != "original":
+            raise DihalError(
+                f"generate artifact {art.id} has no samples of the original backbone; make them with "
+                "`dihal generate --baseline original-only` (or --baseline original)"
+            )
+        prompt = {p: tok(p, add_special_tokens=False)["input_ids"] if p else [] for p in {r["prompt"] for r in rows}}
+        wrote_eos = [eos is not None and r["n_tokens"] < art.config["max_new_tokens"] for r in rows]
+        docs[spec] = [prompt[r["prompt"]] + r["token_ids"] + [eos] * e for r, e in zip(rows, wrote_eos)]
+    return docs
 
 
 def model_config(spec: str, trust_remote_code: bool = False):
@@ -144,15 +175,17 @@ def run(
 ) -> Artifact:
     """Extract, resuming a partial artifact of the same config; returns the complete artifact."""
     progress = progress or NullProgress()
-    config = resolved_config(cfg)
-    if cached := store.cached(STAGE, config, {}, force=force):
+    cfg = resolve_sources(cfg, store)
+    config, parents = resolved_config(cfg), source_parents(cfg)
+    if cached := store.cached(STAGE, config, parents, force=force):
         return cached
     store.make_root()
     plan(cfg) if loaded is None else data_mod.check(cfg.data)
     rank, world = dist.world()
     loaded = loaded or load_model(cfg.model, cfg.device, cfg.dtype, cfg.revision, cfg.trust_remote_code)
     layers = parse_layers(cfg.layers, loaded.num_blocks)
-    packed = data_mod.pack(cfg.data, loaded.tokenizer, loaded.max_positions)
+    generated = generated_documents(cfg.data, store, loaded)
+    packed = data_mod.pack(cfg.data, loaded.tokenizer, loaded.max_positions, generated)
     n_seq, seq_len = packed.input_ids.shape[0], cfg.data.seq_len
     est = disk_estimate(cfg, n_seq, loaded.width, len(layers))
     progress.log(
@@ -166,7 +199,7 @@ def run(
                 f"extraction needs about {est / 2**30:.2f} GiB but {store.root} has {free / 2**30:.2f} GiB free; "
                 "lower --max-sequences or pass --force"
             )
-    art_id = artifact_id(STAGE, config, {})
+    art_id = artifact_id(STAGE, config, parents)
     zarr_path = store.root / STAGE / art_id / "hidden.zarr"
     with contextlib.ExitStack() as held:
         if rank == 0:  # rank 0 owns the artifact (and its lock) for the whole extraction
@@ -174,7 +207,7 @@ def run(
                 store.writing(
                     STAGE,
                     config,
-                    {},
+                    parents,
                     seed=cfg.data.seed,
                     device=str(loaded.device),
                     force=force,
@@ -183,6 +216,7 @@ def run(
                         "dataset_fingerprint": packed.fingerprint,
                         "n_documents": packed.n_documents,
                         "world_size": world,
+                        **({"sources": packed.sources} if packed.sources else {}),
                     },
                 )
             )
@@ -208,6 +242,8 @@ def run(
                     scales,
                 )
                 group["split"][:] = packed.split
+                if packed.source is not None:  # a mix: which source each sequence came from
+                    np.save(art.file("source.npy"), packed.source)
                 if cfg.score_pool:
                     hs.create_pool(group, layers, loaded.width, dtypes, cfg.score_pool, cfg.data.seed)
                 os.replace(building, zarr_path)
@@ -233,8 +269,24 @@ def run(
     return store.load(STAGE, art_id)
 
 
+def resolve_sources(cfg: ExtractConfig, store: ArtifactStore) -> ExtractConfig:
+    """cfg with each generate:<ref> (an id prefix, latest) written with the artifact's full id."""
+    if not any(data_mod.is_generated(s) for s in cfg.data.sources):
+        return cfg
+    full = lambda s: data_mod.GENERATED + store.resolve(s.removeprefix(data_mod.GENERATED), "generate").id  # noqa: E731
+    specs = [full(s) if data_mod.is_generated(s) else s for s in cfg.data.sources]
+    return replace(cfg, data=replace(cfg.data, dataset=specs[0], also=tuple(specs[1:])))
+
+
+def source_parents(cfg: ExtractConfig) -> dict:
+    """The generate artifacts among the sources (full ids), as parents; none for text sources, so
+    an extract of text keeps its id."""
+    ids = [s.removeprefix(data_mod.GENERATED) for s in cfg.data.sources if data_mod.is_generated(s)]
+    return {("generate" if i == 0 else f"generate_{i + 1}"): g for i, g in enumerate(ids)}
+
+
 def artifact_id_for(cfg: ExtractConfig) -> str:
-    return artifact_id(STAGE, resolved_config(cfg), {})
+    return artifact_id(STAGE, resolved_config(cfg), source_parents(cfg))
 
 
 def _extract_chunks(

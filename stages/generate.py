@@ -25,7 +25,7 @@ from dihal.stages.lineage import origin
 from dihal.stages.lm import decoding
 from dihal.stages.lm.capture import hidden_states
 from dihal.stages.lm.hybrid import suffix_model
-from dihal.stages.lm.models import LoadedModel
+from dihal.stages.lm.models import LoadedModel, locate
 from dihal.stages.registry import RECOVERIES, resolve
 from dihal.stages.runtime.progress import NullProgress, Progress
 from dihal.stages.text.data import start_token
@@ -171,6 +171,8 @@ def run(
 ) -> Artifact:
     """loaded: the backbone, or a function that loads it (called only when there is work to do)."""
     progress = progress or NullProgress()
+    if cfg.baseline == "original-only":
+        return run_original(cfg, store, loaded, force=force, progress=progress)
     config, parents = cfg.hashed(), {"bridge": bridge_art.id}
     if cfg.cache and "" in (cfg.prompts or ("",)):  # unprompted: made before the fix of REVISION 2
         config["revision"] = REVISION
@@ -197,12 +199,46 @@ def run(
         metrics = {}
         for name, rows in outputs.items():
             art.file(name).write_text("".join(json.dumps(r) + "\n" for r in rows))
-            metrics[rows[0]["model"]] = {
-                "ms_per_token": sum(r["ms_per_token"] for r in rows) / len(rows),
-                "ms_per_sample": sum(r["ms_per_sample"] for r in rows) / len(rows),
-                "mean_tokens": sum(r["n_tokens"] for r in rows) / len(rows),
-            }
+            metrics[rows[0]["model"]] = timing(rows)
         art.manifest["metrics"] = metrics
+        art.manifest["decoding"] = decoding.describe(cfg.decoding_temperature, cfg.top_p, cfg.top_k)
+    return art
+
+
+def timing(rows: list[dict]) -> dict[str, float]:
+    """Mean cost and length of one model's samples."""
+    mean = lambda key: sum(r[key] for r in rows) / len(rows)  # noqa: E731
+    return {
+        "ms_per_token": mean("ms_per_token"),
+        "ms_per_sample": mean("ms_per_sample"),
+        "mean_tokens": mean("n_tokens"),
+    }
+
+
+def run_original(
+    cfg: GenerateConfig, store: ArtifactStore, loaded, *, force: bool = False, progress: Progress | None = None
+) -> Artifact:
+    """--baseline original-only: samples of the unmodified backbone --model alone (no bridge, no
+    parent), in samples.jsonl; what `dihal extract --dataset generate:<ID>` reads as the model's text."""
+    progress = progress or NullProgress()
+    locate(cfg.model)  # a bad --model is one line before anything else
+    if cached := store.cached(STAGE, cfg.hashed(), {}, force=force):
+        return cached
+    extra = {"extract_config": {"model": cfg.model, "revision": None}}  # what origin() reads
+    with store.writing(STAGE, cfg.hashed(), {}, force=force, seed=cfg.seed, device=cfg.device, extra=extra) as art:
+        loaded = loaded() if callable(loaded) else loaded
+        art.manifest["model"] = loaded.identity
+        longest = max(len(prompt_ids(loaded.tokenizer, p)) for p in cfg.prompts or ("",))
+        if loaded.max_positions and longest + cfg.max_new_tokens > loaded.max_positions:
+            raise DihalError(
+                f"the start token and prompt ({longest} tokens) plus --max-new-tokens {cfg.max_new_tokens} exceed "
+                f"the model's context of {loaded.max_positions}; use a smaller --max-new-tokens"
+            )
+        progress.start("generate", len(cfg.prompts or [""]) * cfg.num_samples, "sample")
+        rows = generate_all(loaded, None, cfg, progress)
+        progress.stop()
+        art.file("samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        art.manifest["metrics"] = {"original": timing(rows)}
         art.manifest["decoding"] = decoding.describe(cfg.decoding_temperature, cfg.top_p, cfg.top_k)
     return art
 

@@ -27,6 +27,18 @@ def origin(art: Artifact) -> Origin:
     return Origin(ex.get("model"), ex.get("revision"), int(seq_len) if seq_len is not None else None)
 
 
+def same_model(a: dict | None, b: dict | None) -> bool:
+    """Two manifests' model identities (stages/lm/models.py locate) name the same weights and tokenizer."""
+    a, b = a or {}, b or {}
+    return all(a.get(k) == b.get(k) for k in ("source", "name", "file_sha256", "path", "revision"))
+
+
+def trained_on(store, art: Artifact) -> set[str]:
+    """The generate artifacts whose samples the extract behind `art` (or `art` itself) packed."""
+    extract = art if art.stage == "extract" else store.load("extract", art.manifest["parents"]["extract"])
+    return {v for k, v in extract.manifest.get("parents", {}).items() if k.startswith("generate")}
+
+
 def backbone_for(art: Artifact, device: str, dtype: str, trust_remote_code: bool = False):
     """The backbone an artifact descends from, loaded. Whether its code may run is this command's
     flag, never the (untrusted) artifact's record."""

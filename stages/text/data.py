@@ -16,9 +16,10 @@ import glob
 import hashlib
 import importlib
 import inspect
+import math
 import sys
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -36,6 +37,8 @@ PYDOC_MODULES = (
     "weakref zipfile zlib"
 ).split()
 LOCAL_SUFFIXES = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
+GENERATED = "generate:"
+SPLIT_NAMES = ("training", "validation")
 
 
 def pydoc_documents() -> Iterator[str]:
@@ -130,23 +133,34 @@ def _open_local(spec: str, text_field: str):
     return dataset, field
 
 
+def one_source(cfg: DataConfig, spec: str) -> DataConfig:
+    """cfg with `spec` as its only dataset (what one source of a mix is read with)."""
+    return replace(cfg, dataset=spec, also=(), mix=())
+
+
+def is_generated(spec: str) -> bool:
+    """generate:<ID>: the token ids of a generate artifact's samples (the extract stage reads them)."""
+    return spec.startswith(GENERATED)
+
+
 def check(cfg: DataConfig) -> None:
-    """Local data: every record's text is a string and at least one is non-empty. Builtins and hub
-    streams are checked as they are read."""
-    if cfg.dataset == "pydoc" or not is_local_spec(cfg.dataset):
-        return
-    dataset, field = _open_local(cfg.dataset, cfg.text_field)
-    non_empty = 0
-    for index, value in enumerate(dataset[field]):
-        if not isinstance(value, str):
-            what = "no" if value is None else f"a {type(value).__name__} in"
-            raise DihalError(
-                f"record {index} of dataset '{cfg.dataset}' has {what} field '{field}', not a string; "
-                "fix the record or name another field with --text-field"
-            )
-        non_empty += bool(value.strip())
-    if not non_empty:
-        raise DihalError(f"dataset '{cfg.dataset}' holds no non-empty text in field '{field}'; give text to extract")
+    """Local data: every record's text is a string and at least one is non-empty. Builtins, hub
+    streams and generate artifacts are checked as they are read."""
+    for spec in cfg.sources:
+        if spec == "pydoc" or is_generated(spec) or not is_local_spec(spec):
+            continue
+        dataset, field = _open_local(spec, cfg.text_field)
+        non_empty = 0
+        for index, value in enumerate(dataset[field]):
+            if not isinstance(value, str):
+                what = "no" if value is None else f"a {type(value).__name__} in"
+                raise DihalError(
+                    f"record {index} of dataset '{spec}' has {what} field '{field}', not a string; "
+                    "fix the record or name another field with --text-field"
+                )
+            non_empty += bool(value.strip())
+        if not non_empty:
+            raise DihalError(f"dataset '{spec}' holds no non-empty text in field '{field}'; give text to extract")
 
 
 def local_documents(spec: str, text_field: str) -> Iterator[str]:
@@ -185,6 +199,9 @@ def hub_documents(cfg: DataConfig) -> Iterator[str]:
 
 
 def documents(cfg: DataConfig) -> Iterator[str]:
+    """The texts of cfg's (one) dataset."""
+    if is_generated(cfg.dataset):
+        raise DihalError(f"dataset '{cfg.dataset}' holds token ids, not text; only `dihal extract` reads it")
     if cfg.dataset == "pydoc":
         return pydoc_documents()
     if is_local_spec(cfg.dataset):
@@ -207,6 +224,8 @@ class PackedData:
     n_documents: int
     n_tokens: int
     start_token: dict  # {"id": ..., "token": ..., "kind": "bos" | "<|endoftext|>" | "eos"}
+    source: np.ndarray | None = None  # (n_seq,) int8: which of cfg.sources each sequence is from
+    sources: list[dict] | None = None  # per source: spec, share, train and validation sequences
 
 
 def start_token(tokenizer) -> tuple[int, str]:
@@ -239,46 +258,120 @@ class _Packer:
             self.sequences.append([self.bos] + head)
 
 
-def pack(cfg: DataConfig, tokenizer, max_positions: int | None = None) -> PackedData:
-    """Tokenize and pack documents; stops early once max_sequences are filled."""
+def allot(total: int, shares: tuple[float, ...]) -> list[int]:
+    """total split by shares, largest remainder first (the counts sum to total)."""
+    exact = [total * s for s in shares]
+    counts = [math.floor(x) for x in exact]
+    for i in sorted(range(len(shares)), key=lambda i: counts[i] - exact[i])[: total - sum(counts)]:
+        counts[i] += 1
+    return counts
+
+
+def wanted_counts(cfg: DataConfig) -> tuple[int | None, int | None]:
+    """(train, validation) sequences --max-sequences asks for, or (None, None) for all."""
+    if cfg.max_sequences is None:
+        return None, None
+    n_val = round(cfg.max_sequences * cfg.val_fraction) if cfg.val_fraction > 0 else 0
+    if cfg.val_fraction > 0 and cfg.max_sequences > 1:
+        n_val = max(1, n_val)
+    return cfg.max_sequences - n_val, n_val
+
+
+def _pack_source(cfg: DataConfig, docs, ids_of, bos: int, wanted: tuple, digest) -> tuple[list, list, int, int]:
+    """(train, validation, documents, tokens) of one source, each split packed into seq_len
+    sequences after the start token; a document is tokenized (ids_of) and hashed into digest only
+    when its split takes it, and reading stops once `wanted` are filled."""
+    packers = {0: _Packer(cfg.seq_len, bos), 1: _Packer(cfg.seq_len, bos)}
+    n_docs = n_tokens = 0
+    for doc_index, doc in enumerate(docs):
+        which = 1 if is_validation(doc_index, cfg.val_fraction, cfg.seed) else 0
+        if wanted[which] is not None and len(packers[which].sequences) >= wanted[which]:
+            if all(len(packers[s].sequences) >= wanted[s] for s in (0, 1)):
+                break
+            continue
+        ids, raw = ids_of(doc)
+        packers[which].add(ids)
+        digest.update(raw)
+        n_docs, n_tokens = n_docs + 1, n_tokens + len(ids)
+    train, val = packers[0].sequences, packers[1].sequences
+    if wanted[0] is not None:
+        train, val = train[: wanted[0]], val[: wanted[1]]
+    return train, val, n_docs, n_tokens
+
+
+def pack(
+    cfg: DataConfig, tokenizer, max_positions: int | None = None, generated: dict[str, list[list[int]]] | None = None
+) -> PackedData:
+    """Tokenize and pack documents (each source's own, its splits by document); stops early once
+    max_sequences are filled. `generated`: the documents (token ids, as written) of each generate:
+    source. With a mix, each split takes each source's share of its sequences (the first ones of
+    each source), in an order shuffled by cfg.seed."""
     if max_positions and cfg.seq_len > max_positions:
         raise DihalError(
             f"--seq-len {cfg.seq_len} exceeds the model's context of {max_positions} tokens; use a smaller --seq-len"
         )
     (bos, start_kind), eos = start_token(tokenizer), tokenizer.eos_token_id
-    n_val_wanted = n_train_wanted = None
-    if cfg.max_sequences is not None:
-        n_val_wanted = round(cfg.max_sequences * cfg.val_fraction) if cfg.val_fraction > 0 else 0
-        if cfg.val_fraction > 0 and cfg.max_sequences > 1:
-            n_val_wanted = max(1, n_val_wanted)
-        n_train_wanted = cfg.max_sequences - n_val_wanted
-    packers = {0: _Packer(cfg.seq_len, bos), 1: _Packer(cfg.seq_len, bos)}
-    digest, n_docs, n_tokens = hashlib.sha256(), 0, 0
-    for doc_index, text in enumerate(documents(cfg)):
-        which = 1 if is_validation(doc_index, cfg.val_fraction, cfg.seed) else 0
-        wanted = n_val_wanted if which else n_train_wanted
-        if wanted is not None and len(packers[which].sequences) >= wanted:
-            if all(len(packers[s].sequences) >= w for s, w in ((0, n_train_wanted), (1, n_val_wanted))):
-                break
-            continue
+
+    def text_ids(text: str) -> tuple[list[int], bytes]:
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-        if eos is not None:
-            ids = ids + [eos]
-        packers[which].add(ids)
-        digest.update(text.encode())
-        n_docs, n_tokens = n_docs + 1, n_tokens + len(ids)
-    train, val = packers[0].sequences, packers[1].sequences
-    if n_train_wanted is not None:
-        train, val = train[:n_train_wanted], val[:n_val_wanted]
-    if not train:
-        raise DihalError(
-            f"dataset '{cfg.dataset}' gave no full training sequence of {cfg.seq_len} tokens; "
-            "use more text or a smaller --seq-len"
+        return ids + ([eos] if eos is not None else []), text.encode()
+
+    def given_ids(ids: list[int]) -> tuple[list[int], bytes]:
+        return list(ids), np.asarray(ids, dtype=np.int64).tobytes()
+
+    wanted = wanted_counts(cfg)
+    per_split = [allot(w, cfg.shares) if w is not None else [None] * len(cfg.shares) for w in wanted]
+    digest, packed = hashlib.sha256(), []
+    for i, spec in enumerate(cfg.sources):
+        docs, ids_of = (
+            ((generated or {})[spec], given_ids) if is_generated(spec) else (documents(one_source(cfg, spec)), text_ids)
         )
-    ids = np.asarray(train + val, dtype=np.int32).reshape(-1, cfg.seq_len)
-    split = np.asarray([0] * len(train) + [1] * len(val), dtype=np.int8)
+        train, val, n_docs, n_tokens = _pack_source(cfg, docs, ids_of, bos, (per_split[0][i], per_split[1][i]), digest)
+        if not train:
+            raise DihalError(
+                f"dataset '{spec}' gave no full training sequence of {cfg.seq_len} tokens; "
+                "use more text or a smaller --seq-len"
+            )
+        packed.append((train, val, n_docs, n_tokens))
     start = {"id": bos, "token": tokenizer.convert_ids_to_tokens(bos), "kind": start_kind}
-    return PackedData(ids, split, digest.hexdigest()[:16], n_docs, n_tokens, start)
+    if len(packed) == 1:
+        train, val, n_docs, n_tokens = packed[0]
+        ids = np.asarray(train + val, dtype=np.int32).reshape(-1, cfg.seq_len)
+        split = np.asarray([0] * len(train) + [1] * len(val), dtype=np.int8)
+        return PackedData(ids, split, digest.hexdigest()[:16], n_docs, n_tokens, start)
+    rows, splits, origin = [], [], []
+    for which in (0, 1):
+        have = [len(p[which]) for p in packed]
+        if wanted[which] is not None:
+            counts = per_split[which]
+            short = next((i for i, (h, c) in enumerate(zip(have, counts)) if h < c), None)
+            if short is not None:
+                raise DihalError(
+                    f"dataset '{cfg.sources[short]}' gives {have[short]} {SPLIT_NAMES[which]} sequences but the mix "
+                    f"asks {counts[short]} of it; lower --max-sequences or its --mix share"
+                )
+        else:  # as many as the scarcest source allows at its share
+            counts = allot(min(math.floor(h / s + 1e-9) for h, s in zip(have, cfg.shares)), cfg.shares)
+        chosen = [(i, seq) for i, p in enumerate(packed) for seq in p[which][: counts[i]]]
+        order = np.random.default_rng([cfg.seed, which]).permutation(len(chosen))
+        rows += [chosen[k][1] for k in order]
+        origin += [chosen[k][0] for k in order]
+        splits += [which] * len(chosen)
+        per_split[which] = counts
+    sources = [
+        {"dataset": spec, "share": share, "train": per_split[0][i], "validation": per_split[1][i]}
+        for i, (spec, share) in enumerate(zip(cfg.sources, cfg.shares))
+    ]
+    return PackedData(
+        np.asarray(rows, dtype=np.int32).reshape(-1, cfg.seq_len),
+        np.asarray(splits, dtype=np.int8),
+        digest.hexdigest()[:16],
+        sum(p[2] for p in packed),
+        sum(p[3] for p in packed),
+        start,
+        np.asarray(origin, dtype=np.int8),
+        sources,
+    )
 
 
 def python_version_tag() -> str:

@@ -1,0 +1,164 @@
+"""The backbone's own text as a dataset (issue 19): `dihal generate --baseline original-only`, then
+`dihal extract --dataset generate:<ID>`, alone or mixed with a corpus by `--mix`."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+from dihal.artifacts import hidden_states as hs
+from dihal.artifacts.store import ArtifactStore
+from dihal.stages.text.data import is_validation
+from tests.conftest import invoke
+
+SEQ_LEN = 12
+
+
+def _store() -> ArtifactStore:
+    return ArtifactStore(os.environ["DIHAL_ROOT"])
+
+
+def _own_samples(model_dir, *extra: str) -> str:
+    res = invoke(
+        "generate", "--baseline", "original-only", "--model", str(model_dir), "--num-samples", "24",
+        "--max-new-tokens", str(SEQ_LEN - 1), "--batch-size", "8", *extra,
+    )  # fmt: skip
+    assert res.exit_code == 0, res.output
+    return _store().resolve("latest", "generate").id
+
+
+def _extract(model_dir, *args: str):
+    res = invoke("extract", "--model", str(model_dir), "--layers", "0,1", "--seq-len", str(SEQ_LEN), *args)
+    assert res.exit_code == 0, res.output
+    return _store().resolve("latest", "extract")
+
+
+def _chunks(docs: list[list[int]], start: int) -> list[list[int]]:
+    """The corpus packing, written out: documents joined, cut into bodies of SEQ_LEN - 1 after the start."""
+    flat = [t for d in docs for t in d]
+    body = SEQ_LEN - 1
+    return [[start] + flat[i : i + body] for i in range(0, len(flat) - body + 1, body)]
+
+
+def test_a_generate_artifact_as_a_dataset_keeps_its_token_ids(tiny_dirs, root):
+    gen_id = _own_samples(tiny_dirs["llama"])
+    gen = _store().load("generate", gen_id)
+    assert gen.manifest["parents"] == {} and gen.config["model"] == str(tiny_dirs["llama"])
+    rows = [json.loads(line) for line in gen.file("samples.jsonl").read_text().splitlines()]
+    assert len(rows) == 24 and {r["model"] for r in rows} == {"original"}
+    art = _extract(tiny_dirs["llama"], "--dataset", f"generate:{gen_id[:6]}")  # a prefix is resolved
+    assert art.manifest["parents"] == {"generate": gen_id}  # the lineage names the model's text
+    assert art.config["data"]["dataset"] == f"generate:{gen_id}"
+    group = hs.open_group(art.path / "hidden.zarr")
+    ids, split = np.asarray(group["input_ids"][:]), np.asarray(group["split"][:])
+    start, eos = 1, 2  # the tiny tokenizer's <bos> and <eos>
+    docs = [r["token_ids"] + ([eos] if r["n_tokens"] < SEQ_LEN - 1 else []) for r in rows]
+    for which in (0, 1):
+        mine = [d for i, d in enumerate(docs) if is_validation(i, 0.1, 0) == bool(which)]
+        assert ids[split == which].tolist() == _chunks(mine, start)
+    assert (split == 1).any() and (split == 0).sum() >= 18
+
+
+def test_a_mix_draws_the_stated_shares(tiny_dirs, root):
+    gen_id = _own_samples(tiny_dirs["llama"], "--max-new-tokens", "120", "--num-samples", "48")
+    art = _extract(
+        tiny_dirs["llama"], "--dataset", "pydoc", "--dataset", f"generate:{gen_id}", "--mix", "0.25,0.75",
+        "--max-sequences", "80",
+    )  # fmt: skip
+    group = hs.open_group(art.path / "hidden.zarr")
+    ids, split = np.asarray(group["input_ids"][:]), np.asarray(group["split"][:])
+    source = np.load(art.file("source.npy"))
+    assert ids.shape == (80, SEQ_LEN) and source.shape == (80,)
+    # 72 train and 8 validation sequences, each split 1 : 3, counted
+    assert [int(((split == 0) & (source == s)).sum()) for s in (0, 1)] == [18, 54]
+    assert [int(((split == 1) & (source == s)).sum()) for s in (0, 1)] == [2, 6]
+    # and each sequence is from the source it is marked with: the generated ones are in the samples
+    rows = [json.loads(line) for line in _store().load("generate", gen_id).file("samples.jsonl").open()]
+    stream = [t for r in rows for t in r["token_ids"] + ([2] if r["n_tokens"] < 120 else [])]  # 2: <eos>
+    written = {tuple(stream[i : i + 4]) for i in range(len(stream) - 3)}
+    marked = [tuple(seq[1:5]) in written for seq in ids]
+    assert all(np.asarray(marked)[source == 1]) and not any(np.asarray(marked)[source == 0])
+    assert source[:20].tolist() != sorted(source[:20].tolist())  # the sources are interleaved, not in blocks
+    sources = art.manifest["sources"]
+    assert [(s["dataset"], s["share"], s["train"]) for s in sources] == [
+        ("pydoc", 0.25, 18),
+        (f"generate:{gen_id}", 0.75, 54),
+    ]
+
+
+def test_one_source_keeps_the_extract_id_of_before(tiny_dirs, root):
+    from dihal.stages.configs import DataConfig, ExtractConfig
+    from dihal.stages.extract import artifact_id_for, resolved_config
+
+    cfg = ExtractConfig(model="smollm2-135m", data=DataConfig(max_sequences=64))
+    assert "also" not in resolved_config(cfg)["data"] and "mix" not in resolved_config(cfg)["data"]
+    assert artifact_id_for(cfg) != artifact_id_for(
+        ExtractConfig(model="smollm2-135m", data=DataConfig(max_sequences=64, also=("x.txt",), mix=(0.5, 0.5)))
+    )
+
+
+def test_another_models_token_ids_are_refused(tiny_dirs, root):
+    gen_id = _own_samples(tiny_dirs["qwen3"])
+    res = invoke("extract", "--model", str(tiny_dirs["llama"]), "--layers", "0,1", "--dataset", f"generate:{gen_id}")
+    assert res.exit_code == 2
+    line = res.output.strip()
+    assert line.startswith("error:") and "mean nothing to the tokenizer" in line and "\n" not in line
+    assert f"--model {tiny_dirs['qwen3'].name}" in line
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (("--dataset", "pydoc", "--mix", "1"), "--mix needs two or more --dataset sources"),
+        (("--dataset", "pydoc", "--dataset", "a.txt", "--mix", "0.5,0.6"), "--mix shares must sum to 1"),
+        (("--dataset", "pydoc", "--dataset", "a.txt", "--mix", "0.5"), "--mix gives 1 shares for 2"),
+        (("--dataset", "pydoc", "--dataset", "a.txt", "--mix", "nan,0.5"), "--mix must be a finite number"),
+        (("--dataset", "pydoc", "--dataset", "pydoc", "--mix", "0.5,0.5"), "names a source twice"),
+        (("--dataset", "pydoc", "--dataset", "generate:nope", "--mix", "0.5,0.5"), "no generate artifact 'nope'"),
+    ],
+)
+def test_bad_mixes_are_one_line(args, message, tiny_dirs, root):
+    res = invoke("extract", "--model", str(tiny_dirs["llama"]), "--layers", "0,1", *args)
+    assert res.exit_code == 2 and res.output.startswith("error:") and message in res.output, res.output
+
+
+def test_original_only_needs_a_model_and_no_bridge(root):
+    res = invoke("generate", "--baseline", "original-only")
+    assert res.exit_code == 2 and "name it with --model" in res.output
+    res = invoke("generate", "--baseline", "original-only", "--model", "smollm2-135m", "--bridge", "latest")
+    assert res.exit_code == 2 and "give --model, not --bridge" in res.output
+    res = invoke("generate", "--model", "smollm2-135m")
+    assert res.exit_code == 2 and "--model is for --baseline original-only" in res.output
+
+
+def test_a_mix_too_small_for_its_share_names_the_source(tiny_dirs, root):
+    gen_id = _own_samples(tiny_dirs["llama"])  # 24 samples: about 21 training sequences
+    res = invoke(
+        "extract", "--model", str(tiny_dirs["llama"]), "--layers", "0,1", "--seq-len", str(SEQ_LEN),
+        "--dataset", "pydoc", "--dataset", f"generate:{gen_id}", "--mix", "0.5,0.5", "--max-sequences", "200",
+    )  # fmt: skip
+    assert res.exit_code == 2 and f"dataset 'generate:{gen_id}' gives" in res.output
+    assert "lower --max-sequences or its --mix share" in res.output
+
+
+def test_fidelity_on_own_samples_says_whether_the_bridge_was_trained_on_them(tiny_dirs, root):
+    seen, unseen = _own_samples(tiny_dirs["llama"]), _own_samples(tiny_dirs["llama"], "--seed", "1")
+    assert seen != unseen
+    art = _extract(tiny_dirs["llama"], "--dataset", f"generate:{seen}")
+    res = invoke(
+        "train-bridge", "--layer", "1", "--extract", art.id, "--train-steps", "4", "--width", "16", "--depth", "1",
+        "--heads", "2", "--batch-size", "4", "--eval-every", "2",
+    )  # fmt: skip
+    assert res.exit_code == 0, res.output
+    bridge = _store().resolve("latest", "bridge").id
+    held = {}
+    for gen in (seen, unseen):
+        res = invoke("evaluate", "--bridge", bridge, "--samples", gen, "--sample-steps", "1", "--limit", "4")
+        assert res.exit_code == 0, res.output
+        metrics = _store().resolve("latest", "evaluate").manifest["metrics"]
+        held[gen] = (metrics["held_out"], metrics["source"])
+    assert held[unseen][0] is True and "trained on" not in held[unseen][1]
+    assert held[seen][0] is False and held[seen][1].endswith("which the bridge was trained on)")
