@@ -46,6 +46,10 @@ def generate(
     source: str = o.opt(GenerateConfig, "source", help="parallel: prior, null (its noise) or oracle (real states)."),
     prompt: list[str] = typer.Option([], "--prompt", help="A prompt (repeatable); none: start from the start token."),
     prompts_file: str | None = typer.Option(None, "--prompts-file", help="One prompt per line."),
+    prompts_from: str | None = o.opt(GenerateConfig, "prompts_from", help="A dataset: prompts are the first "
+                                     "--prompt-tokens tokens of --num-prompts of its train documents."),
+    prompt_tokens: int = o.opt(GenerateConfig, "prompt_tokens"),
+    num_prompts: int = o.opt(GenerateConfig, "num_prompts"),
     num_samples: int = o.opt(GenerateConfig, "num_samples", help="Samples per prompt."),
     max_new_tokens: int = o.opt(GenerateConfig, "max_new_tokens"),
     temperature: float | None = o.opt(GenerateConfig, "temperature", help="0 = argmax (default 1; none for "

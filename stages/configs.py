@@ -508,6 +508,9 @@ class GenerateConfig(Config):
     device: str = "cpu"
     dtype: str = "float32"
     model: str | None = None  # --baseline original-only: the backbone (no bridge)
+    prompts_from: str | None = None  # ar: prompts are the first prompt_tokens tokens of this dataset's documents
+    prompt_tokens: int = 8
+    num_prompts: int = 64  # prompts_from: this many documents (of its train split), num_samples each
 
     def check(self) -> None:
         one_of(self, "mode", ("ar", "parallel"))
@@ -520,6 +523,9 @@ class GenerateConfig(Config):
             "--model is for --baseline original-only; a hybrid's backbone is its bridge's",
         )
         require(self.baseline != "original-only" or self.mode == "ar", "--baseline original-only is --mode ar")
+        require(not (self.prompts_from and self.prompts), "give --prompt/--prompts-file or --prompts-from, not both")
+        require(self.mode == "ar" or not self.prompts_from, "--mode parallel takes no prompts; drop --prompts-from")
+        at_least(self, 1, "prompt_tokens", "num_prompts")
         require(
             self.mode != "parallel" or not self.prompts,
             "--mode parallel generates whole sequences from the start token; leave out --prompt",
@@ -560,6 +566,9 @@ class GenerateConfig(Config):
             out.pop("source")
         if self.model is None:
             out.pop("model")
+        if self.prompts_from is None:  # ids made before corpus prompts existed
+            for name in ("prompts_from", "prompt_tokens", "num_prompts"):
+                out.pop(name)
         return out
 
 

@@ -43,10 +43,18 @@ def resolved_config(cfg: ExtractConfig) -> dict:
     return resolved
 
 
+def prompt_of(row: dict, tokenizer) -> list[int]:
+    """A sample's prompt ids after the start token: as recorded, or re-tokenized for older samples."""
+    if "prompt_ids" in row:
+        return row["prompt_ids"][1:]
+    return tokenizer(row["prompt"], add_special_tokens=False)["input_ids"] if row["prompt"] else []
+
+
 def generated_documents(data, store: ArtifactStore, loaded: LoadedModel) -> dict[str, list[list[int]]]:
     """{generate:<ID>: documents} for the generate: sources of `data`. A document is one
-    sample as its model wrote it: the prompt's ids after the start token, the new ids, and EOS where
-    the sample ended there. The backbone's own samples are read (samples_original.jsonl, or
+    sample as its model wrote it: the prompt's ids after the start token (as the model read them;
+    re-tokenized only for samples made before they were recorded), the new ids, and EOS where the
+    sample ended there. The backbone's own samples are read (samples_original.jsonl, or
     samples.jsonl of an original-only artifact); an artifact of another model is refused."""
     import json
 
@@ -67,9 +75,8 @@ def generated_documents(data, store: ArtifactStore, loaded: LoadedModel) -> dict
                 f"generate artifact {art.id} has no samples of the original backbone; make them with "
                 "`dihal generate --baseline original-only` (or --baseline original)"
             )
-        prompt = {p: tok(p, add_special_tokens=False)["input_ids"] if p else [] for p in {r["prompt"] for r in rows}}
         wrote_eos = [eos is not None and r["n_tokens"] < art.config["max_new_tokens"] for r in rows]
-        docs[spec] = [prompt[r["prompt"]] + r["token_ids"] + [eos] * e for r, e in zip(rows, wrote_eos)]
+        docs[spec] = [prompt_of(r, tok) + r["token_ids"] + [eos] * e for r, e in zip(rows, wrote_eos)]
     return docs
 
 

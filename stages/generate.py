@@ -12,7 +12,7 @@ import hashlib
 import json
 import time
 from collections.abc import Callable
-from dataclasses import astuple
+from dataclasses import astuple, replace
 
 import torch
 from transformers import DynamicCache
@@ -101,6 +101,30 @@ def truncate_at_eos(ids: list[int], eos: int | None) -> list[int]:
     return ids[: ids.index(eos)] if eos is not None and eos in ids else ids
 
 
+def corpus_prompts(cfg: GenerateConfig, tokenizer) -> GenerateConfig:
+    """cfg with --prompts-from made into prompts: the decoded first --prompt-tokens tokens of the first
+    --num-prompts documents of the dataset's train split (the split rule of docs/method.md section
+    0 at the default fraction and seed) that are at least twice as long; cfg itself otherwise."""
+    if cfg.prompts_from is None:
+        return cfg
+    from dihal.stages.configs import DataConfig
+    from dihal.stages.text.data import documents, is_validation
+
+    data, prompts = DataConfig(dataset=cfg.prompts_from), []
+    for index, text in enumerate(documents(data)):
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        if not is_validation(index, data.val_fraction, data.seed) and len(ids) >= 2 * cfg.prompt_tokens:
+            prompts.append(tokenizer.decode(ids[: cfg.prompt_tokens]))
+        if len(prompts) == cfg.num_prompts:
+            break
+    if len(prompts) < cfg.num_prompts:
+        raise DihalError(
+            f"dataset '{cfg.prompts_from}' has {len(prompts)} training documents of {2 * cfg.prompt_tokens}+ tokens, "
+            f"not --num-prompts {cfg.num_prompts}; ask for fewer"
+        )
+    return replace(cfg, prompts=tuple(prompts), prompts_from=None)
+
+
 def jobs(cfg: GenerateConfig) -> list[tuple[str, int]]:
     """(prompt, count) batches: every prompt num_samples times, or BOS alone."""
     prompts = list(cfg.prompts) or [""]
@@ -149,6 +173,7 @@ def generate_all(loaded: LoadedModel, bridge: Bridge | None, cfg: GenerateConfig
                     "prompt": prompt,
                     "text": tok.decode(kept, skip_special_tokens=True),
                     "token_ids": kept,
+                    "prompt_ids": prefix[0].tolist(),  # the start token and the prompt, as the model read them
                     "model": "hybrid" if bridge is not None else "original",
                     "n_tokens": len(kept),
                     "batch_seconds": seconds,
@@ -189,6 +214,7 @@ def run(
     ) as art:
         loaded = loaded() if callable(loaded) else loaded
         bridge = Bridge.load(bridge_art, cfg.device)
+        cfg = corpus_prompts(cfg, loaded.tokenizer)
         check_length(loaded.tokenizer, bridge, cfg)
         total = len(cfg.prompts or [""]) * cfg.num_samples * (2 if cfg.baseline == "original" else 1)
         progress.start("generate", total, "sample")
@@ -228,6 +254,7 @@ def run_original(
     with store.writing(STAGE, cfg.hashed(), {}, force=force, seed=cfg.seed, device=cfg.device, extra=extra) as art:
         loaded = loaded() if callable(loaded) else loaded
         art.manifest["model"] = loaded.identity
+        cfg = corpus_prompts(cfg, loaded.tokenizer)
         longest = max(len(prompt_ids(loaded.tokenizer, p)) for p in cfg.prompts or ("",))
         if loaded.max_positions and longest + cfg.max_new_tokens > loaded.max_positions:
             raise DihalError(

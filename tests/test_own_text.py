@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 
@@ -162,3 +163,29 @@ def test_fidelity_on_own_samples_says_whether_the_bridge_was_trained_on_them(tin
         held[gen] = (metrics["held_out"], metrics["source"])
     assert held[unseen][0] is True and "trained on" not in held[unseen][1]
     assert held[seen][0] is False and held[seen][1].endswith("which the bridge was trained on)")
+
+
+def test_prompts_drawn_from_the_corpus_are_recorded_and_trained_on_as_read(tiny_dirs, root):
+    from dihal.stages.configs import DataConfig
+    from dihal.stages.text.data import documents
+
+    gen_id = _own_samples(
+        tiny_dirs["llama"], "--prompts-from", "pydoc", "--prompt-tokens", "4", "--num-prompts", "3",
+        "--num-samples", "2", "--max-new-tokens", "6",
+    )  # fmt: skip
+    rows = [json.loads(line) for line in _store().load("generate", gen_id).file("samples.jsonl").open()]
+    assert len(rows) == 6 and len({r["prompt"] for r in rows}) == 3
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_dirs["llama"])
+    head = itertools.islice(documents(DataConfig()), 20)
+    firsts = [tok.decode(tok(t, add_special_tokens=False)["input_ids"][:4]) for t in head]
+    assert all(r["prompt"] in firsts for r in rows)  # each prompt opens a pydoc document
+    assert all(r["prompt_ids"][0] == 1 and len(r["prompt_ids"]) >= 2 for r in rows)  # start token, then the prompt
+    art = _extract(tiny_dirs["llama"], "--dataset", f"generate:{gen_id}", "--val-fraction", "0")
+    ids = np.asarray(hs.open_group(art.path / "hidden.zarr")["input_ids"][:])
+    docs = [r["prompt_ids"][1:] + r["token_ids"] + ([2] if r["n_tokens"] < 6 else []) for r in rows]
+    assert ids.tolist() == _chunks(docs, 1)
+    res = invoke("generate", "--baseline", "original-only", "--model", "smollm2-135m", "--prompts-from", "pydoc",
+                 "--prompt", "The")  # fmt: skip
+    assert res.exit_code == 2 and "not both" in res.output
