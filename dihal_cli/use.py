@@ -114,14 +114,16 @@ def evaluate(
     sample_steps: str = o.opt(FidelityConfig, "sample_steps", help="Bridge Euler steps to compare (fidelity)."),
     limit: int = o.opt(FidelityConfig, "limit", help="Held-out sequences (fidelity) or samples to score."),
     dataset: str | None = o.opt(FidelityConfig, "dataset", help="Fidelity on this dataset spec instead (--bridge)."),
+    extract: str | None = typer.Option(None, "--extract", help="Fidelity on this extract's validation split instead "
+                                       "(the bridge's model and --seq-len)."),
     evaluator: str | None = o.opt(SamplesConfig, "evaluator", help="Model for Gen.PPL (default: the backbone)."),
     batch_size: int = o.opt(FidelityConfig, "batch_size"),
     device: str = o.Device, dtype: str = o.Dtype, seed: int = o.Seed, force: bool = o.Force, dry_run: bool = o.DryRun,
     trust_remote_code: bool = o.Trust, as_json: bool = o.AsJson, root: str = o.Root,
 ) -> None:  # fmt: skip
     """Bridge fidelity (--bridge [--dataset | --samples]) or generation quality (--samples)."""
-    if dataset is not None and bridge is None:
-        raise DihalError("--dataset measures a bridge's fidelity; give --bridge ID with it")
+    if (dataset is not None or extract is not None) and bridge is None:
+        raise DihalError("--dataset and --extract measure a bridge's fidelity; give --bridge ID with them")
     if bridge is None and samples is None:
         raise DihalError("give --bridge ID (fidelity) or --samples ID (generation quality), or both")
     device, dtype = o.device_and_dtype(device, dtype, dry_run)
@@ -138,8 +140,9 @@ def evaluate(
     store = ArtifactStore(root)
     if bridge is not None:
         on = store.resolve(samples, "generate") if samples else None
+        other = store.resolve(extract, "extract") if extract else None
         art = stage.run_fidelity(cfg, store.resolve(bridge, "bridge"), store, force=force,
-                                 trust_remote_code=trust_remote_code, samples=on)  # fmt: skip
+                                 trust_remote_code=trust_remote_code, samples=on, held_out=other)  # fmt: skip
         m = art.manifest["metrics"]
         rows, title, shown = (
             m["fidelity"],

@@ -23,13 +23,21 @@ from dihal.stages.text.data import DataConfig, check, pack, start_token
 STAGE = "evaluate"
 
 
-def validation_ids(store: ArtifactStore, bridge_art: Artifact, limit: int) -> torch.Tensor:
-    extract = store.load("extract", bridge_art.manifest["parents"]["extract"])
+def validation_ids(extract: Artifact, limit: int) -> torch.Tensor:
     group = hs.open_group(extract.path / "hidden.zarr")
     seqs = hs.split_indices(group, "validation")[:limit]
     if seqs.size == 0:
         raise DihalError(f"extract {extract.id} has no validation sequences to evaluate on")
     return torch.from_numpy(np.asarray(group["input_ids"].oindex[seqs]).astype(np.int64))
+
+
+def unseen(held_out: Artifact, own: Artifact) -> bool:
+    """The validation split of extract held_out holds no document the extract `own` trains on: each
+    source the two share is split by the same rule (docs/method.md section 0: the same seed and
+    fraction give every document the same split)."""
+    a, b = held_out.config["data"], own.config["data"]
+    shared = {a["dataset"], *a.get("also", ())} & {b["dataset"], *b.get("also", ())}
+    return not shared or (a["seed"], a["val_fraction"]) == (b["seed"], b["val_fraction"])
 
 
 def dataset_ids(cfg: FidelityConfig, tokenizer, seq_len: int) -> torch.Tensor:
@@ -69,16 +77,27 @@ def run_fidelity(
     loaded: LoadedModel | None = None,
     trust_remote_code: bool = False,
     samples: Artifact | None = None,
+    held_out: Artifact | None = None,
 ) -> Artifact:
-    """Teacher-forced fidelity on the extract's validation split, on --dataset, or on `samples`."""
-    if samples is not None and cfg.dataset is not None:
-        raise DihalError("measure fidelity on --dataset or on --samples, not both")
+    """Teacher-forced fidelity on the validation split of the bridge's extract (or of `held_out`, an
+    extract of the same model and seq_len), on --dataset, or on `samples`."""
+    own_extract = store.load("extract", bridge_art.manifest["parents"]["extract"])
+    held_out = None if held_out is not None and held_out.id == own_extract.id else held_out
+    if sum(x is not None for x in (samples, cfg.dataset, held_out)) > 1:
+        raise DihalError("measure fidelity on one of --dataset, --samples or --extract")
+    if held_out is not None and origin(held_out) != origin(own_extract):
+        raise DihalError(
+            f"extract {held_out.id} is not of the bridge's model and --seq-len ({origin(own_extract).model}, "
+            f"{origin(own_extract).seq_len}); give an extract of those"
+        )
     if samples is not None and not same_model(samples.manifest.get("model"), bridge_art.manifest.get("model")):
         raise DihalError(f"generate {samples.id} did not come from the bridge's backbone; use samples of that model")
     check_inputs(cfg)
     config, parents = {"kind": "fidelity", **asdict(cfg)}, {"bridge": bridge_art.id}
     if samples is not None:
         parents["generate"] = samples.id
+    if held_out is not None:
+        parents["extract"] = held_out.id
     if cached := store.cached(STAGE, config, parents, force=force):
         return cached
     with store.writing(
@@ -93,16 +112,19 @@ def run_fidelity(
         loaded = loaded or backbone_for(bridge_art, cfg.device, cfg.dtype, trust_remote_code)
         bridge = Bridge.load(bridge_art, cfg.device)
         seq_len = origin(bridge_art).seq_len
-        held_out = True  # the extract's validation split; samples the bridge was not trained on
+        unseen_text = True  # the extract's validation split; samples the bridge was not trained on
         if samples is not None:
             ids, source = sample_ids(samples, loaded.tokenizer, seq_len, cfg.limit)
-            held_out = samples.id not in trained_on(store, bridge_art)
-            source = f"generate {samples.id} ({source}{'' if held_out else ', which the bridge was trained on'})"
+            unseen_text = samples.id not in trained_on(store, bridge_art)
+            source = f"generate {samples.id} ({source}{'' if unseen_text else ', which the bridge was trained on'})"
         elif cfg.dataset is not None:
             ids, source = dataset_ids(cfg, loaded.tokenizer, seq_len), f"dataset {cfg.dataset}"
-            held_out = None  # whether its text overlaps the training text is not known here
+            unseen_text = None  # whether its text overlaps the training text is not known here
+        elif held_out is not None:
+            ids, source = validation_ids(held_out, cfg.limit), f"extract {held_out.id} validation split"
+            unseen_text = unseen(held_out, own_extract)
         else:
-            ids, source = validation_ids(store, bridge_art, cfg.limit), "extract validation split"
+            ids, source = validation_ids(own_extract, cfg.limit), "extract validation split"
         totals = evaluate_fidelity(loaded.model, bridge, ids, list(cfg.sample_steps), cfg.batch_size, cfg.seed)
         rows = [{"steps": s, **t.metrics()} for s, t in totals.items()]
         by_position = [{"steps": s, **r} for s, t in totals.items() for r in t.position_metrics()]
@@ -112,7 +134,7 @@ def run_fidelity(
         summary = {
             "layer": bridge.layer,
             "source": source,
-            "held_out": held_out,
+            "held_out": unseen_text,
             "n_sequences": sum(int(g.shape[0]) for g in groups),
             "seq_len": max(int(g.shape[1]) for g in groups),
         }

@@ -189,3 +189,31 @@ def test_prompts_drawn_from_the_corpus_are_recorded_and_trained_on_as_read(tiny_
     res = invoke("generate", "--baseline", "original-only", "--model", "smollm2-135m", "--prompts-from", "pydoc",
                  "--prompt", "The")  # fmt: skip
     assert res.exit_code == 2 and "not both" in res.output
+
+
+def test_fidelity_on_another_extracts_validation_split_checks_it_is_unseen(tiny_dirs, root):
+    bridge_extract = _extract(tiny_dirs["llama"], "--max-sequences", "40")
+    res = invoke(
+        "train-bridge", "--layer", "1", "--extract", bridge_extract.id, "--train-steps", "2", "--width", "16",
+        "--depth", "1", "--heads", "2", "--batch-size", "4", "--eval-every", "2",
+    )  # fmt: skip
+    assert res.exit_code == 0, res.output
+    bridge = _store().resolve("latest", "bridge").id
+    same_split = _extract(tiny_dirs["llama"], "--max-sequences", "80")  # the same documents are held out
+    reshuffled = _extract(tiny_dirs["llama"], "--max-sequences", "80", "--seed", "3")  # others are
+    other_len = invoke("extract", "--model", str(tiny_dirs["llama"]), "--layers", "0,1", "--seq-len", "16",
+                       "--max-sequences", "20")  # fmt: skip
+    assert other_len.exit_code == 0
+    found = {}
+    for extract in (same_split.id, reshuffled.id, bridge_extract.id):
+        res = invoke("evaluate", "--bridge", bridge, "--extract", extract, "--sample-steps", "1", "--limit", "8")
+        assert res.exit_code == 0, res.output
+        art = _store().resolve("latest", "evaluate")
+        found[extract] = (art.manifest["metrics"]["held_out"], art.manifest["parents"].get("extract"), art.id)
+    assert found[same_split.id][:2] == (True, same_split.id)
+    assert found[reshuffled.id][:2] == (False, reshuffled.id)  # its validation split holds training sequences
+    plain = invoke("evaluate", "--bridge", bridge, "--sample-steps", "1", "--limit", "8")
+    assert plain.exit_code == 0
+    assert found[bridge_extract.id] == (True, None, _store().resolve("latest", "evaluate").id)  # the default
+    res = invoke("evaluate", "--bridge", bridge, "--extract", "latest", "--sample-steps", "1")
+    assert res.exit_code == 2 and "is not of the bridge's model and --seq-len" in res.output

@@ -1,0 +1,91 @@
+"""Issue 19's table from a `scripts/own_text.sh` run: per training data (pydoc, own, mix), mean +- std
+over seeds of the bridge's perplexity ratio and KL on held-out pydoc, this repository's prose and
+the backbone's own held-out samples, and the AR hybrid's and the original's Gen.PPL under both
+evaluators, with diversity and token entropy. Written as own_text.csv and own_text.md in the root.
+
+    python3 scripts/own_text.py runs/own-text-smollm2-135m
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pandas as pd
+
+from dihal.artifacts.store import ArtifactStore
+
+
+def data_kind(extract) -> str:
+    specs = [extract.config["data"]["dataset"], *extract.config["data"].get("also", [])]
+    own = [s.startswith("generate:") for s in specs]
+    return "own" if all(own) else "mix" if any(own) else "pydoc"
+
+
+def text_of(source: str) -> str:
+    if source.startswith("extract "):  # scripts/own_text.sh: the pydoc extract's validation split, for all
+        return "pydoc"
+    return "prose" if source.startswith("dataset ") else "own"
+
+
+def rows(store: ArtifactStore) -> list[dict]:
+    evaluations = [a for a in store.all("evaluate") if a.complete]
+    generations = [a for a in store.all("generate") if a.complete and "bridge" in a.manifest["parents"]]
+    out = []
+    for bridge in (b for b in store.all("bridge") if b.complete):
+        row = {
+            "data": data_kind(store.load("extract", bridge.manifest["parents"]["extract"])),
+            "seed": bridge.config["seed"],
+        }
+        for ev in (e for e in evaluations if e.manifest["parents"].get("bridge") == bridge.id):
+            m = ev.manifest["metrics"]
+            fid = m["fidelity"][-1]  # the most sampler steps
+            text = text_of(m["source"])
+            if text == "own" and m.get("held_out") is False:
+                text = "own (trained on)"
+            row |= {f"ppl_ratio {text}": fid["ppl_ratio"], f"kl {text}": fid["kl"]}
+        for gen in (g for g in generations if g.manifest["parents"]["bridge"] == bridge.id):
+            for ev in (
+                e
+                for e in evaluations
+                if e.manifest["parents"].get("generate") == gen.id and "bridge" not in e.manifest["parents"]
+            ):
+                m = ev.manifest["metrics"]
+                judge = "backbone" if not ev.config.get("evaluator") else "other"
+                for r in m["rows"]:
+                    row[f"gen_ppl {r['model']} ({judge})"] = r["gen_ppl_token"]
+                    if judge == "backbone":
+                        row[f"diversity {r['model']}"], row[f"entropy {r['model']}"] = (
+                            r["diversity"],
+                            r["token_entropy"],
+                        )
+        out.append(row)
+    return out
+
+
+def main(root: str) -> None:
+    table = pd.DataFrame(rows(ArtifactStore(root)))
+    if table.empty:
+        sys.exit(f"error: no bridges under {root}; run scripts/own_text.sh first")
+    for model in ("hybrid", "original"):
+        for judge in ("backbone", "other"):
+            col = f"gen_ppl {model} ({judge})"
+            if col not in table:
+                table[col] = float("nan")
+    for judge in ("backbone", "other"):
+        table[f"gen_ppl ratio ({judge})"] = table[f"gen_ppl hybrid ({judge})"] / table[f"gen_ppl original ({judge})"]
+    table.to_csv(Path(root) / "own_text.csv", index=False)
+    numbers = table.drop(columns="seed").groupby("data")
+    mean, std, n = numbers.mean(), numbers.std(ddof=1), numbers.size()
+    cells = mean.map(lambda v: f"{v:.3g}").astype(str) + " ± " + std.map(lambda v: f"{v:.2g}").astype(str)
+    cells.insert(0, "seeds", n.astype(str))
+    cells = cells.T
+    lines = ["| measure | " + " | ".join(cells.columns) + " |", "|---" * (len(cells.columns) + 1) + "|"]
+    lines += [f"| {name} | " + " | ".join(map(str, r)) + " |" for name, r in cells.iterrows()]
+    text = "\n".join(lines)
+    (Path(root) / "own_text.md").write_text(text + "\n")
+    print(text)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

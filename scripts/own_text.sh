@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# Issue 19's recipe measurement: at l* = LAYER, bridges trained on pydoc alone, on the backbone's own
+# samples alone, and on a 0.5/0.5 mix, SEEDS each under PROTOCOL; each scored on held-out pydoc, on
+# this repository's prose, on the backbone's own samples drawn with another seed (held out, and
+# recorded so), and by the AR hybrid's Gen.PPL under the backbone and the other builtin.
+#   usage: scripts/own_text.sh MODEL          (DRY_RUN=1 validates every stage's arguments)
+#   then:  python3 scripts/own_text.py runs/own-text-MODEL    (the table, mean +- std over seeds)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+MODEL=$1
+export DIHAL_ROOT=${DIHAL_ROOT:-runs/own-text-$MODEL}
+DEV="--device ${DEVICE:-cpu} --dtype ${DTYPE:-float32}"
+SEQ_LEN=${SEQ_LEN:-64}
+LAYER=${LAYER:-1}
+PROTOCOL=${PROTOCOL:-cpu-small}
+SEEDS=${SEEDS:-0 1 2}
+OWN=${OWN_SAMPLES:-512}  # unprompted samples to train on, plus as many from pydoc prompts (4 per prompt)
+dry() { [ "${DRY_RUN:-0}" = 1 ]; }
+DRY=$(dry && echo --dry-run || true)
+latest() { if dry; then echo latest; else dihal runs latest "$1"; fi; }
+OTHER=${EVALUATOR:-$(python3 -c "print({'smollm2-135m': 'gemma3-270m', 'gemma3-270m': 'smollm2-135m'}.get('$MODEL', ''))")}
+[ -n "$OTHER" ] || { echo "error: name a second evaluator with EVALUATOR=..." >&2; exit 2; }
+mkdir -p "$DIHAL_ROOT"; cat README.md docs/*.md > "$DIHAL_ROOT/repo-prose.txt"
+
+echo "== 1. the backbone's own text: to train on (seed 100), and held out (seed 200)"
+GEN="generate --baseline original-only --model $MODEL --max-new-tokens $((SEQ_LEN - 1)) --batch-size 16 $DEV"
+dihal $GEN --num-samples "$OWN" --seed 100 $DRY
+TRAIN_FREE=$(latest generate)
+dihal $GEN --prompts-from pydoc --prompt-tokens 8 --num-prompts $((OWN / 4)) --num-samples 4 \
+  --max-new-tokens $((SEQ_LEN - 9)) --seed 100 $DRY
+TRAIN_PROMPTED=$(latest generate); dry && TRAIN_PROMPTED=prompted
+dihal $GEN --num-samples 64 --seed 200 $DRY
+HELD=$(latest generate)
+
+echo "== 2. three extracts of layers 0 and $LAYER: pydoc, own text, and the mix"
+EX="extract --model $MODEL --layers 0,$LAYER --seq-len $SEQ_LEN $DEV"
+dihal $EX --dataset pydoc $DRY
+PYDOC=$(latest extract)
+dihal $EX --dataset "generate:$TRAIN_FREE" --dataset "generate:$TRAIN_PROMPTED" --mix 0.5,0.5 $DRY
+OWNX=$(latest extract)
+dihal $EX --dataset pydoc --dataset "generate:$TRAIN_FREE" --dataset "generate:$TRAIN_PROMPTED" \
+  --mix 0.5,0.25,0.25 $DRY
+MIX=$(latest extract)
+
+for DATA in pydoc own mix; do
+  case $DATA in pydoc) E=$PYDOC ;; own) E=$OWNX ;; mix) E=$MIX ;; esac
+  for SEED in $SEEDS; do
+    echo "== 3. $DATA, seed $SEED: train, then fidelity on pydoc, prose and held-out own samples, then Gen.PPL"
+    dihal train-bridge --layer "$LAYER" --protocol "$PROTOCOL" --extract "$E" --seed "$SEED" $DEV $DRY ${BRIDGE_ARGS:-}
+    B=$(latest bridge)
+    dihal evaluate --bridge "$B" --extract "$PYDOC" --sample-steps 8 --limit 64 $DEV $DRY  # pydoc held out by all
+    dihal evaluate --bridge "$B" --dataset "$DIHAL_ROOT/repo-prose.txt" --sample-steps 8 --limit 64 $DEV $DRY
+    dihal evaluate --bridge "$B" --samples "$HELD" --sample-steps 8 --limit 64 $DEV $DRY
+    dihal generate --bridge "$B" --num-samples ${NUM_SAMPLES:-64} --max-new-tokens ${MAX_NEW:-48} --sample-steps 8 --baseline original \
+      --seed "$SEED" $DEV $DRY
+    G=$(latest generate)
+    dihal evaluate --samples "$G" $DEV $DRY
+    dihal evaluate --samples "$G" --evaluator "$OTHER" $DEV $DRY
+  done
+done
+dry || python3 scripts/own_text.py "$DIHAL_ROOT"
