@@ -3,6 +3,7 @@
 # samples alone, and on a 0.5/0.5 mix, SEEDS each under PROTOCOL; each scored on held-out pydoc, on
 # this repository's prose, on the backbone's own samples drawn with another seed (held out, and
 # recorded so), and by the AR hybrid's Gen.PPL under the backbone and the other builtin.
+# Every extract holds MAX_SEQUENCES sequences (pydoc's validation documents are the same in all).
 #   usage: scripts/own_text.sh MODEL          (DRY_RUN=1 validates every stage's arguments)
 #   then:  python3 scripts/own_text.py runs/own-text-MODEL    (the table, mean +- std over seeds)
 set -euo pipefail
@@ -14,7 +15,8 @@ SEQ_LEN=${SEQ_LEN:-64}
 LAYER=${LAYER:-1}
 PROTOCOL=${PROTOCOL:-cpu-small}
 SEEDS=${SEEDS:-0 1 2}
-OWN=${OWN_SAMPLES:-512}  # unprompted samples to train on, plus as many from pydoc prompts (4 per prompt)
+OWN=${OWN_SAMPLES:-1024}  # unprompted samples to train on, plus as many from pydoc prompts (4 per prompt)
+N=${MAX_SEQUENCES:-1536}  # every extract has this many sequences, so the three bridges see as much text
 dry() { [ "${DRY_RUN:-0}" = 1 ]; }
 DRY=$(dry && echo --dry-run || true)
 latest() { if dry; then echo latest; else dihal runs latest "$1"; fi; }
@@ -33,7 +35,7 @@ dihal $GEN --num-samples 64 --seed 200 $DRY
 HELD=$(latest generate)
 
 echo "== 2. three extracts of layers 0 and $LAYER: pydoc, own text, and the mix"
-EX="extract --model $MODEL --layers 0,$LAYER --seq-len $SEQ_LEN $DEV"
+EX="extract --model $MODEL --layers 0,$LAYER --seq-len $SEQ_LEN --max-sequences $N $DEV"
 dihal $EX --dataset pydoc $DRY
 PYDOC=$(latest extract)
 dihal $EX --dataset "generate:$TRAIN_FREE" --dataset "generate:$TRAIN_PROMPTED" --mix 0.5,0.5 $DRY
