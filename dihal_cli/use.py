@@ -122,8 +122,9 @@ def evaluate(
     trust_remote_code: bool = o.Trust, as_json: bool = o.AsJson, root: str = o.Root,
 ) -> None:  # fmt: skip
     """Bridge fidelity (--bridge [--dataset | --samples]) or generation quality (--samples)."""
-    if (dataset is not None or extract is not None) and bridge is None:
-        raise DihalError("--dataset and --extract measure a bridge's fidelity; give --bridge ID with them")
+    for flag, given in (("--dataset", dataset), ("--extract", extract)):
+        if given is not None and bridge is None:
+            raise DihalError(f"{flag} measures a bridge's fidelity; give --bridge ID with it")
     if bridge is None and samples is None:
         raise DihalError("give --bridge ID (fidelity) or --samples ID (generation quality), or both")
     device, dtype = o.device_and_dtype(device, dtype, dry_run)
