@@ -44,9 +44,9 @@ dihal $EX --dataset pydoc --dataset "generate:$TRAIN_FREE" --dataset "generate:$
   --mix 0.5,0.25,0.25 $DRY
 MIX=$(latest extract)
 
-for DATA in pydoc own mix; do
-  case $DATA in pydoc) E=$PYDOC ;; own) E=$OWNX ;; mix) E=$MIX ;; esac
-  for SEED in $SEEDS; do
+for SEED in $SEEDS; do  # seeds outermost: a run cut short still has every kind of data at its first seeds
+  for DATA in pydoc own mix; do
+    case $DATA in pydoc) E=$PYDOC ;; own) E=$OWNX ;; mix) E=$MIX ;; esac
     echo "== 3. $DATA, seed $SEED: train, then fidelity on pydoc, prose and held-out own samples, then Gen.PPL"
     dihal train-bridge --layer "$LAYER" --protocol "$PROTOCOL" --extract "$E" --seed "$SEED" $DEV $DRY ${BRIDGE_ARGS:-}
     B=$(latest bridge)
