@@ -15,8 +15,12 @@ SEQ_LEN=${SEQ_LEN:-64}
 LAYER=${LAYER:-1}
 PROTOCOL=${PROTOCOL:-cpu-small}
 SEEDS=${SEEDS:-0 1 2}
-OWN=${OWN_SAMPLES:-1024}  # unprompted samples to train on, plus as many from pydoc prompts (4 per prompt)
-N=${MAX_SEQUENCES:-1536}  # every extract has this many sequences, so the three bridges see as much text
+OWN=${OWN_SAMPLES:-1024}  # unprompted samples to train on
+# PROMPTED=1 adds as many samples from 8-token pydoc prompts (4 per prompt; each prompt is its own batch
+# of 4, so on one CPU core they take about 1.5x as long as the unprompted ones, 2.5x for gemma3-270m)
+PROMPTED=${PROMPTED:-0}
+N=${MAX_SEQUENCES:-$([ "$PROMPTED" = 1 ] && echo 1536 || echo 896)}  # every extract has this many sequences
+GEN_BATCH=${GEN_BATCH:-32}
 dry() { [ "${DRY_RUN:-0}" = 1 ]; }
 DRY=$(dry && echo --dry-run || true)
 latest() { if dry; then echo latest; else dihal runs latest "$1"; fi; }
@@ -25,12 +29,19 @@ OTHER=${EVALUATOR:-$(python3 -c "print({'smollm2-135m': 'gemma3-270m', 'gemma3-2
 mkdir -p "$DIHAL_ROOT"; cat README.md docs/*.md > "$DIHAL_ROOT/repo-prose.txt"
 
 echo "== 1. the backbone's own text: to train on (seed 100), and held out (seed 200)"
-GEN="generate --baseline original-only --model $MODEL --max-new-tokens $((SEQ_LEN - 1)) --batch-size 16 $DEV"
+GEN="generate --baseline original-only --model $MODEL --max-new-tokens $((SEQ_LEN - 1)) --batch-size $GEN_BATCH $DEV"
 dihal $GEN --num-samples "$OWN" --seed 100 $DRY
 TRAIN_FREE=$(latest generate)
-dihal $GEN --prompts-from pydoc --prompt-tokens 8 --num-prompts $((OWN / 4)) --num-samples 4 \
-  --max-new-tokens $((SEQ_LEN - 9)) --seed 100 $DRY
-TRAIN_PROMPTED=$(latest generate); dry && TRAIN_PROMPTED=prompted
+OWN_DATA=("--dataset" "generate:$TRAIN_FREE")
+MIX_DATA=("--dataset" "pydoc" "--dataset" "generate:$TRAIN_FREE" "--mix" "0.5,0.5")
+if [ "$PROMPTED" = 1 ]; then
+  dihal $GEN --prompts-from pydoc --prompt-tokens 8 --num-prompts $((OWN / 4)) --num-samples 4 \
+    --max-new-tokens $((SEQ_LEN - 9)) --seed 100 $DRY
+  TRAIN_PROMPTED=$(latest generate); dry && TRAIN_PROMPTED=prompted
+  OWN_DATA+=("--dataset" "generate:$TRAIN_PROMPTED" "--mix" "0.5,0.5")
+  MIX_DATA=("--dataset" "pydoc" "--dataset" "generate:$TRAIN_FREE" "--dataset" "generate:$TRAIN_PROMPTED"
+    "--mix" "0.5,0.25,0.25")
+fi
 dihal $GEN --num-samples 64 --seed 200 $DRY
 HELD=$(latest generate)
 
@@ -38,10 +49,9 @@ echo "== 2. three extracts of layers 0 and $LAYER: pydoc, own text, and the mix"
 EX="extract --model $MODEL --layers 0,$LAYER --seq-len $SEQ_LEN --max-sequences $N $DEV"
 dihal $EX --dataset pydoc $DRY
 PYDOC=$(latest extract)
-dihal $EX --dataset "generate:$TRAIN_FREE" --dataset "generate:$TRAIN_PROMPTED" --mix 0.5,0.5 $DRY
+dihal $EX "${OWN_DATA[@]}" $DRY
 OWNX=$(latest extract)
-dihal $EX --dataset pydoc --dataset "generate:$TRAIN_FREE" --dataset "generate:$TRAIN_PROMPTED" \
-  --mix 0.5,0.25,0.25 $DRY
+dihal $EX "${MIX_DATA[@]}" $DRY
 MIX=$(latest extract)
 
 for SEED in $SEEDS; do  # seeds outermost: a run cut short still has every kind of data at its first seeds
@@ -53,7 +63,7 @@ for SEED in $SEEDS; do  # seeds outermost: a run cut short still has every kind 
     dihal evaluate --bridge "$B" --extract "$PYDOC" --sample-steps 8 --limit 64 $DEV $DRY  # pydoc held out by all
     dihal evaluate --bridge "$B" --dataset "$DIHAL_ROOT/repo-prose.txt" --sample-steps 8 --limit 64 $DEV $DRY
     dihal evaluate --bridge "$B" --samples "$HELD" --sample-steps 8 --limit 64 $DEV $DRY
-    dihal generate --bridge "$B" --num-samples ${NUM_SAMPLES:-64} --max-new-tokens ${MAX_NEW:-48} --sample-steps 8 --baseline original \
+    dihal generate --bridge "$B" --num-samples ${NUM_SAMPLES:-64} --max-new-tokens ${MAX_NEW:-48} --sample-steps 8 --baseline original --batch-size $GEN_BATCH \
       --seed "$SEED" $DEV $DRY
     G=$(latest generate)
     dihal evaluate --samples "$G" $DEV $DRY
