@@ -1,7 +1,9 @@
 """Issue 19's table from a `scripts/own_text.sh` run: per training data (pydoc, own, mix), mean +- std
 over seeds of the bridge's perplexity ratio and KL on held-out pydoc, this repository's prose and
 the backbone's own held-out samples, and the AR hybrid's and the original's Gen.PPL under both
-evaluators, with diversity and token entropy. Written as own_text.csv and own_text.md in the root.
+evaluators, with diversity and token entropy. Written as own_text.csv and own_text.md in the root;
+the KL on the held-out own samples by position (does it fall with context?) as
+own_text_kl_by_position.csv and .png.
 
     python3 scripts/own_text.py runs/own-text-smollm2-135m
 """
@@ -28,7 +30,10 @@ def text_of(source: str) -> str:
     return "prose" if source.startswith("dataset ") else "own"
 
 
-def rows(store: ArtifactStore) -> list[dict]:
+POSITION_BINS = [(1, 4), (5, 8), (9, 16), (17, 32), (33, 63)]
+
+
+def rows(store: ArtifactStore, by_position: list[dict]) -> list[dict]:
     evaluations = [a for a in store.all("evaluate") if a.complete]
     generations = [a for a in store.all("generate") if a.complete and "bridge" in a.manifest["parents"]]
     out = []
@@ -44,6 +49,16 @@ def rows(store: ArtifactStore) -> list[dict]:
             if text == "own" and m.get("held_out") is False:
                 text = "own (trained on)"
             row |= {f"ppl_ratio {text}": fid["ppl_ratio"], f"kl {text}": fid["kl"]}
+            if text == "own":
+                kl = pd.read_csv(ev.file("fidelity_by_position.csv"))
+                kl = kl[kl["steps"] == kl["steps"].max()]
+                for lo, hi in POSITION_BINS:
+                    part = kl[(kl["position"] >= lo) & (kl["position"] <= hi)]
+                    if len(part):
+                        weights = part["n"] / part["n"].sum()
+                        by_position.append(
+                            {**row, "positions": f"{lo}-{hi}", "kl": float((part["kl"] * weights).sum())}
+                        )
         for gen in (g for g in generations if g.manifest["parents"]["bridge"] == bridge.id):
             for ev in (
                 e
@@ -63,8 +78,28 @@ def rows(store: ArtifactStore) -> list[dict]:
     return out
 
 
+def plot_positions(frame: pd.DataFrame, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5, 3.2))
+    order = [f"{lo}-{hi}" for lo, hi in POSITION_BINS]
+    for data, part in frame.groupby("data"):
+        stats = part.groupby("positions")["kl"].agg(["mean", "std"]).reindex(order)
+        ax.errorbar(range(len(order)), stats["mean"], yerr=stats["std"].fillna(0), label=data, capsize=3, marker="o")
+    ax.set_xticks(range(len(order)), order)
+    ax.set(xlabel="position (tokens after the start token)", ylabel="KL(original || hybrid)")
+    ax.set_title("held-out own samples", fontsize=10)
+    ax.legend(title="trained on")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
 def main(root: str) -> None:
-    table = pd.DataFrame(rows(ArtifactStore(root)))
+    by_position: list[dict] = []
+    table = pd.DataFrame(rows(ArtifactStore(root), by_position))
     if table.empty:
         sys.exit(f"error: no bridges under {root}; run scripts/own_text.sh first")
     for model in ("hybrid", "original"):
@@ -76,8 +111,9 @@ def main(root: str) -> None:
         table[f"gen_ppl ratio ({judge})"] = table[f"gen_ppl hybrid ({judge})"] / table[f"gen_ppl original ({judge})"]
     table.to_csv(Path(root) / "own_text.csv", index=False)
     numbers = table.drop(columns="seed").groupby("data")
-    mean, std, n = numbers.mean(), numbers.std(ddof=1), numbers.size()
-    cells = mean.map(lambda v: f"{v:.3g}").astype(str) + " ± " + std.map(lambda v: f"{v:.2g}").astype(str)
+    order = [d for d in ("pydoc", "own", "mix") if d in numbers.groups]
+    mean, std, n = numbers.mean().loc[order], numbers.std(ddof=1).loc[order], numbers.size().loc[order]
+    cells = mean.map(lambda v: f"{v:.3g}").astype(str) + std.map(lambda v: "" if pd.isna(v) else f" ± {v:.2g}")
     cells.insert(0, "seeds", n.astype(str))
     cells = cells.T
     lines = ["| measure | " + " | ".join(cells.columns) + " |", "|---" * (len(cells.columns) + 1) + "|"]
@@ -85,6 +121,13 @@ def main(root: str) -> None:
     text = "\n".join(lines)
     (Path(root) / "own_text.md").write_text(text + "\n")
     print(text)
+    if by_position:
+        frame = pd.DataFrame(by_position)[["data", "seed", "positions", "kl"]]
+        frame.to_csv(Path(root) / "own_text_kl_by_position.csv", index=False)
+        plot_positions(frame, Path(root) / "own_text_kl_by_position.png")
+        wide = frame.groupby(["data", "positions"])["kl"].mean().unstack()
+        print("\nKL on held-out own samples by position (mean over seeds)")
+        print(wide[[f"{lo}-{hi}" for lo, hi in POSITION_BINS if f"{lo}-{hi}" in wide]].round(3).to_string())
 
 
 if __name__ == "__main__":
