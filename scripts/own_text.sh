@@ -17,7 +17,7 @@ PROTOCOL=${PROTOCOL:-cpu-small}
 SEEDS=${SEEDS:-0 1 2}
 OWN=${OWN_SAMPLES:-1024}  # unprompted samples to train on
 # PROMPTED=1 adds as many samples from 8-token pydoc prompts (4 per prompt; each prompt is its own batch
-# of 4, so on one CPU core they take about 1.5x as long as the unprompted ones, 2.5x for gemma3-270m)
+# of 4 rather than GEN_BATCH, so they are slower per sample; not timed)
 PROMPTED=${PROMPTED:-0}
 N=${MAX_SEQUENCES:-$([ "$PROMPTED" = 1 ] && echo 1536 || echo 896)}  # every extract has this many sequences
 GEN_BATCH=${GEN_BATCH:-32}
