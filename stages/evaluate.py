@@ -155,39 +155,71 @@ def second_evaluator(evaluator: str | None, backbone: str) -> str:
     raise DihalError(f"name a second evaluator for {backbone} with --evaluator (a model other than the backbone)")
 
 
+EVAL_BATCH = 16  # texts per evaluator forward, right-padded (a causal model's real positions never see the padding)
+HEAD_ROWS = 1024  # scored positions per pass through the LM head: 1 GiB of float32 logits at a 262k vocabulary
+
+
+def _forward_padded(loaded: LoadedModel, rows: list[list[int]]) -> torch.Tensor:
+    """(B, T, D) last-layer states of token-id rows of any lengths, right-padded and masked."""
+    width = max(len(r) for r in rows)
+    ids = torch.zeros((len(rows), width), dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, : len(r)], mask[i, : len(r)] = torch.tensor(r), 1
+    ids, mask = ids.to(loaded.device), mask.to(loaded.device)
+    return loaded.model.model(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state
+
+
+def _batches(rows: list[list[int]], batch_size: int):
+    """Indices of rows in batches of similar length (less padding), each batch in order."""
+    order = sorted(range(len(rows)), key=lambda i: len(rows[i]))
+    for b in range(0, len(order), batch_size):
+        yield order[b : b + batch_size]
+
+
+def _token_nll(model, hidden: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """-log p(target) of each row of last-layer states under the model's LM head."""
+    return -torch.log_softmax(lm_logits(model, hidden), -1).gather(-1, target[:, None])[:, 0]
+
+
 @torch.no_grad()
-def sample_nlls(loaded: LoadedModel, prompts: list[str], texts: list[str]) -> list[tuple[float, int]]:
+def sample_nlls(
+    loaded: LoadedModel, prompts: list[str], texts: list[str], batch_size: int = EVAL_BATCH
+) -> list[tuple[float, int]]:
     """(summed NLL, token count) of each text's tokens under the evaluator, given BOS + prompt."""
     from dihal.stages.generate import prompt_ids
 
-    tok, model, device = loaded.tokenizer, loaded.model, loaded.device
-    out = []
-    for prompt, text in zip(prompts, texts):
-        head = prompt_ids(tok, prompt)
-        full = prompt_ids(tok, prompt + text)
-        n_new = len(full) - len(head)
-        if n_new <= 0:
-            out.append((0.0, 0))
-            continue
-        ids = torch.tensor([full], device=device)
-        hidden = model.model(input_ids=ids, use_cache=False).last_hidden_state[0, -n_new - 1 : -1]
-        logp = torch.log_softmax(lm_logits(model, hidden), -1)  # only the n_new scored positions: O(n_new x V)
-        nll = -logp.gather(-1, ids[0, -n_new:, None])[:, 0]
-        out.append((float(nll.sum()), n_new))
+    tok, model = loaded.tokenizer, loaded.model
+    fulls = [prompt_ids(tok, prompt + text) for prompt, text in zip(prompts, texts)]
+    n_new = [len(full) - len(prompt_ids(tok, prompt)) for prompt, full in zip(prompts, fulls)]
+    out = [(0.0, 0)] * len(texts)
+    scored = [i for i in range(len(texts)) if n_new[i] > 0]
+    for batch in _batches([fulls[i] for i in scored], batch_size):
+        chosen = [scored[k] for k in batch]
+        hidden = _forward_padded(loaded, [fulls[i] for i in chosen])
+        # the scored positions of the whole batch through the head at once, HEAD_ROWS at a time (O(rows x V))
+        rows = torch.cat([hidden[r, len(fulls[i]) - n_new[i] - 1 : len(fulls[i]) - 1] for r, i in enumerate(chosen)])
+        target = torch.tensor([t for i in chosen for t in fulls[i][len(fulls[i]) - n_new[i] :]], device=rows.device)
+        nll = torch.cat([_token_nll(model, rows[a : a + HEAD_ROWS], target[a : a + HEAD_ROWS])
+                         for a in range(0, len(rows), HEAD_ROWS)]).double().cpu()  # fmt: skip
+        for i, part in zip(chosen, nll.split([n_new[i] for i in chosen])):
+            out[i] = (float(part.sum()), n_new[i])
     return out
 
 
 @torch.no_grad()
-def last_token_features(loaded: LoadedModel, texts: list[str]) -> np.ndarray:
+def last_token_features(loaded: LoadedModel, texts: list[str], batch_size: int = EVAL_BATCH) -> np.ndarray:
     """(N, D) the evaluator's last-layer state at each text's last token, after the start token: the
     features MAUVE compares (as MAUVE's reference code does with GPT-2's)."""
     from dihal.stages.generate import prompt_ids
 
-    rows = []
-    for text in texts:
-        ids = torch.tensor([prompt_ids(loaded.tokenizer, text)], device=loaded.device)
-        rows.append(loaded.model.model(input_ids=ids, use_cache=False).last_hidden_state[0, -1].float().cpu())
-    return torch.stack(rows).numpy().astype(np.float64)
+    rows = [prompt_ids(loaded.tokenizer, text) for text in texts]
+    out = [None] * len(rows)
+    for batch in _batches(rows, batch_size):
+        hidden = _forward_padded(loaded, [rows[i] for i in batch])
+        for k, i in enumerate(batch):
+            out[i] = hidden[k, len(rows[i]) - 1].float().cpu()
+    return torch.stack(out).numpy().astype(np.float64) if out else np.zeros((0, 0))
 
 
 def gen_ppl(nlls: list[tuple[float, int]]) -> dict[str, float]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -180,6 +181,27 @@ def test_gen_ppl_equals_independent_computation(tiny_dirs):
         per_sample.append(math.exp(nll / (len(full) - len(head))))
     assert ppl["gen_ppl_token"] == pytest.approx(math.exp(total_nll / total_n), rel=1e-4)
     assert ppl["gen_ppl_mean"] == pytest.approx(sum(per_sample) / 2, rel=1e-4)
+
+
+@pytest.mark.parametrize("kind", ["llama", "gemma3", "qwen3"])
+def test_batched_scoring_equals_one_text_at_a_time(tiny_dirs, kind, monkeypatch):
+    """Right padding never reaches a text's own positions: NLLs and MAUVE features of a padded batch
+    of very different lengths equal those of one forward per text (qwen3: a tokenizer without BOS)."""
+    from dihal.stages.evaluate import last_token_features, sample_nlls
+    from dihal.stages.lm.models import load_model
+
+    loaded = load_model(str(tiny_dirs[kind]), "cpu", "float32")
+    prompts = ["", "The", "", "Return", ""]
+    texts = [" x", " module provides functions for working with paths and files.", "a b", " the value.", ""]
+    single = sample_nlls(loaded, prompts, texts, batch_size=1)
+    monkeypatch.setattr("dihal.stages.evaluate.HEAD_ROWS", 5)  # a batch's positions cross the head in pieces
+    batched = sample_nlls(loaded, prompts, texts, batch_size=4)
+    assert [n for _, n in batched] == [n for _, n in single] and batched[-1] == (0.0, 0)
+    assert all(n > 0 for _, n in batched[:-1])
+    np.testing.assert_allclose([s for s, _ in batched], [s for s, _ in single], rtol=1e-5, atol=1e-5)
+    features = last_token_features(loaded, texts[:4], batch_size=3)
+    assert features.shape == (4, loaded.model.config.hidden_size)
+    np.testing.assert_allclose(features, last_token_features(loaded, texts[:4], batch_size=1), rtol=1e-5, atol=1e-5)
 
 
 def test_diversity_and_distinct_on_hand_made_texts():

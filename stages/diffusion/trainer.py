@@ -166,6 +166,12 @@ class Loader:
 
 
 # -- the schedule of the optimizer -----------------------------------------------------------------------------
+FIT_RULES = {
+    "warmup": "is more than a tenth of a run",
+    "checkpoint_every": "leaves fewer than five checkpoints in a run",
+}
+
+
 def fitted(cfg: LoopConfig, total: int) -> dict[str, int]:
     """Warm-up (at most a tenth of the run) and checkpoint interval (at least five a run)."""
     return {"warmup": min(cfg.warmup, total // 10), "checkpoint_every": min(cfg.checkpoint_every, max(1, total // 5))}
@@ -219,9 +225,9 @@ def train(task: Task, net: nn.Module, cfg: LoopConfig, directory: Path, progress
     if rank == 0:
         for key, value in fit.items():
             if value != getattr(cfg, key):
+                rule = FIT_RULES[key]
                 progress.log(
-                    f"{name}: {key.replace('_', ' ')} {getattr(cfg, key)} does not fit a run of {total} "
-                    f"steps; using {value}"
+                    f"{name}: {key.replace('_', ' ')} {getattr(cfg, key)} {rule} of {total} steps; using {value}"
                 )
     net = net.to(device)
     optimizer = torch.optim.AdamW(net.parameters(), lr=cfg.lr, betas=(0.9, 0.99), weight_decay=cfg.weight_decay)
