@@ -27,10 +27,11 @@ def rows(root: str) -> list[str]:
         if "verdicts" not in result or 1 not in result["budgets"]:
             continue
         noise = f"{cfg.get('condition_from', 'sigma')}:{cfg['condition_noise']:g}"
+        seeds = ",".join(str(s) for s in cfg["seeds"])
         for r in result["summary"]:
             if r["budget"] == 1 and (r["row"] == "CoDAR" or r["row"] == result["ours"]):
                 value = cell(r)
-                out.append(f"| {noise} | {r['row']} | {value} | {r['entropy_at_top_t']:.3f} | "
+                out.append(f"| {noise} | {seeds} | {r['row']} | {value} | {r['entropy_at_top_t']:.3f} | "
                            f"{r['diversity_at_top_t']:.3f} | {r['status']} | {art.id} |")  # fmt: skip
     return sorted(set(out))
 
@@ -38,8 +39,8 @@ def rows(root: str) -> list[str]:
 def main() -> None:
     if len(sys.argv) < 2:
         sys.exit("usage: python scripts/ablation.py ROOT [out.md]")
-    head = ["| condition | row | Gen.PPL at held-out entropy [95%] | entropy, top t | diversity | status | compare |",
-            "|---|---|---|---|---|---|---|"]  # fmt: skip
+    head = ["| condition | seeds | row | Gen.PPL at held-out H [95%] | H, top t | diversity | status | compare |",
+            "|---|---|---|---|---|---|---|---|"]  # fmt: skip
     text = "\n".join(head + rows(sys.argv[1])) + "\n"
     print(text)
     if len(sys.argv) > 2:

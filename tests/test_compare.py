@@ -611,6 +611,8 @@ def test_reproduce_compare_dry_run_passes_with_the_revision_2_grid(quick, tmp_pa
     else:  # both budgets, the ablation's sigma:0.5 and prior:1.0 on CoDAR and DiHAL only
         assert "seeds=(0, 1)" in out and "budgets=(5,)" in out and "condition_from='sigma'" in out, out
         assert "condition_noise=1.0" in out and "rows=('codar', 'dihal')" in out, out
+        at_5x = "rows=('diffusion-lm', 'sed', 'codar', 'ld4lg', 'dihal'), controls=('sed', 'codar', 'ld4lg', 'dihal')"
+        assert at_5x in out and "seeds=(0,), num_samples=64" in out, out
 
 
 def test_mauve_scores_each_rows_top_temperature_against_held_out_features(monkeypatch):
