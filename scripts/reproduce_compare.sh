@@ -5,13 +5,14 @@
 # (the same for every part), the temperature grid 0, 0.7, 1.0 for every curve row and reference, oracle
 # and null controls for SED (rounding), CoDAR, LD4LG-style, DiHAL and DiHAL-direct, 32-token sequences,
 # primary evaluator gemma3-270m.
-#   default   1x the protocol's steps on seeds 0,1 with every row; 5x on seed 0 with the claim-3 rows
-#             (Diffusion-LM, SED, CoDAR, LD4LG-style, DiHAL at l*, the references); N = 64 samples per row,
+#   default   1x the protocol's steps with every row and 5x with the claim-3 rows (Diffusion-LM, SED, CoDAR,
+#             LD4LG-style, DiHAL at l*, the references), both on seed 0; N = 48 samples per row,
 #             temperature and seed; then the condition-noise ablation at 1x on seed 0 (sigma:0.5,
 #             prior:0.5, prior:1.0 for CoDAR and DiHAL; scripts/ablation.py prints it). Traded for the
-#             3-hour budget on 2 cores: batch 16 instead of 32 for every part; one seed at 5x, and there
-#             no argmin-S or DiHAL-direct row (diagnostics, not baselines); one seed for the ablation;
-#             N = 64 (the intervals show the cost).
+#             3-hour budget on 2 cores (measured stage times: a 5x seed costs about 90 min, a 1x seed 40):
+#             batch 16 instead of 32 for every part; one seed (SEEDS_1X=0,1 NUM_SAMPLES=64 gives the
+#             README's 1x table, about 50 min more); no argmin-S or DiHAL-direct row at 5x (diagnostics,
+#             not baselines); N = 48 (the intervals show the cost).
 #   QUICK=1   the same rows on seed 0, N = 16, one 30-step budget, 400 sequences, no ablation (a check
 #             of the whole pipeline, not a result)
 # Results: $DIHAL_ROOT/compare/<id>/{summary,compare,controls,parts}.csv, compare.json, compare_x*.png;
@@ -31,8 +32,8 @@ if [ "${QUICK:-0}" = 1 ]; then
     --condition-noise prior:0.5 --controls sed,codar,ld4lg,dihal,dihal-direct
 else
   export DIHAL_ROOT=${DIHAL_ROOT:-runs/compare-smollm2}
-  N=${NUM_SAMPLES:-64}
-  compare --seeds 0,1 --num-samples "$N" --budgets 1 --train-batch 16 --condition-noise prior:0.5 \
+  N=${NUM_SAMPLES:-48}
+  compare --seeds "${SEEDS_1X:-0}" --num-samples "$N" --budgets 1 --train-batch 16 --condition-noise prior:0.5 \
     --controls sed,codar,ld4lg,dihal,dihal-direct
   compare --seeds 0 --num-samples "$N" --budgets 5 --train-batch 16 --condition-noise prior:0.5 \
     --rows diffusion-lm,sed,codar,ld4lg,dihal --controls sed,codar,ld4lg,dihal

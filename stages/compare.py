@@ -51,7 +51,7 @@ from dihal.stages.runtime.progress import NullProgress, Progress
 from dihal.stages.text.text_metrics import text_metrics, token_entropy
 
 STAGE = "compare"
-REVISION = 3  # 2: its AR rows' unprompted generation was fixed; 3: section 5 revision 2
+REVISION = 4  # 2: its AR rows' unprompted generation was fixed; 3: section 5 revision 2; 4: diversity per seed
 EVALUATORS = ("evaluator", "backbone")  # the primary one first: the backbone scores its own choices
 DEGENERATE = 0.9  # a row whose entropy is below 0.9 x the held-out text's at every temperature
 
@@ -303,6 +303,13 @@ def metrics_of(group: pd.DataFrame) -> dict:
     return out
 
 
+def diversity(group: pd.DataFrame) -> float:
+    """Diversity (section 3) of each seed's N samples, averaged over seeds: pooling seeds would count
+    more text (distinct-n falls with it), and the held-out text, the same for every seed, would
+    count each n-gram once per seed."""
+    return float(np.mean([text_metrics(g["text"].tolist())["diversity"] for _, g in group.groupby("seed")]))
+
+
 def curve_at(points: list[tuple[float, float]], h: float) -> float:
     """points (entropy, value), value interpolated linearly in entropy at h; NaN outside their span."""
     points = sorted(p for p in points if np.isfinite(p[0]) and np.isfinite(p[1]))
@@ -355,8 +362,8 @@ def status(samples: pd.DataFrame, kind: str, h_ref: float, value: float) -> str:
 def verdict(samples: pd.DataFrame, ours: str, baseline: str, ev: str, h_ref: float) -> dict:
     """DiHAL's Gen.PPL and diversity interpolated at each of the baseline's entropies, against its own."""
     mine, theirs = samples[samples.row == ours], samples[samples.row == baseline]
-    my_curve = [(m["token_entropy"], np.log(m[f"gen_ppl_token_{ev}"]), m["diversity"])
-                for m in (metrics_of(g) for _, g in mine.groupby("temperature"))]  # fmt: skip
+    my_curve = [(m["token_entropy"], np.log(m[f"gen_ppl_token_{ev}"]), diversity(g))
+                for g, m in ((g, metrics_of(g)) for _, g in mine.groupby("temperature"))]  # fmt: skip
     points = []
     for t, g in theirs.groupby("temperature", dropna=False):
         m = metrics_of(g)
@@ -364,7 +371,7 @@ def verdict(samples: pd.DataFrame, ours: str, baseline: str, ev: str, h_ref: flo
         div = curve_at([(e, d) for e, _, d in my_curve], m["token_entropy"])
         points.append({"temperature": None if pd.isna(t) else float(t), "entropy": m["token_entropy"],
                        "baseline_gen_ppl": m[f"gen_ppl_token_{ev}"], "dihal_gen_ppl": float(np.exp(at)),
-                       "baseline_diversity": m["diversity"], "dihal_diversity": div})  # fmt: skip
+                       "baseline_diversity": diversity(g), "dihal_diversity": div})  # fmt: skip
     reached = [p for p in points if np.isfinite(p["dihal_gen_ppl"])]
     wins = [p["dihal_gen_ppl"] < p["baseline_gen_ppl"] for p in reached]
     if status(theirs, "curve", h_ref, 0.0) == "degenerate":
@@ -403,7 +410,7 @@ def summarize(samples: pd.DataFrame, h_ref: float, seed: int) -> tuple[pd.DataFr
         heads.append({"budget": budget, "row": row, "kind": kind, **head,
                       "status": status(g, kind, h_ref, head["headline_evaluator"]),
                       "entropy_at_top_t": float(t1["token_entropy"].mean()),
-                      "diversity_at_top_t": text_metrics(t1["text"].tolist())["diversity"],
+                      "diversity_at_top_t": diversity(t1),
                       "seeds": int(g["seed"].nunique())})  # fmt: skip
     return pd.DataFrame(lines), pd.DataFrame(heads)
 
