@@ -21,10 +21,12 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 DRY=$([ "${DRY_RUN:-0}" = 1 ] && echo --dry-run || true)
 start=$(date +%s)
-compare() {
+compare() {  # each invocation's wall time goes to $DIHAL_ROOT/timings.tsv (a run timed in pieces adds up)
+  local t0=$(date +%s)
   dihal compare --model smollm2-135m --dataset pydoc --protocol "${PROTOCOL:-compare-cpu}" \
     --seq-len "${SEQ_LEN:-32}" --prior-steps 50 --sample-steps 8 --temperatures 0,0.7,1.0 --top-p 1.0 \
     --evaluator gemma3-270m --device "${DEVICE:-cpu}" --dtype "${DTYPE:-float32}" $DRY "$@"
+  [ -n "$DRY" ] || printf '%s\t%s\t%s\n' "$(date -u +%FT%TZ)" "$(( $(date +%s) - t0 ))" "$*" >>"$DIHAL_ROOT/timings.tsv"
 }
 if [ "${QUICK:-0}" = 1 ]; then
   export DIHAL_ROOT=${DIHAL_ROOT:-runs/compare-smollm2-quick}
