@@ -279,17 +279,29 @@ def test_rows_that_share_a_prior_and_seed_share_its_samples(parts, root):
         "--device",
         "cpu",
     ]
+    from dihal.stages import generate as gen_stage
+
     runs = {"rounding": [], "decoder": ["--decoder", parts["decoder"].id], "hidden": ["--bridge", parts["bridge"].id]}
-    digests = {}
+    digests, reused = {}, []
     store = ArtifactStore(root)
+    gen_stage._PRIOR_SAMPLES.clear()
     for recovery, extra in runs.items():
         res = invoke(*common, "--recovery", recovery, *extra)
         assert res.exit_code == 0, res.output
         art = store.resolve("latest", "generate")
         digests[recovery] = art.manifest["metrics"]["prior_samples_sha256"]
+        reused.append(art.manifest["metrics"]["prior_samples_reused"])
         rows = [json.loads(line) for line in art.file("samples.jsonl").read_text().splitlines()]
         assert len(rows) == 5 and all(len(r["token_ids"]) <= 11 and r["prompt"] == "" for r in rows)
     assert len(set(digests.values())) == 1
+    assert reused == [False, True, True]  # the prior was integrated once, for the first row
+    kept = art.file("samples.jsonl").read_text()
+    gen_stage._PRIOR_SAMPLES.clear()  # integrated afresh, the hidden row's samples and tokens are the same
+    assert invoke(*common, "--recovery", "hidden", *runs["hidden"], "--force").exit_code == 0
+    again = store.resolve("latest", "generate")
+    assert not again.manifest["metrics"]["prior_samples_reused"]
+    assert again.manifest["metrics"]["prior_samples_sha256"] == digests["hidden"]
+    assert again.file("samples.jsonl").read_text() == kept
     other = invoke(*common, "--recovery", "rounding", "--seed", "1")
     assert (
         other.exit_code == 0
