@@ -15,6 +15,9 @@ from rich.table import Table
 
 from dihal.artifacts.errors import DihalError
 from dihal.artifacts.store import ArtifactStore
+from dihal.stages.registry import ROWS
+
+CLAIM_3_ROWS = {row.key for row in ROWS if row.baseline or row.ours}  # a comparison without one judges nothing
 
 
 def latest(store: ArtifactStore, stage: str, kind: str | None = None, parent: tuple[str, str] | None = None):
@@ -158,11 +161,13 @@ def claim_layer(store: ArtifactStore) -> tuple[str, str]:
 def claim_compare(store: ArtifactStore) -> tuple[str, str]:
     """Claim 3 per budget, as `dihal compare` judged it (docs/method.md section 5): DiHAL's Gen.PPL under
     the primary evaluator, interpolated at each baseline's entropy, against the baseline's. Every
-    complete comparison of all rows counts (a script may run its budgets as separate comparisons;
-    the newest one per budget is taken); comparisons of a subset of rows (an ablation) do not."""
+    complete comparison that has DiHAL (l*) and every baseline counts (a script may run its budgets as
+    separate comparisons, the larger one without the diagnostic rows; the newest one per budget is
+    taken); comparisons that leave a baseline out (an ablation) do not."""
     newest = {}
     for art in sorted(store.all("compare"), key=lambda a: a.manifest.get("finished", "")):
-        if art.status != "complete" or art.config.get("rows") or not art.file("compare.json").exists():
+        rows = set(art.config.get("rows") or CLAIM_3_ROWS)
+        if art.status != "complete" or not CLAIM_3_ROWS <= rows or not art.file("compare.json").exists():
             continue
         result = json.loads(art.file("compare.json").read_text())
         for v in result.get("verdicts", []):

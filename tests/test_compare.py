@@ -699,3 +699,33 @@ def test_diversity_is_per_seed_so_the_same_held_out_text_twice_keeps_its_diversi
     other = samples.assign(row="B", source="trained prior", text=samples.text.str.upper() + " x")
     v = stage.verdict(pd.concat([other.assign(row="A", temperature=1.0), other]), "A", "B", "evaluator", 1.9)
     assert v["points"][0]["baseline_diversity"] == pytest.approx(tm.diversity(other.text[:3].tolist()))
+
+
+def test_claims_table_reads_each_budget_from_comparisons_with_every_baseline(tmp_path):
+    """reproduce_compare.sh runs 5x as its own comparison of the claim-3 rows only (no diagnostic rows):
+    the claims table takes its verdict beside the 1x comparison of all rows, while an ablation's
+    comparison of two rows judges nothing."""
+    import importlib.util
+
+    from tests.conftest import ROOT
+
+    spec = importlib.util.spec_from_file_location("summarize", ROOT / "scripts" / "summarize.py")
+    summarize = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(summarize)
+    store = ArtifactStore(tmp_path)
+
+    def comparison(rows: tuple, budget: int, claim: str) -> None:
+        ours = {"budget": budget, "row": "DiHAL (l*=1)", "headline_evaluator": 100.0 * budget}
+        verdict = {"budget": budget, "claim_3": claim, "baselines": [{"baseline": "SED", "outcome": claim}]}
+        result = {"verdicts": [verdict], "summary": [ours], "ours": "DiHAL (l*=1)", "seeds": [0]}
+        result["held_out_entropy"] = 3.0
+        with store.writing("compare", {"rows": list(rows), "budgets": [budget]}, {}) as art:
+            art.file("compare.json").write_text(json.dumps(result))
+
+    assert summarize.claim_compare(store) == ("not run", "-")
+    comparison((), 1, "holds partly")
+    comparison(("diffusion-lm", "sed", "codar", "ld4lg", "dihal"), 5, "does not hold")
+    comparison(("codar", "dihal"), 1, "ablation")  # newer, but it leaves baselines out
+    ours, verdict = summarize.claim_compare(store)
+    assert verdict == "1x: holds partly; 5x: does not hold", verdict
+    assert "1x (seeds 0): DiHAL Gen.PPL 100" in ours and "5x (seeds 0): DiHAL Gen.PPL 500" in ours, ours
