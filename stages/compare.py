@@ -293,7 +293,7 @@ def metrics_of(group: pd.DataFrame) -> dict:
         **{f"gen_ppl_median_{ev}": float(np.median(np.exp(g[f"nll_{ev}"] / g[f"n_{ev}"]))) if len(g) else np.nan
            for ev, g in scored.items()},
         "token_entropy": float(group["token_entropy"].mean()),
-        **text_metrics(group["text"].tolist()),
+        **text_means(group),
         "n_samples": len(group),
         "mean_tokens": float(group["n_tokens"].mean()),
     }  # fmt: skip
@@ -303,11 +303,16 @@ def metrics_of(group: pd.DataFrame) -> dict:
     return out
 
 
+def text_means(group: pd.DataFrame) -> dict:
+    """Section 3's text metrics (diversity, distinct-n) of each seed's N samples, averaged over seeds:
+    pooling seeds would count more text (distinct-n falls with it), and the held-out text, the same
+    for every seed, would count each n-gram once per seed."""
+    per_seed = [text_metrics(g["text"].tolist()) for _, g in group.groupby("seed")]
+    return {k: float(np.mean([m[k] for m in per_seed])) for k in per_seed[0]}
+
+
 def diversity(group: pd.DataFrame) -> float:
-    """Diversity (section 3) of each seed's N samples, averaged over seeds: pooling seeds would count
-    more text (distinct-n falls with it), and the held-out text, the same for every seed, would
-    count each n-gram once per seed."""
-    return float(np.mean([text_metrics(g["text"].tolist())["diversity"] for _, g in group.groupby("seed")]))
+    return text_means(group)["diversity"]
 
 
 def curve_at(points: list[tuple[float, float]], h: float) -> float:
@@ -362,8 +367,8 @@ def status(samples: pd.DataFrame, kind: str, h_ref: float, value: float) -> str:
 def verdict(samples: pd.DataFrame, ours: str, baseline: str, ev: str, h_ref: float) -> dict:
     """DiHAL's Gen.PPL and diversity interpolated at each of the baseline's entropies, against its own."""
     mine, theirs = samples[samples.row == ours], samples[samples.row == baseline]
-    my_curve = [(m["token_entropy"], np.log(m[f"gen_ppl_token_{ev}"]), diversity(g))
-                for g, m in ((g, metrics_of(g)) for _, g in mine.groupby("temperature"))]  # fmt: skip
+    my_curve = [(m["token_entropy"], np.log(m[f"gen_ppl_token_{ev}"]), m["diversity"])
+                for m in (metrics_of(g) for _, g in mine.groupby("temperature"))]  # fmt: skip
     points = []
     for t, g in theirs.groupby("temperature", dropna=False):
         m = metrics_of(g)
@@ -371,7 +376,7 @@ def verdict(samples: pd.DataFrame, ours: str, baseline: str, ev: str, h_ref: flo
         div = curve_at([(e, d) for e, _, d in my_curve], m["token_entropy"])
         points.append({"temperature": None if pd.isna(t) else float(t), "entropy": m["token_entropy"],
                        "baseline_gen_ppl": m[f"gen_ppl_token_{ev}"], "dihal_gen_ppl": float(np.exp(at)),
-                       "baseline_diversity": diversity(g), "dihal_diversity": div})  # fmt: skip
+                       "baseline_diversity": m["diversity"], "dihal_diversity": div})  # fmt: skip
     reached = [p for p in points if np.isfinite(p["dihal_gen_ppl"])]
     wins = [p["dihal_gen_ppl"] < p["baseline_gen_ppl"] for p in reached]
     if status(theirs, "curve", h_ref, 0.0) == "degenerate":

@@ -425,8 +425,7 @@ def run_parallel(
         progress.start("generate", cfg.num_samples, "sample")
         clock = time.perf_counter()
         e, integrated, reused = sources(cfg, prior, prior_art, store, table)
-        prior_seconds, clock = time.perf_counter() - clock, time.perf_counter()
-        prior_seconds = integrated if integrated is not None else prior_seconds  # its cost, reused or not
+        prior_seconds, clock = integrated or time.perf_counter() - clock, time.perf_counter()  # reused: its cost
         e_digest = hashlib.sha256(e.detach().cpu().numpy().tobytes()).hexdigest()[:16]
         recovery = resolve(RECOVERIES[cfg.recovery].fn)(loaded, prior, recovery_art, cfg, table)
         tokens = []
