@@ -12,11 +12,19 @@ import importlib
 
 import typer
 
+from dihal.artifacts.errors import DihalError
 from dihal.artifacts.store import ArtifactStore
 from dihal.cli import options as o
 from dihal.cli.locate import extract_config, extract_parent
 from dihal.cli.ui import console, dry, make_progress, report
-from dihal.stages.configs import AutoencoderConfig, BridgeConfig, DecoderTrainConfig, PriorConfig, parse_condition
+from dihal.stages.configs import (
+    AutoencoderConfig,
+    BridgeConfig,
+    DecoderTrainConfig,
+    OwnTextConfig,
+    PriorConfig,
+    parse_condition,
+)
 
 ExtractRef = typer.Option("latest", "--extract", help="Extract artifact holding layer 0 (and --layer).")
 
@@ -54,6 +62,10 @@ def train_bridge(
     model: str = o.Model, dataset: list[str] = o.Dataset, mix: str | None = o.Mix,
     max_sequences: int | None = o.MaxSeq, seq_len: int = o.SeqLen,
     store_dtype: str = o.StoreDtype,
+    own_text: float = o.opt(OwnTextConfig, "own_text", help="Share of the extract's sequences that are the "
+                            "backbone's own unprompted samples (0: the corpus alone; README: 0.5 measured)."),
+    own_samples: int = o.opt(OwnTextConfig, "own_samples", help="--own-text: how many samples the backbone writes."),
+    own_seed: int = o.opt(OwnTextConfig, "own_seed", help="--own-text: their seed."),
     prediction: str = o.opt(BridgeConfig, "prediction", help="x0 or velocity."),
     skip_init: str = o.opt(BridgeConfig, "skip_init", help="ridge or zero."),
     condition_noise: str = typer.Option(o.condition_default(BridgeConfig), "--condition-noise", help=CONDITION_HELP),
@@ -66,12 +78,21 @@ def train_bridge(
     fixed = dict(layer=layer, prediction=prediction, skip_init=skip_init, **condition(condition_noise))
     cfg = BridgeConfig.for_run(protocol, recipe, seed=seed, device=device, dtype=dtype, **fixed)
     ecfg = extract_config(locals(), device, dtype, f"0,{layer}")
+    own = OwnTextConfig(own_text=own_text, own_samples=own_samples, own_seed=own_seed)
+    if own.own_text and extract:
+        raise DihalError("--own-text makes the extract; leave out --extract (or give an extract of generate:<ID>)")
+    from dihal.stages import own_text as own_stage
+
     if dry_run:
-        return dry("train-bridge", cfg, *([] if extract else [ecfg]), plan=None if extract else ecfg)
+        ecfg, made = own_stage.planned(own, ecfg), [own_stage.samples_config(own, ecfg)] if own.own_text else []
+        return dry("train-bridge", cfg, *made, *([] if extract else [ecfg]), plan=None if extract else ecfg)
     from dihal.stages import bridge as stage
 
     store = ArtifactStore(root)
     prior_art = store.resolve(prior, "prior") if prior else None
+    if own.own_text:
+        ecfg, samples = own_stage.run(own, ecfg, store, progress=make_progress())
+        report(samples)
     parent = extract_parent(store, extract, ecfg)
     art = stage.run(cfg, parent, store, prior=prior_art, force=force, progress=make_progress())
     m = art.manifest["metrics"]

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The whole DiHAL chain on one CPU-sized builtin model and the builtin pydoc corpus:
-# extract -> score (with BOOTSTRAP draws and the robust proxies) -> train-bridge at l* -> fidelity on
+# extract -> score (with BOOTSTRAP draws and the robust proxies) -> train-bridge at l* (on pydoc and,
+# at share OWN_TEXT, the backbone's own unprompted samples: README, "Training on the model's own text") -> fidelity on
 # pydoc, on another domain (this repository's own markdown) and on the backbone's own samples
 # -> generate hybrid and original -> evaluate samples -> (sweep with sweep-tiny over SWEEP_SEEDS,
 # then claim 4: l*, the oracle and the worst layer under cpu-small over CONFIRM_SEEDS) -> summary.
@@ -31,9 +32,10 @@ if dry; then LSTAR=3; else
 fi
 echo "l* = $LSTAR"
 
-echo "== 3. train the bridge at l* (cpu-small protocol, all of pydoc)"
+OWN_TEXT=${OWN_TEXT:-0.5}  # the measured recipe; 0 trains on pydoc alone, as the paper does
+echo "== 3. train the bridge at l* (cpu-small protocol; pydoc and, at share $OWN_TEXT, the model's own samples)"
 dihal train-bridge --layer "$LSTAR" --protocol cpu-small --model "$MODEL" --dataset pydoc --seq-len $SEQ_LEN \
-  --store-dtype ${STORE_DTYPE:-auto} $DEV $DRY ${BRIDGE_ARGS:-}
+  --own-text "$OWN_TEXT" --store-dtype ${STORE_DTYPE:-auto} $DEV $DRY ${BRIDGE_ARGS:-}
 BRIDGE=$(latest bridge)
 
 echo "== 4. bridge fidelity (teacher forced): held-out pydoc, then another domain (this repository's prose)"

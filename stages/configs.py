@@ -572,6 +572,26 @@ class GenerateConfig(Config):
         return out
 
 
+@dataclass(frozen=True)
+class OwnTextConfig(Config):
+    """The bridge's training text (README, "Training on the model's own text"): `own_text` of the
+    extract's sequences are the backbone's own unprompted samples, `own_samples` of them drawn at
+    `own_seed` (seq_len - 1 new tokens each, batch_size at a time), the rest the corpus.
+    0: the corpus alone, as in the paper."""
+
+    own_text: float = 0.0
+    own_samples: int = 1024
+    own_seed: int = 100  # evaluation draws its held-out own samples at another seed (scripts/own_text.sh: 200)
+    batch_size: int = 32
+
+    def check(self) -> None:
+        require(
+            0 <= self.own_text <= 1, f"--own-text must be a share in [0, 1] (0: the corpus alone), got {self.own_text}"
+        )
+        at_least(self, 1, "own_samples", "batch_size")
+        at_least(self, 0, "own_seed")
+
+
 # -- claims ----------------------------------------------------------------------------------------------
 def overrides_recipe(protocol: str, overrides: tuple, layer: int = 1) -> None:
     """The protocol with these overrides makes a valid bridge recipe (checked before any work)."""

@@ -142,7 +142,7 @@ def test_a_mix_too_small_for_its_share_names_the_source(tiny_dirs, root):
         "--dataset", "pydoc", "--dataset", f"generate:{gen_id}", "--mix", "0.5,0.5", "--max-sequences", "200",
     )  # fmt: skip
     assert res.exit_code == 2 and f"dataset 'generate:{gen_id}' gives" in res.output
-    assert "lower --max-sequences or its --mix share" in res.output
+    assert "lower --max-sequences or its share (--mix, --own-text)" in res.output
 
 
 def test_fidelity_on_own_samples_says_whether_the_bridge_was_trained_on_them(tiny_dirs, root):
@@ -217,3 +217,68 @@ def test_fidelity_on_another_extracts_validation_split_checks_it_is_unseen(tiny_
     assert found[bridge_extract.id] == (True, None, _store().resolve("latest", "evaluate").id)  # the default
     res = invoke("evaluate", "--bridge", bridge, "--extract", "latest", "--sample-steps", "1")
     assert res.exit_code == 2 and "is not of the bridge's model and --seq-len" in res.output
+
+
+BRIDGE = ["train-bridge", "--layer", "1", "--seq-len", str(SEQ_LEN), "--train-steps", "2", "--width", "16",
+          "--depth", "1", "--heads", "2", "--batch-size", "4", "--eval-every", "2"]  # fmt: skip
+
+
+def test_own_text_trains_the_bridge_on_the_backbones_own_samples_at_its_share(tiny_dirs, root):
+    model = ["--model", str(tiny_dirs["llama"]), "--max-sequences", "40"]
+    own = ["--own-text", "0.5", "--own-samples", "48"]
+    plan = invoke(*BRIDGE, *model, *own, "--dry-run")
+    assert plan.exit_code == 0, plan.output
+    res = invoke(*BRIDGE, *model, *own)
+    assert res.exit_code == 0, res.output
+    store = _store()
+    bridge = store.resolve("latest", "bridge")
+    extract = store.load("extract", bridge.manifest["parents"]["extract"])
+    gen = store.load("generate", extract.manifest["parents"]["generate"])
+    # the samples: the original backbone alone, unprompted, one extract sequence long, at the recipe's seed
+    assert (gen.config["baseline"], gen.config["model"], gen.config["prompts"]) == (
+        "original-only",
+        str(tiny_dirs["llama"]),
+        [],
+    )
+    assert (gen.config["num_samples"], gen.config["max_new_tokens"], gen.config["seed"]) == (48, SEQ_LEN - 1, 100)
+    data = extract.config["data"]
+    assert (data["dataset"], data["also"], data["mix"]) == ("pydoc", [f"generate:{gen.id}"], [0.5, 0.5])
+    assert f"also=('generate:{gen.id}',)" in plan.output  # the dry run named the samples it then made
+    split, source = (
+        np.asarray(hs.open_group(extract.path / "hidden.zarr")["split"][:]),
+        np.load(extract.file("source.npy")),
+    )
+    assert [int(((split == 0) & (source == s)).sum()) for s in (0, 1)] == [18, 18]  # 36 train sequences, halved
+    again = invoke(*BRIDGE, *model, *own)
+    assert again.exit_code == 0 and "started" not in again.output  # samples, extract and bridge all reused
+    assert again.output.count("cache hit") == 2, again.output
+    # all of it the model's own text: the samples are the only source
+    res = invoke(*BRIDGE, "--model", str(tiny_dirs["llama"]), "--own-text", "1", "--own-samples", "48")
+    assert res.exit_code == 0, res.output
+    extract = store.load("extract", store.resolve("latest", "bridge").manifest["parents"]["extract"])
+    assert (extract.config["data"]["dataset"], extract.config["data"].get("also", [])) == (f"generate:{gen.id}", [])
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (("--own-text", "1.5"), "--own-text must be a share in [0, 1]"),
+        (("--own-text", "nan"), "--own-text must be a finite number"),
+        (("--own-text", "0.5", "--own-samples", "0"), "--own-samples must be at least 1"),
+        (("--own-text", "0.5", "--extract", "latest"), "--own-text makes the extract; leave out --extract"),
+    ],
+)
+def test_bad_own_text_is_one_line(args, message, tiny_dirs, root):
+    res = invoke(*BRIDGE, "--model", str(tiny_dirs["llama"]), *args)
+    assert res.exit_code == 2 and res.output.startswith("error:") and message in res.output, res.output
+    assert res.output.count("\n") == 1
+
+
+def test_own_text_scales_a_given_mix_and_leaves_share_zero_alone():
+    from dihal.stages.configs import DataConfig, ExtractConfig, OwnTextConfig
+    from dihal.stages.own_text import with_samples
+
+    ecfg = ExtractConfig(data=DataConfig(dataset="pydoc", also=("a.txt",), mix=(0.25, 0.75)))
+    data = with_samples(ecfg, OwnTextConfig(own_text=0.5), "abc").data
+    assert (data.sources, data.mix) == (("pydoc", "a.txt", "generate:abc"), (0.125, 0.375, 0.5))
+    assert with_samples(ecfg, OwnTextConfig(), "abc") == ecfg

@@ -348,7 +348,7 @@ def pack(
             if short is not None:
                 raise DihalError(
                     f"dataset '{cfg.sources[short]}' gives {have[short]} {SPLIT_NAMES[which]} sequences but the mix "
-                    f"asks {counts[short]} of it; lower --max-sequences or its --mix share"
+                    f"asks {counts[short]} of it; lower --max-sequences or its share (--mix, --own-text)"
                 )
         else:  # as many as the scarcest source allows at its share
             counts = allot(min(math.floor(h / s + 1e-9) for h, s in zip(have, cfg.shares)), cfg.shares)
