@@ -24,6 +24,11 @@ def data_kind(extract) -> str:
     return "own" if all(own) else "mix" if any(own) else "pydoc"
 
 
+def minutes(art) -> float:
+    """Wall minutes from the artifact's start to its completion (a resumed run counts from its last start)."""
+    return (pd.Timestamp(art.manifest["finished"]) - pd.Timestamp(art.manifest["started"])).total_seconds() / 60
+
+
 def text_of(source: str) -> str:
     if source.startswith("extract "):  # scripts/own_text.sh: the pydoc extract's validation split, for all
         return "pydoc"
@@ -41,6 +46,9 @@ def rows(store: ArtifactStore, by_position: list[dict]) -> list[dict]:
         row = {
             "data": data_kind(store.load("extract", bridge.manifest["parents"]["extract"])),
             "seed": bridge.config["seed"],
+            "bridge val_loss": bridge.manifest["metrics"]["val_loss"],
+            "bridge train_loss": bridge.manifest["metrics"]["final_train_loss"],
+            "bridge minutes": minutes(bridge),
         }
         for ev in (e for e in evaluations if e.manifest["parents"].get("bridge") == bridge.id):
             m = ev.manifest["metrics"]
@@ -78,6 +86,28 @@ def rows(store: ArtifactStore, by_position: list[dict]) -> list[dict]:
     return out
 
 
+GOALS = """issue 19's goals, on the means over seeds (pydoc: the bridge trained on pydoc alone):
+  own-sample PPL ratio <= 1.15; held-out pydoc PPL ratio <= 1.05 x pydoc's;
+  hybrid Gen.PPL under the other evaluator <= 1.3 x the original's; diversity within 0.02 of the original's"""
+
+
+def goals(mean: pd.DataFrame) -> list[str]:
+    """One line per training text: each goal met or not, with its number."""
+    nan = float("nan")
+    base = mean["ppl_ratio pydoc"].get("pydoc", nan) if "ppl_ratio pydoc" in mean else nan
+    lines = [GOALS]
+    for data, m in mean.iterrows():
+        checks = [
+            ("own <= 1.15", m.get("ppl_ratio own", nan), lambda v: v <= 1.15),
+            ("pydoc <= 1.05x", m.get("ppl_ratio pydoc", nan) / base, lambda v: v <= 1.05),
+            ("Gen.PPL other <= 1.3x", m.get("gen_ppl ratio (other)", nan), lambda v: v <= 1.3),
+            ("diversity", m.get("diversity hybrid", nan) - m.get("diversity original", nan), lambda v: abs(v) <= 0.02),
+        ]
+        cells = [f"{name}: {v:.3g} {'met' if ok(v) else 'missed'}" for name, v, ok in checks if pd.notna(v)]
+        lines.append(f"  {data}: " + "; ".join(cells))
+    return lines
+
+
 def plot_positions(frame: pd.DataFrame, path: Path) -> None:
     import matplotlib
 
@@ -99,7 +129,8 @@ def plot_positions(frame: pd.DataFrame, path: Path) -> None:
 
 def main(root: str) -> None:
     by_position: list[dict] = []
-    table = pd.DataFrame(rows(ArtifactStore(root), by_position))
+    store = ArtifactStore(root)
+    table = pd.DataFrame(rows(store, by_position))
     if table.empty:
         sys.exit(f"error: no bridges under {root}; run scripts/own_text.sh first")
     for model in ("hybrid", "original"):
@@ -118,6 +149,16 @@ def main(root: str) -> None:
     cells = cells.T
     lines = ["| measure | " + " | ".join(cells.columns) + " |", "|---" * (len(cells.columns) + 1) + "|"]
     lines += [f"| {name} | " + " | ".join(map(str, r)) + " |" for name, r in cells.iterrows()]
+    lines += ["", *goals(mean)]
+    samples = {  # the own samples each extract drew on, and what they cost
+        spec: store.load("generate", spec.removeprefix("generate:"))
+        for e in store.all("extract")
+        if e.complete
+        for spec in [e.config["data"]["dataset"], *e.config["data"].get("also", [])]
+        if spec.startswith("generate:")
+    }
+    lines += [f"own samples {a.id}: {a.config['num_samples']} at seed {a.config['seed']}, {minutes(a):.1f} min"
+              for a in samples.values()]  # fmt: skip
     text = "\n".join(lines)
     (Path(root) / "own_text.md").write_text(text + "\n")
     print(text)

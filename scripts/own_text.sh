@@ -21,51 +21,52 @@ OWN=${OWN_SAMPLES:-1024}  # unprompted samples to train on
 PROMPTED=${PROMPTED:-0}
 N=${MAX_SEQUENCES:-$([ "$PROMPTED" = 1 ] && echo 1536 || echo 896)}  # every extract has this many sequences
 GEN_BATCH=${GEN_BATCH:-32}
+ARMS=${ARMS:-pydoc own mix}  # the training texts to run at each seed
 dry() { [ "${DRY_RUN:-0}" = 1 ]; }
 DRY=$(dry && echo --dry-run || true)
-latest() { if dry; then echo latest; else dihal runs latest "$1"; fi; }
+# run a stage (its output to the log) and print the id of the artifact it made or reused, read from its own
+# report line, so that two copies of this script sharing a root never pick up each other's artifacts
+made() {
+  if dry; then dihal "$@" --dry-run >&2; echo latest; return; fi
+  local id
+  id=$(dihal "$@" | tee -a /dev/stderr | sed -nE 's/^(done|cache hit): [a-z]+ ([0-9a-f]{12}) .*/\2/p' | tail -1)
+  [ -n "$id" ] || { echo "error: no artifact id in the output of dihal $1" >&2; exit 1; }
+  echo "$id"
+}
 OTHER=${EVALUATOR:-$(python3 -c "print({'smollm2-135m': 'gemma3-270m', 'gemma3-270m': 'smollm2-135m'}.get('$MODEL', ''))")}
 [ -n "$OTHER" ] || { echo "error: name a second evaluator with EVALUATOR=..." >&2; exit 2; }
 mkdir -p "$DIHAL_ROOT"; cat README.md docs/*.md > "$DIHAL_ROOT/repo-prose.txt"
 
 echo "== 1. the backbone's own text: to train on (seed 100), and held out (seed 200)"
 GEN="generate --baseline original-only --model $MODEL --max-new-tokens $((SEQ_LEN - 1)) --batch-size $GEN_BATCH $DEV"
-dihal $GEN --num-samples "$OWN" --seed 100 $DRY
-TRAIN_FREE=$(latest generate)
+TRAIN_FREE=$(made $GEN --num-samples "$OWN" --seed 100)
 OWN_DATA=("--dataset" "generate:$TRAIN_FREE")
 MIX_DATA=("--dataset" "pydoc" "--dataset" "generate:$TRAIN_FREE" "--mix" "0.5,0.5")
 if [ "$PROMPTED" = 1 ]; then
-  dihal $GEN --prompts-from pydoc --prompt-tokens 8 --num-prompts $((OWN / 4)) --num-samples 4 \
-    --max-new-tokens $((SEQ_LEN - 9)) --seed 100 $DRY
-  TRAIN_PROMPTED=$(latest generate); dry && TRAIN_PROMPTED=prompted
+  TRAIN_PROMPTED=$(made $GEN --prompts-from pydoc --prompt-tokens 8 --num-prompts $((OWN / 4)) --num-samples 4 \
+    --max-new-tokens $((SEQ_LEN - 9)) --seed 100); dry && TRAIN_PROMPTED=prompted
   OWN_DATA+=("--dataset" "generate:$TRAIN_PROMPTED" "--mix" "0.5,0.5")
   MIX_DATA=("--dataset" "pydoc" "--dataset" "generate:$TRAIN_FREE" "--dataset" "generate:$TRAIN_PROMPTED"
     "--mix" "0.5,0.25,0.25")
 fi
-dihal $GEN --num-samples 64 --seed 200 $DRY
-HELD=$(latest generate)
+HELD=$(made $GEN --num-samples 64 --seed 200)
 
 echo "== 2. three extracts of layers 0 and $LAYER: pydoc, own text, and the mix"
 EX="extract --model $MODEL --layers 0,$LAYER --seq-len $SEQ_LEN --max-sequences $N $DEV"
-dihal $EX --dataset pydoc $DRY
-PYDOC=$(latest extract)
-dihal $EX "${OWN_DATA[@]}" $DRY
-OWNX=$(latest extract)
-dihal $EX "${MIX_DATA[@]}" $DRY
-MIX=$(latest extract)
+PYDOC=$(made $EX --dataset pydoc)
+OWNX=$(made $EX "${OWN_DATA[@]}")
+MIX=$(made $EX "${MIX_DATA[@]}")
 
 for SEED in $SEEDS; do  # seeds outermost: a run cut short still has every kind of data at its first seeds
-  for DATA in pydoc own mix; do
+  for DATA in $ARMS; do
     case $DATA in pydoc) E=$PYDOC ;; own) E=$OWNX ;; mix) E=$MIX ;; esac
     echo "== 3. $DATA, seed $SEED: train, then fidelity on pydoc, prose and held-out own samples, then Gen.PPL"
-    dihal train-bridge --layer "$LAYER" --protocol "$PROTOCOL" --extract "$E" --seed "$SEED" $DEV $DRY ${BRIDGE_ARGS:-}
-    B=$(latest bridge)
+    B=$(made train-bridge --layer "$LAYER" --protocol "$PROTOCOL" --extract "$E" --seed "$SEED" $DEV ${BRIDGE_ARGS:-})
     dihal evaluate --bridge "$B" --extract "$PYDOC" --sample-steps 8 --limit 64 $DEV $DRY  # pydoc held out by all
     dihal evaluate --bridge "$B" --dataset "$DIHAL_ROOT/repo-prose.txt" --sample-steps 8 --limit 64 $DEV $DRY
     dihal evaluate --bridge "$B" --samples "$HELD" --sample-steps 8 --limit 64 $DEV $DRY
-    dihal generate --bridge "$B" --num-samples ${NUM_SAMPLES:-64} --max-new-tokens ${MAX_NEW:-48} --sample-steps 8 --baseline original --batch-size $GEN_BATCH \
-      --seed "$SEED" $DEV $DRY
-    G=$(latest generate)
+    G=$(made generate --bridge "$B" --num-samples ${NUM_SAMPLES:-64} --max-new-tokens ${MAX_NEW:-48} --sample-steps 8 \
+      --baseline original --batch-size $GEN_BATCH --seed "$SEED" $DEV)
     dihal evaluate --samples "$G" $DEV $DRY
     dihal evaluate --samples "$G" --evaluator "$OTHER" $DEV $DRY
   done
