@@ -24,6 +24,19 @@ def data_kind(extract) -> str:
     return "own" if all(own) else "mix" if any(own) else "pydoc"
 
 
+BASE = {"steps": 1000, "width": 256, "depth": 4}  # cpu-small's bridge; a bridge that differs is its own row
+BASE_SEQUENCES = 896  # scripts/own_text.sh's extracts
+
+
+def label(bridge, extract) -> str:
+    """The training text, plus what else differs from the measured recipe (a longer budget, a larger bridge,
+    a larger extract), so that variants are their own rows and never pooled into the recipe's seeds."""
+    extras = [f"{bridge.config[k]} {k}" for k, v in BASE.items() if bridge.config[k] != v]
+    if extract.manifest["metrics"]["n_sequences"] != BASE_SEQUENCES:
+        extras.append(f"{extract.manifest['metrics']['n_sequences']} seqs")
+    return ", ".join([data_kind(extract), *extras])
+
+
 def minutes(art) -> float:
     """Wall minutes from the artifact's start to its completion (a resumed run counts from its last start)."""
     return (pd.Timestamp(art.manifest["finished"]) - pd.Timestamp(art.manifest["started"])).total_seconds() / 60
@@ -44,7 +57,7 @@ def rows(store: ArtifactStore, by_position: list[dict]) -> list[dict]:
     out = []
     for bridge in (b for b in store.all("bridge") if b.complete):
         row = {
-            "data": data_kind(store.load("extract", bridge.manifest["parents"]["extract"])),
+            "data": label(bridge, store.load("extract", bridge.manifest["parents"]["extract"])),
             "seed": bridge.config["seed"],
             "bridge val_loss": bridge.manifest["metrics"]["val_loss"],
             "bridge train_loss": bridge.manifest["metrics"]["final_train_loss"],
@@ -143,6 +156,7 @@ def main(root: str) -> None:
     table.to_csv(Path(root) / "own_text.csv", index=False)
     numbers = table.drop(columns="seed").groupby("data")
     order = [d for d in ("pydoc", "own", "mix") if d in numbers.groups]
+    order += sorted(set(numbers.groups) - set(order))  # the variants after the recipe's three rows
     mean, std, n = numbers.mean().loc[order], numbers.std(ddof=1).loc[order], numbers.size().loc[order]
     cells = mean.map(lambda v: f"{v:.3g}").astype(str) + std.map(lambda v: "" if pd.isna(v) else f" ± {v:.2g}")
     cells.insert(0, "seeds", n.astype(str))

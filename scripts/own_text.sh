@@ -6,6 +6,9 @@
 # Every extract holds MAX_SEQUENCES sequences (pydoc's validation documents are the same in all).
 #   usage: scripts/own_text.sh MODEL          (DRY_RUN=1 validates every stage's arguments)
 #   then:  python3 scripts/own_text.py runs/own-text-MODEL    (the table, mean +- std over seeds)
+# SEEDS and ARMS split the work: two copies may share one root (give each OMP_NUM_THREADS=1 on 2 cores, or
+# their threads contend and each bridge takes 2-3x as long), and append to their logs (>>), not truncate.
+# BRIDGE_ARGS='--train-steps 2000' trains a longer budget, which own_text.py keeps in rows of its own.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 MODEL=$1
@@ -21,7 +24,9 @@ OWN=${OWN_SAMPLES:-1024}  # unprompted samples to train on
 PROMPTED=${PROMPTED:-0}
 N=${MAX_SEQUENCES:-$([ "$PROMPTED" = 1 ] && echo 1536 || echo 896)}  # every extract has this many sequences
 GEN_BATCH=${GEN_BATCH:-32}
-ARMS=${ARMS:-pydoc own mix}  # the training texts to run at each seed
+# the training texts to run at each seed; 'recipe' is scripts/reproduce_cpu.sh's bridge data (--own-text 0.5 with no
+# --max-sequences: the mix drawing on all the own samples, so about twice the sequences of the other arms)
+ARMS=${ARMS:-pydoc own mix}
 dry() { [ "${DRY_RUN:-0}" = 1 ]; }
 DRY=$(dry && echo --dry-run || true)
 # run a stage (its output to the log) and print the id of the artifact it made or reused, read from its own
@@ -56,10 +61,13 @@ EX="extract --model $MODEL --layers 0,$LAYER --seq-len $SEQ_LEN --max-sequences 
 PYDOC=$(made $EX --dataset pydoc)
 OWNX=$(made $EX "${OWN_DATA[@]}")
 MIX=$(made $EX "${MIX_DATA[@]}")
+case " $ARMS " in *" recipe "*)
+  RECIPE=$(made extract --model "$MODEL" --layers 0,"$LAYER" --seq-len "$SEQ_LEN" $DEV "${MIX_DATA[@]}") ;; esac
 
 for SEED in $SEEDS; do  # seeds outermost: a run cut short still has every kind of data at its first seeds
   for DATA in $ARMS; do
-    case $DATA in pydoc) E=$PYDOC ;; own) E=$OWNX ;; mix) E=$MIX ;; esac
+    case $DATA in pydoc) E=$PYDOC ;; own) E=$OWNX ;; mix) E=$MIX ;; recipe) E=$RECIPE ;;
+      *) echo "error: ARMS holds pydoc, own, mix or recipe, not '$DATA'" >&2; exit 2 ;; esac
     echo "== 3. $DATA, seed $SEED: train, then fidelity on pydoc, prose and held-out own samples, then Gen.PPL"
     B=$(made train-bridge --layer "$LAYER" --protocol "$PROTOCOL" --extract "$E" --seed "$SEED" $DEV ${BRIDGE_ARGS:-})
     dihal evaluate --bridge "$B" --extract "$PYDOC" --sample-steps 8 --limit 64 $DEV $DRY  # pydoc held out by all
