@@ -27,6 +27,8 @@ GEN_BATCH=${GEN_BATCH:-32}
 # the training texts to run at each seed; 'recipe' is scripts/reproduce_cpu.sh's bridge data (--own-text 0.5 with no
 # --max-sequences: the mix drawing on all the own samples, so about twice the sequences of the other arms)
 ARMS=${ARMS:-pydoc own mix}
+for DATA in $ARMS; do case $DATA in pydoc | own | mix | recipe) ;;
+  *) echo "error: ARMS holds pydoc, own, mix or recipe, not '$DATA'" >&2; exit 2 ;; esac; done
 dry() { [ "${DRY_RUN:-0}" = 1 ]; }
 DRY=$(dry && echo --dry-run || true)
 # run a stage (its output to the log) and print the id of the artifact it made or reused, read from its own
@@ -66,8 +68,7 @@ case " $ARMS " in *" recipe "*)
 
 for SEED in $SEEDS; do  # seeds outermost: a run cut short still has every kind of data at its first seeds
   for DATA in $ARMS; do
-    case $DATA in pydoc) E=$PYDOC ;; own) E=$OWNX ;; mix) E=$MIX ;; recipe) E=$RECIPE ;;
-      *) echo "error: ARMS holds pydoc, own, mix or recipe, not '$DATA'" >&2; exit 2 ;; esac
+    case $DATA in pydoc) E=$PYDOC ;; own) E=$OWNX ;; mix) E=$MIX ;; recipe) E=$RECIPE ;; esac
     echo "== 3. $DATA, seed $SEED: train, then fidelity on pydoc, prose and held-out own samples, then Gen.PPL"
     B=$(made train-bridge --layer "$LAYER" --protocol "$PROTOCOL" --extract "$E" --seed "$SEED" $DEV ${BRIDGE_ARGS:-})
     dihal evaluate --bridge "$B" --extract "$PYDOC" --sample-steps 8 --limit 64 $DEV $DRY  # pydoc held out by all
