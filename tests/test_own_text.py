@@ -282,3 +282,20 @@ def test_own_text_scales_a_given_mix_and_leaves_share_zero_alone():
     data = with_samples(ecfg, OwnTextConfig(own_text=0.5), "abc").data
     assert (data.sources, data.mix) == (("pydoc", "a.txt", "generate:abc"), (0.125, 0.375, 0.5))
     assert with_samples(ecfg, OwnTextConfig(), "abc") == ecfg
+
+
+def test_own_text_sh_refuses_an_unknown_arm_before_any_work(tmp_path):
+    """scripts/own_text.sh checks ARMS first: a misspelt arm is one error line and exit 2, and the root it
+    would have filled is never made (its samples alone take a quarter of an hour)."""
+    import subprocess
+
+    from tests.conftest import ROOT
+
+    root = tmp_path / "never"
+    env = {**os.environ, "ARMS": "pydoc recipie", "DIHAL_ROOT": str(root)}
+    proc = subprocess.run(
+        ["bash", "scripts/own_text.sh", "smollm2-135m"], cwd=ROOT, env=env, capture_output=True, text=True
+    )
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stderr.strip() == "error: ARMS holds pydoc, own, mix or recipe, not 'recipie'"
+    assert not root.exists() and proc.stdout == ""
