@@ -127,15 +127,17 @@ def plot_positions(frame: pd.DataFrame, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(5, 3.2))
+    fig, ax = plt.subplots(figsize=(7, 3.2))
     order = [f"{lo}-{hi}" for lo, hi in POSITION_BINS]
     for data, part in frame.groupby("data"):
         stats = part.groupby("positions")["kl"].agg(["mean", "std"]).reindex(order)
-        ax.errorbar(range(len(order)), stats["mean"], yerr=stats["std"].fillna(0), label=data, capsize=3, marker="o")
+        seeds = part["seed"].nunique()
+        name = f"{data} ({seeds} seed{'s' if seeds > 1 else ''})"
+        ax.errorbar(range(len(order)), stats["mean"], yerr=stats["std"].fillna(0), label=name, capsize=3, marker="o")
     ax.set_xticks(range(len(order)), order)
     ax.set(xlabel="position (tokens after the start token)", ylabel="KL(original || hybrid)")
     ax.set_title("held-out own samples", fontsize=10)
-    ax.legend(title="trained on")
+    ax.legend(title="trained on", fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5))
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
