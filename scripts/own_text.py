@@ -16,6 +16,7 @@ from pathlib import Path
 import pandas as pd
 
 from dihal.artifacts.store import ArtifactStore
+from dihal.stages.configs import PROTOCOLS
 
 
 def data_kind(extract) -> str:
@@ -24,14 +25,15 @@ def data_kind(extract) -> str:
     return "own" if all(own) else "mix" if any(own) else "pydoc"
 
 
-BASE = {"steps": 1000, "width": 256, "depth": 4}  # cpu-small's bridge; a bridge that differs is its own row
-BASE_SEQUENCES = 896  # scripts/own_text.sh's extracts
+RECIPE_FIELDS = ("steps", "width", "depth")  # a bridge that changes one of its protocol's is a row of its own
+BASE_SEQUENCES = 896  # scripts/own_text.sh's extracts (its MAX_SEQUENCES default)
 
 
 def label(bridge, extract) -> str:
     """The training text, plus what else differs from the measured recipe (a longer budget, a larger bridge,
     a larger extract), so that variants are their own rows and never pooled into the recipe's seeds."""
-    extras = [f"{bridge.config[k]} {k}" for k, v in BASE.items() if bridge.config[k] != v]
+    protocol = PROTOCOLS[bridge.config["protocol"]]
+    extras = [f"{bridge.config[k]} {k}" for k in RECIPE_FIELDS if bridge.config[k] != protocol[k]]
     if extract.manifest["metrics"]["n_sequences"] != BASE_SEQUENCES:
         extras.append(f"{extract.manifest['metrics']['n_sequences']} seqs")
     return ", ".join([data_kind(extract), *extras])

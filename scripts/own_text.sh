@@ -59,12 +59,13 @@ fi
 HELD=$(made $GEN --num-samples 64 --seed 200)
 
 echo "== 2. three extracts of layers 0 and $LAYER: pydoc, own text, and the mix"
-EX="extract --model $MODEL --layers 0,$LAYER --seq-len $SEQ_LEN --max-sequences $N $DEV"
+ALL="extract --model $MODEL --layers 0,$LAYER --seq-len $SEQ_LEN $DEV"  # every sequence of its data
+EX="$ALL --max-sequences $N"
 PYDOC=$(made $EX --dataset pydoc)
 OWNX=$(made $EX "${OWN_DATA[@]}")
 MIX=$(made $EX "${MIX_DATA[@]}")
 case " $ARMS " in *" recipe "*)
-  RECIPE=$(made extract --model "$MODEL" --layers 0,"$LAYER" --seq-len "$SEQ_LEN" $DEV "${MIX_DATA[@]}") ;; esac
+  RECIPE=$(made $ALL "${MIX_DATA[@]}") ;; esac
 
 for SEED in $SEEDS; do  # seeds outermost: a run cut short still has every kind of data at its first seeds
   for DATA in $ARMS; do
