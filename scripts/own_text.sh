@@ -8,6 +8,7 @@
 #   then:  python3 scripts/own_text.py runs/own-text-MODEL    (the table, mean +- std over seeds)
 # SEEDS and ARMS split the work: two copies may share one root (give each OMP_NUM_THREADS=1 on 2 cores, or
 # their threads contend and each bridge takes 2-3x as long), and append to their logs (>>), not truncate.
+# ARMS=pydoc draws no training samples and builds no own or mix extract (it needs only the held-out ones).
 # BRIDGE_ARGS='--train-steps 2000' trains a longer budget, which own_text.py keeps in rows of its own.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -46,10 +47,11 @@ mkdir -p "$DIHAL_ROOT"; cat README.md docs/*.md > "$DIHAL_ROOT/repo-prose.txt"
 
 echo "== 1. the backbone's own text: to train on (seed 100), and held out (seed 200)"
 GEN="generate --baseline original-only --model $MODEL --max-new-tokens $((SEQ_LEN - 1)) --batch-size $GEN_BATCH $DEV"
-TRAIN_FREE=$(made $GEN --num-samples "$OWN" --seed 100)
+needs_own() { [ "$ARMS" != pydoc ]; }  # only the pydoc arm trains on no own samples (it is still scored on them)
+TRAIN_FREE=skipped; needs_own && TRAIN_FREE=$(made $GEN --num-samples "$OWN" --seed 100)
 OWN_DATA=("--dataset" "generate:$TRAIN_FREE")
 MIX_DATA=("--dataset" "pydoc" "--dataset" "generate:$TRAIN_FREE" "--mix" "0.5,0.5")
-if [ "$PROMPTED" = 1 ]; then
+if [ "$PROMPTED" = 1 ] && needs_own; then
   TRAIN_PROMPTED=$(made $GEN --prompts-from pydoc --prompt-tokens 8 --num-prompts $((OWN / 4)) --num-samples 4 \
     --max-new-tokens $((SEQ_LEN - 9)) --seed 100); dry && TRAIN_PROMPTED=prompted
   OWN_DATA+=("--dataset" "generate:$TRAIN_PROMPTED" "--mix" "0.5,0.5")
@@ -62,8 +64,10 @@ echo "== 2. three extracts of layers 0 and $LAYER: pydoc, own text, and the mix"
 ALL="extract --model $MODEL --layers 0,$LAYER --seq-len $SEQ_LEN $DEV"  # every sequence of its data
 EX="$ALL --max-sequences $N"
 PYDOC=$(made $EX --dataset pydoc)
-OWNX=$(made $EX "${OWN_DATA[@]}")
-MIX=$(made $EX "${MIX_DATA[@]}")
+if needs_own; then
+  OWNX=$(made $EX "${OWN_DATA[@]}")
+  MIX=$(made $EX "${MIX_DATA[@]}")
+fi
 case " $ARMS " in *" recipe "*)
   RECIPE=$(made $ALL "${MIX_DATA[@]}") ;; esac
 
