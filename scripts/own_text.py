@@ -5,11 +5,17 @@ evaluators, with diversity and token entropy. Written as own_text.csv and own_te
 the KL on the held-out own samples by position (does it fall with context?) as
 own_text_kl_by_position.csv and .png.
 
-    python3 scripts/own_text.py runs/own-text-smollm2-135m
+    python3 scripts/own_text.py runs/own-text-smollm2-135m [--earlier benchmarks/own_text/smollm2-135m]
+
+A store lives on one machine, and one session's 2 cores do not hold every seed of a backbone, so the
+per-bridge rows (own_text.csv, own_text_kl_by_position.csv) are kept in the repository under
+benchmarks/own_text/MODEL/ and pooled in with --earlier: the earlier rows of bridges that this store
+does not hold join the table (the store's own rows win), and the table says how many came from where.
 """
 
 from __future__ import annotations
 
+import argparse
 import sys
 from pathlib import Path
 
@@ -58,9 +64,12 @@ def rows(store: ArtifactStore, by_position: list[dict]) -> list[dict]:
     generations = [a for a in store.all("generate") if a.complete and "bridge" in a.manifest["parents"]]
     out = []
     for bridge in (b for b in store.all("bridge") if b.complete):
+        extract = store.load("extract", bridge.manifest["parents"]["extract"])
         row = {
-            "data": label(bridge, store.load("extract", bridge.manifest["parents"]["extract"])),
+            "data": label(bridge, extract),
             "seed": bridge.config["seed"],
+            "model": extract.config["model"],
+            "bridge": bridge.id,
             "bridge val_loss": bridge.manifest["metrics"]["val_loss"],
             "bridge train_loss": bridge.manifest["metrics"]["final_train_loss"],
             "bridge minutes": minutes(bridge),
@@ -123,6 +132,19 @@ def goals(mean: pd.DataFrame) -> list[str]:
     return lines
 
 
+def pool(here: pd.DataFrame, earlier: Path | None, name: str) -> pd.DataFrame:
+    """This store's rows plus the earlier ones (earlier/name) of bridges it does not hold; one backbone."""
+    if earlier is None:
+        return here
+    if not (earlier / name).is_file():
+        sys.exit(f"error: --earlier {earlier} holds no {name}; give the folder own_text.py's outputs were copied to")
+    kept = pd.read_csv(earlier / name)
+    models = sorted(set(here["model"]) | set(kept["model"]))
+    if len(models) > 1:
+        sys.exit(f"error: --earlier {earlier} is of {', '.join(models)}; pool rows of one backbone only")
+    return pd.concat([here, kept[~kept["bridge"].isin(set(here["bridge"]))]], ignore_index=True)
+
+
 def plot_positions(frame: pd.DataFrame, path: Path) -> None:
     import matplotlib
 
@@ -144,12 +166,14 @@ def plot_positions(frame: pd.DataFrame, path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
-def main(root: str) -> None:
+def main(root: str, earlier: Path | None = None) -> None:
     by_position: list[dict] = []
     store = ArtifactStore(root)
     table = pd.DataFrame(rows(store, by_position))
     if table.empty:
         sys.exit(f"error: no bridges under {root}; run scripts/own_text.sh first")
+    here = len(table)
+    table = pool(table, earlier, "own_text.csv")
     for model in ("hybrid", "original"):
         for judge in ("backbone", "other"):
             col = f"gen_ppl {model} ({judge})"
@@ -158,7 +182,7 @@ def main(root: str) -> None:
     for judge in ("backbone", "other"):
         table[f"gen_ppl ratio ({judge})"] = table[f"gen_ppl hybrid ({judge})"] / table[f"gen_ppl original ({judge})"]
     table.to_csv(Path(root) / "own_text.csv", index=False)
-    numbers = table.drop(columns="seed").groupby("data")
+    numbers = table.drop(columns=["seed", "model", "bridge"]).groupby("data")
     order = [d for d in ("pydoc", "own", "mix") if d in numbers.groups]
     order += sorted(set(numbers.groups) - set(order))  # the variants after the recipe's three rows
     mean, std, n = numbers.mean().loc[order], numbers.std(ddof=1).loc[order], numbers.size().loc[order]
@@ -167,7 +191,8 @@ def main(root: str) -> None:
     cells = cells.T
     lines = ["| measure | " + " | ".join(cells.columns) + " |", "|---" * (len(cells.columns) + 1) + "|"]
     lines += [f"| {name} | " + " | ".join(map(str, r)) + " |" for name, r in cells.iterrows()]
-    lines += ["", *goals(mean)]
+    origin = f"{here} bridges from {root}" + (f", {len(table) - here} from {earlier}" if earlier else "")
+    lines += ["", f"rows: {origin}", "", *goals(mean)]
     samples = {  # the own samples each extract drew on, and what they cost
         spec: store.load("generate", spec.removeprefix("generate:"))
         for e in store.all("extract")
@@ -181,7 +206,8 @@ def main(root: str) -> None:
     (Path(root) / "own_text.md").write_text(text + "\n")
     print(text)
     if by_position:
-        frame = pd.DataFrame(by_position)[["data", "seed", "positions", "kl"]]
+        frame = pd.DataFrame(by_position)[["data", "seed", "model", "bridge", "positions", "kl"]]
+        frame = pool(frame, earlier, "own_text_kl_by_position.csv")
         frame.to_csv(Path(root) / "own_text_kl_by_position.csv", index=False)
         plot_positions(frame, Path(root) / "own_text_kl_by_position.png")
         wide = frame.groupby(["data", "positions"])["kl"].mean().unstack()
@@ -190,4 +216,8 @@ def main(root: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("root", help="the DIHAL_ROOT of a scripts/own_text.sh run")
+    parser.add_argument("--earlier", type=Path, help="a folder with an earlier run's own_text.csv and KL csv")
+    args = parser.parse_args()
+    main(args.root, args.earlier)

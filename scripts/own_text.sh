@@ -6,6 +6,8 @@
 # Every extract holds MAX_SEQUENCES sequences (pydoc's validation documents are the same in all).
 #   usage: scripts/own_text.sh MODEL          (DRY_RUN=1 validates every stage's arguments)
 #   then:  python3 scripts/own_text.py runs/own-text-MODEL    (the table, mean +- std over seeds)
+# The table pools the rows kept in benchmarks/own_text/MODEL/ (copy own_text.csv and own_text_kl_by_position.csv
+# there to keep a session's bridges once its store is gone); the store's own rows win.
 # SEEDS and ARMS split the work: two copies may share one root (give each OMP_NUM_THREADS=1 on 2 cores, or
 # their threads contend and each bridge takes 2-3x as long), and append to their logs (>>), not truncate.
 # ARMS=pydoc draws no training samples and builds no own or mix extract (it needs only the held-out ones).
@@ -85,4 +87,5 @@ for SEED in $SEEDS; do  # seeds outermost: a run cut short still has every kind 
     dihal evaluate --samples "$G" --evaluator "$OTHER" $DEV $DRY
   done
 done
-dry || python3 scripts/own_text.py "$DIHAL_ROOT"
+KEPT=benchmarks/own_text/$MODEL  # earlier sessions' rows, kept in the repository (scripts/own_text.py --earlier)
+dry || python3 scripts/own_text.py "$DIHAL_ROOT" $([ -d "$KEPT" ] && echo --earlier "$KEPT")

@@ -299,3 +299,33 @@ def test_own_text_sh_refuses_an_unknown_arm_before_any_work(tmp_path):
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert proc.stderr.strip() == "error: ARMS holds pydoc, own, mix or recipe, not 'recipie'"
     assert not root.exists() and proc.stdout == ""
+
+
+def test_own_text_py_pools_earlier_rows_of_bridges_the_store_does_not_hold(tmp_path):
+    """Rows kept from an earlier session (benchmarks/own_text/MODEL) join this store's; a bridge in both
+    keeps the store's numbers, and rows of another backbone are refused with one error line."""
+    import importlib.util
+
+    import pandas as pd
+
+    from tests.conftest import ROOT
+
+    spec = importlib.util.spec_from_file_location("own_text", ROOT / "scripts" / "own_text.py")
+    own_text = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(own_text)
+    here = pd.DataFrame([{"data": "mix", "seed": 0, "model": "m", "bridge": "a", "ppl_ratio own": 1.4}])
+    earlier = pd.DataFrame(
+        [
+            {"data": "mix", "seed": 0, "model": "m", "bridge": "a", "ppl_ratio own": 9.0},  # stale: the store wins
+            {"data": "mix", "seed": 1, "model": "m", "bridge": "b", "ppl_ratio own": 1.5},
+        ]
+    )
+    earlier.to_csv(tmp_path / "own_text.csv", index=False)
+    pooled = own_text.pool(here, tmp_path, "own_text.csv")
+    assert sorted(zip(pooled["bridge"], pooled["ppl_ratio own"])) == [("a", 1.4), ("b", 1.5)]
+    assert own_text.pool(here, None, "own_text.csv") is here
+    earlier.assign(model="other").to_csv(tmp_path / "own_text.csv", index=False)
+    with pytest.raises(SystemExit, match=r"^error: --earlier .* is of m, other; pool rows of one backbone only$"):
+        own_text.pool(here, tmp_path, "own_text.csv")
+    with pytest.raises(SystemExit, match=r"^error: --earlier .* holds no own_text_kl_by_position.csv"):
+        own_text.pool(here, tmp_path, "own_text_kl_by_position.csv")
