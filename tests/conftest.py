@@ -12,6 +12,18 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def load_script(name: str):
+    """A module of scripts/ (not a package), loaded by path for a test of its functions."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 os.environ.setdefault("COLUMNS", "240")  # rich wraps long lines at the terminal width
 
 

@@ -705,13 +705,9 @@ def test_claims_table_reads_each_budget_from_comparisons_with_every_baseline(tmp
     """reproduce_compare.sh runs 5x as its own comparison of the claim-3 rows only (no diagnostic rows):
     the claims table takes its verdict beside the 1x comparison of all rows, while an ablation's
     comparison of two rows judges nothing."""
-    import importlib.util
+    from tests.conftest import load_script
 
-    from tests.conftest import ROOT
-
-    spec = importlib.util.spec_from_file_location("summarize", ROOT / "scripts" / "summarize.py")
-    summarize = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(summarize)
+    summarize = load_script("summarize")
     store = ArtifactStore(tmp_path)
 
     def comparison(rows: tuple, budget: int, claim: str) -> None:

@@ -304,15 +304,11 @@ def test_own_text_sh_refuses_an_unknown_arm_before_any_work(tmp_path):
 def test_own_text_py_pools_earlier_rows_of_bridges_the_store_does_not_hold(tmp_path):
     """Rows kept from an earlier session (benchmarks/own_text/MODEL) join this store's; a bridge in both
     keeps the store's numbers, and rows of another backbone are refused with one error line."""
-    import importlib.util
-
     import pandas as pd
 
-    from tests.conftest import ROOT
+    from tests.conftest import load_script
 
-    spec = importlib.util.spec_from_file_location("own_text", ROOT / "scripts" / "own_text.py")
-    own_text = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(own_text)
+    own_text = load_script("own_text")
     here = pd.DataFrame([{"data": "mix", "seed": 0, "model": "m", "bridge": "a", "ppl_ratio own": 1.4}])
     earlier = pd.DataFrame(
         [
