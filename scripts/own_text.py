@@ -139,6 +139,9 @@ def pool(here: pd.DataFrame, earlier: Path | None, name: str) -> pd.DataFrame:
     if not (earlier / name).is_file():
         sys.exit(f"error: --earlier {earlier} holds no {name}; give the folder own_text.py's outputs were copied to")
     kept = pd.read_csv(earlier / name)
+    missing = [c for c in ("model", "bridge") if c not in kept]
+    if missing:
+        sys.exit(f"error: {earlier / name} has no {' or '.join(missing)} column; rerun own_text.py on its store")
     models = sorted(set(here["model"]) | set(kept["model"]))
     if len(models) > 1:
         sys.exit(f"error: --earlier {earlier} is of {', '.join(models)}; pool rows of one backbone only")

@@ -13,7 +13,7 @@ import pytest
 from dihal.artifacts import hidden_states as hs
 from dihal.artifacts.store import ArtifactStore
 from dihal.stages.text.data import is_validation
-from tests.conftest import invoke
+from tests.conftest import ROOT, invoke
 
 SEQ_LEN = 12
 
@@ -325,3 +325,27 @@ def test_own_text_py_pools_earlier_rows_of_bridges_the_store_does_not_hold(tmp_p
         own_text.pool(here, tmp_path, "own_text.csv")
     with pytest.raises(SystemExit, match=r"^error: --earlier .* holds no own_text_kl_by_position.csv"):
         own_text.pool(here, tmp_path, "own_text_kl_by_position.csv")
+    earlier.drop(columns=["model", "bridge"]).to_csv(tmp_path / "own_text.csv", index=False)
+    with pytest.raises(SystemExit, match=r"^error: .*own_text.csv has no model or bridge column; rerun own_text.py"):
+        own_text.pool(here, tmp_path, "own_text.csv")
+
+
+@pytest.mark.parametrize("name", ["own_text.csv", "own_text_kl_by_position.csv"])
+def test_rows_kept_in_benchmarks_pool_with_a_store_of_their_backbone(name):
+    """What scripts/own_text.sh passes as --earlier: every kept folder's rows are of one backbone, one per bridge
+    (per bridge and position bin for the KL), and pool in beside a store row of that backbone."""
+    import pandas as pd
+
+    from tests.conftest import load_script
+
+    own_text = load_script("own_text")
+    folders = sorted((ROOT / "benchmarks" / "own_text").iterdir())
+    assert folders, "no rows kept under benchmarks/own_text"
+    for folder in folders:
+        kept = pd.read_csv(folder / name)
+        assert set(kept["model"]) == {folder.name}
+        keys = ["bridge"] + (["positions"] if "positions" in kept else [])
+        assert not kept.duplicated(keys).any()
+        here = kept.iloc[:1].assign(bridge="new")
+        pooled = own_text.pool(here, folder, name)
+        assert len(pooled) == len(kept) + 1
