@@ -86,7 +86,7 @@ class PlainProgress:
     def start(self, description: str, total: float, unit: str = "tok") -> None:
         self._desc, self._total, self._done, self._unit, self._info = description, total, 0.0, unit, {}
         self._t0 = self._last = time.monotonic()
-        self._line(f"{description}: started, {total:,.0f} {unit} to do")
+        self._line(f"{description}: started, {total:,.0f} {plural(unit, total)} to do")
 
     def advance(self, amount: float, **info: float) -> None:
         self._done += amount
@@ -113,7 +113,7 @@ class PlainProgress:
         rate = self._done / elapsed
         pct = 100 * self._done / self._total if self._total else 100.0
         eta = (self._total - self._done) / rate if rate > 0 else float("nan")
-        parts = [f"{self._desc}: {self._done:,.0f}/{self._total:,.0f} {self._unit} ({pct:.0f}%)"]
+        parts = [f"{self._desc}: {self._done:,.0f}/{self._total:,.0f} {plural(self._unit, self._total)} ({pct:.0f}%)"]
         if self._info:
             parts.append(_info(self._info))
         parts.append(f"{rate:,.1f} {self._unit}/s")
@@ -123,6 +123,11 @@ class PlainProgress:
     def _line(self, text: str) -> None:
         self.stream.write(text + "\n")
         self.stream.flush()
+
+
+def plural(unit: str, count: float) -> str:
+    """'2,000 steps to do', '1 step'; abbreviations ('tok') and rates ('step/s') keep their one form."""
+    return unit if count == 1 or unit == "tok" else unit + "s"
 
 
 def _info(info: dict) -> str:

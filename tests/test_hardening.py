@@ -281,9 +281,19 @@ def test_piped_training_prints_plain_progress_lines(tiny_dirs, root):
     assert res.exit_code == 0, res.output
     lines = [line for line in res.output.splitlines() if line.startswith("bridge L2: ")]
     assert lines[0] == "bridge L2: warmup 15 is more than a tenth of a run of 5 steps; using 0"
-    assert lines[2] == "bridge L2: started, 5 step to do"
-    assert any(line.startswith("bridge L2: 3/5 step (60%), loss ") and "ETA" in line for line in lines), lines
-    assert lines[-1].startswith("bridge L2: 5/5 step (100%)") and lines[-1].endswith("(finished)")
+    assert lines[2] == "bridge L2: started, 5 steps to do"
+    assert any(line.startswith("bridge L2: 3/5 steps (60%), loss ") and "ETA" in line for line in lines), lines
+    assert lines[-1].startswith("bridge L2: 5/5 steps (100%)") and lines[-1].endswith("(finished)")
+
+
+@pytest.mark.parametrize(
+    "unit,count,shown",
+    [("step", 2000, "steps"), ("step", 1, "step"), ("layer x draw", 6, "layer x draws"), ("tok", 9, "tok")],
+)
+def test_progress_counts_read_as_english(unit, count, shown):
+    from dihal.cli.ui import plural
+
+    assert plural(unit, count) == shown
 
 
 def test_tables_fit_80_columns_with_whole_numbers(tiny_dirs, root):
