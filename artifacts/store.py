@@ -87,6 +87,8 @@ def environment(device: str | None = None) -> dict:
             env[mod] = __import__(mod).__version__
         except Exception:  # noqa: BLE001 - a missing optional library is recorded as absent
             env[mod] = None
+    if env["torch"] is not None:  # float sums, so sampled tokens, can differ with the CPU thread count
+        env["threads"] = __import__("torch").get_num_threads()
     if device is not None:
         env["device"] = device
     return env

@@ -88,12 +88,21 @@ def callback(
     log_every: float = typer.Option(
         LOG_EVERY["seconds"], "--log-every", help="Seconds between log lines (0: every step)."
     ),
+    threads: int | None = typer.Option(
+        None, "--threads", help="CPU threads for torch (default: its own, one per core; two jobs: 1 each)."
+    ),
 ) -> None:
     """Stages: extract -> score -> train-bridge -> evaluate / generate; sweep trains one bridge per layer."""
     from dihal.artifacts.errors import DihalError
 
     if not 0 <= log_every < float("inf"):
         raise DihalError(f"--log-every must be a number of seconds >= 0 (0: every step), got {log_every}")
+    if threads is not None:
+        if threads < 1:
+            raise DihalError(f"--threads must be at least 1 (leave it out for one per core), got {threads}")
+        os.environ["OMP_NUM_THREADS"] = str(threads)  # read when torch is imported, by workers too
+        if "torch" in sys.modules:  # already imported (a test, or a caller in one process)
+            sys.modules["torch"].set_num_threads(threads)
     if cache_dir:
         os.environ["DIHAL_CACHE"] = cache_dir
     LOG_EVERY["seconds"] = log_every

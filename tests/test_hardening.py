@@ -286,6 +286,23 @@ def test_piped_training_prints_plain_progress_lines(tiny_dirs, root):
     assert lines[-1].startswith("bridge L2: 5/5 steps (100%)") and lines[-1].endswith("(finished)")
 
 
+def test_threads_set_torch_and_are_recorded_in_the_manifest(tiny_dirs, root, monkeypatch):
+    """--threads N is what OMP_NUM_THREADS=N did for two jobs on two cores; the count a stage ran with is in its
+    manifest, since sampled tokens can differ with it."""
+    import torch
+
+    before = torch.get_num_threads()
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    try:
+        assert invoke("--threads", "1", *_extract(tiny_dirs)).exit_code == 0
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+    assert ArtifactStore(root).resolve("latest", "extract").manifest["environment"]["threads"] == 1
+    for value in ("0", "-2", "two"):
+        _one_error_line(invoke("--threads", value, "runs", "list"), "--threads")
+
+
 @pytest.mark.parametrize(
     "unit,count,shown",
     [("step", 2000, "steps"), ("step", 1, "step"), ("layer x draw", 6, "layer x draws"), ("tok", 9, "tok")],
