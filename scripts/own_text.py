@@ -31,7 +31,7 @@ def data_kind(extract) -> str:
     return "own" if all(own) else "mix" if any(own) else "pydoc"
 
 
-RECIPE_FIELDS = ("steps", "width", "depth")  # a bridge that changes one of its protocol's is a row of its own
+RECIPE_FIELDS = ("steps", "width", "depth", "lr")  # a bridge that changes one of its protocol's is a row of its own
 BASE_SEQUENCES = 896  # scripts/own_text.sh's extracts (its MAX_SEQUENCES default)
 
 

@@ -349,3 +349,27 @@ def test_rows_kept_in_benchmarks_pool_with_a_store_of_their_backbone(name):
         here = kept.iloc[:1].assign(bridge="new")
         pooled = own_text.pool(here, folder, name)
         assert len(pooled) == len(kept) + 1
+
+
+def test_own_text_py_gives_a_bridge_off_the_recipe_a_row_of_its_own():
+    """A bridge whose steps, width, depth or lr differ from its protocol's, or whose extract is not the script's
+    896 sequences, is labelled with what differs, so it never pools into the recipe's seeds."""
+    from types import SimpleNamespace
+
+    from dihal.stages.configs import PROTOCOLS
+    from tests.conftest import load_script
+
+    own_text = load_script("own_text")
+    recipe = {k: PROTOCOLS["cpu-small"][k] for k in ("steps", "width", "depth", "lr")}
+
+    def label(n=896, **changed):
+        bridge = SimpleNamespace(config={"protocol": "cpu-small", **recipe, **changed})
+        extract = SimpleNamespace(
+            config={"data": {"dataset": "generate:abc", "also": []}}, manifest={"metrics": {"n_sequences": n}}
+        )
+        return own_text.label(bridge, extract)
+
+    assert label() == "own"
+    assert label(steps=2000) == "own, 2000 steps"
+    assert label(width=512, lr=5e-4) == "own, 512 width, 0.0005 lr"
+    assert label(n=1954) == "own, 1954 seqs"
