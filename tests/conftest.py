@@ -12,6 +12,7 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
+os.environ.setdefault("COLUMNS", "240")  # rich wraps long lines at the terminal width
 
 
 def load_script(name: str):
@@ -22,9 +23,6 @@ def load_script(name: str):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
-
-
-os.environ.setdefault("COLUMNS", "240")  # rich wraps long lines at the terminal width
 
 
 def tiny_tokenizer(bos: bool = True):

@@ -13,7 +13,7 @@ import pytest
 from dihal.artifacts import hidden_states as hs
 from dihal.artifacts.store import ArtifactStore
 from dihal.stages.text.data import is_validation
-from tests.conftest import ROOT, invoke
+from tests.conftest import ROOT, invoke, load_script
 
 SEQ_LEN = 12
 
@@ -289,8 +289,6 @@ def test_own_text_sh_refuses_an_unknown_arm_before_any_work(tmp_path):
     would have filled is never made (its samples alone take a quarter of an hour)."""
     import subprocess
 
-    from tests.conftest import ROOT
-
     root = tmp_path / "never"
     env = {**os.environ, "ARMS": "pydoc recipie", "DIHAL_ROOT": str(root)}
     proc = subprocess.run(
@@ -305,8 +303,6 @@ def test_own_text_py_pools_earlier_rows_of_bridges_the_store_does_not_hold(tmp_p
     """Rows kept from an earlier session (benchmarks/own_text/MODEL) join this store's; a bridge in both
     keeps the store's numbers, and rows of another backbone are refused with one error line."""
     import pandas as pd
-
-    from tests.conftest import load_script
 
     own_text = load_script("own_text")
     here = pd.DataFrame([{"data": "mix", "seed": 0, "model": "m", "bridge": "a", "ppl_ratio own": 1.4}])
@@ -336,8 +332,6 @@ def test_rows_kept_in_benchmarks_pool_with_a_store_of_their_backbone(name):
     (per bridge and position bin for the KL), and pool in beside a store row of that backbone."""
     import pandas as pd
 
-    from tests.conftest import load_script
-
     own_text = load_script("own_text")
     folders = sorted((ROOT / "benchmarks" / "own_text").iterdir())
     assert folders, "no rows kept under benchmarks/own_text"
@@ -357,7 +351,6 @@ def test_own_text_py_gives_a_bridge_off_the_recipe_a_row_of_its_own():
     from types import SimpleNamespace
 
     from dihal.stages.configs import PROTOCOLS
-    from tests.conftest import load_script
 
     own_text = load_script("own_text")
     recipe = {k: PROTOCOLS["cpu-small"][k] for k in ("steps", "width", "depth", "lr")}
