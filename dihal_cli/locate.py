@@ -10,9 +10,10 @@ import typer
 
 from dihal.artifacts.store import ArtifactStore
 from dihal.cli import options as o
+from dihal.cli.options import default
 from dihal.cli.tables import human_size, print_json, score_table, sweep_tables
 from dihal.cli.ui import console, dry, make_progress, report
-from dihal.stages.configs import DataConfig, ExtractConfig, ScoreConfig, SweepConfig
+from dihal.stages.configs import BridgeConfig, DataConfig, ExtractConfig, ScoreConfig, SweepConfig
 
 
 def extract_config(values: dict, device: str, dtype: str, layers: str) -> ExtractConfig:
@@ -120,6 +121,7 @@ def sweep(
     sample_steps: int = o.opt(SweepConfig, "sample_steps", help="Bridge Euler steps for each layer's fidelity."),
     eval_limit: int = o.opt(SweepConfig, "eval_limit"),
     seeds: str = o.opt(SweepConfig, "seeds", help="A bridge per layer and seed, e.g. 0,1,2."),
+    skip_init: str = o.opt(BridgeConfig, "skip_init", help="Every bridge's skip A: ridge or zero."),
     device: str = o.Device, dtype: str = o.Dtype,
     seed: int = typer.Option(0, "--seed", help="Seed of the data split and the score's positions."),
     force: bool = o.Force, dry_run: bool = o.DryRun, trust_remote_code: bool = o.Trust, root: str = o.Root,
@@ -134,7 +136,8 @@ def sweep(
     if layers is None:  # every candidate of this model: 1..L-1
         layers = f"1-{stage.num_blocks(store.resolve(extract, 'extract') if extract else model, trust_remote_code) - 1}"
     layer_list = tuple(ex.parse_layers(layers, None))
-    cfg = o.build(SweepConfig, locals(), layers=layer_list, overrides=recipe, seeds=o.seeds(seeds))
+    overrides = recipe + ((("skip_init", skip_init),) if skip_init != default(BridgeConfig, "skip_init") else ())
+    cfg = o.build(SweepConfig, locals(), layers=layer_list, overrides=overrides, seeds=o.seeds(seeds))
     ecfg = extract_config(locals(), device, dtype, "all")  # S z-scores over every candidate, whichever are swept
     scfg = o.build(ScoreConfig, locals())
     if dry_run:

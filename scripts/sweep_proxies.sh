@@ -3,6 +3,8 @@
 # r2_token and r2_context, depth) against the sweep-tiny bridge loss of every layer, 2 seeds, on
 # 800 pydoc sequences of 32 tokens. About 1 h 40 min per backbone on 2 CPU cores.
 #   usage: scripts/sweep_proxies.sh smollm2-135m 1-29     scripts/sweep_proxies.sh gemma3-270m 1-17
+#   SKIP_INIT=zero starts every bridge's skip A at zero instead of the ridge map r2_token measures
+#   (issue 37's tautology check); it shares the extract and the score with the ridge sweep.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 MODEL=$1
@@ -13,4 +15,4 @@ dihal extract --model "$MODEL" --dataset pydoc --layers all --max-sequences 800 
 EXTRACT=$(dihal runs latest extract)
 dihal score --extract "$EXTRACT" --tokens 4096 --bootstrap 5 --outlier-mads 5
 dihal sweep --layers "$LAYERS" --protocol sweep-tiny --seeds 0,1 --train-steps 100 --extract "$EXTRACT" \
-  --score "$(dihal runs latest score)" $DEV
+  --score "$(dihal runs latest score)" --skip-init "${SKIP_INIT:-ridge}" $DEV

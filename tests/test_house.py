@@ -291,6 +291,19 @@ def test_recipe_overrides_keep_their_order_on_the_command_line(tiny_dirs):
     assert "overrides=(('steps', 20), ('width', 32), ('depth', 2), ('batch_size', 8))" in res.output
 
 
+def test_sweep_skip_init_is_an_override_only_when_it_is_not_the_default(tiny_dirs):
+    """--skip-init zero reaches every bridge of the sweep as an override (issue 37's tautology check);
+    the default adds nothing, so a ridge sweep keeps its id."""
+    base = ["sweep", "--layers", "1", "--train-steps", "20", "--model", str(tiny_dirs["llama"]), "--dry-run"]
+    zero = invoke(*base, "--skip-init", "zero")
+    assert zero.exit_code == 0, zero.output
+    assert "overrides=(('steps', 20), ('skip_init', 'zero'))" in zero.output
+    ridge = invoke(*base, "--skip-init", "ridge")
+    assert "overrides=(('steps', 20),)" in ridge.output
+    bad = invoke(*base, "--skip-init", "random")
+    assert bad.exit_code == 2 and "unknown --skip-init 'random'" in bad.output
+
+
 @pytest.mark.slow
 def test_the_wheel_installs_one_top_level_name(tmp_path):
     subprocess.run(
