@@ -81,16 +81,37 @@ def _git_state() -> dict:
 
 
 def environment(device: str | None = None) -> dict:
+    """What ran: versions, the CPU threads (float sums, so sampled tokens, can differ with them), the
+    process group's world size, the DIHAL_* settings (the torchrun timeout among them), and on a GPU
+    its name, memory and the CUDA and NCCL versions."""
     env = {"python": platform.python_version(), "platform": platform.platform()}
     for mod in ("torch", "transformers", "zarr", "numpy", "datasets"):
         try:
             env[mod] = __import__(mod).__version__
         except Exception:  # noqa: BLE001 - a missing optional library is recorded as absent
             env[mod] = None
-    if env["torch"] is not None:  # float sums, so sampled tokens, can differ with the CPU thread count
-        env["threads"] = __import__("torch").get_num_threads()
     if device is not None:
         env["device"] = device
+    env["settings"] = {k: v for k, v in sorted(os.environ.items()) if k.startswith("DIHAL_")}
+    if env["torch"] is not None:
+        env.update(_torch_environment(device or ""))
+    return env
+
+
+def _torch_environment(device: str) -> dict:
+    import torch
+
+    env = {"threads": torch.get_num_threads(), "world_size": 1}
+    group = torch.distributed
+    if group.is_available() and group.is_initialized():
+        env["world_size"] = group.get_world_size()
+    if device.startswith("cuda") and torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(torch.cuda.current_device())
+        env.update(gpu=props.name, gpu_memory_gib=round(props.total_memory / 2**30, 1), cuda=torch.version.cuda)
+        try:
+            env["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
+        except (AttributeError, RuntimeError, TypeError):  # a build without NCCL
+            env["nccl"] = None
     return env
 
 

@@ -30,6 +30,7 @@ except ImportError:  # pragma: no cover - an older typer on top of click
 from dihal.cli import claims, locate, replace, runs, use  # noqa: F401  (each registers its commands)
 from dihal.cli.options import COMMANDS
 from dihal.cli.ui import LOG_EVERY, console, err_console, user_errors
+from dihal.stages.configs import DIST_TIMEOUT_ENV, DIST_TIMEOUT_MINUTES
 
 
 class OneLineErrors(TyperGroup):
@@ -91,6 +92,12 @@ def callback(
     threads: int | None = typer.Option(
         None, "--threads", help="CPU threads for torch (default: its own, one per core; two jobs: 1 each)."
     ),
+    dist_timeout: float = typer.Option(
+        DIST_TIMEOUT_MINUTES,
+        "--dist-timeout",
+        envvar=DIST_TIMEOUT_ENV,
+        help="Minutes a torchrun rank waits for the others (a sweep's slowest layer).",
+    ),
 ) -> None:
     """Stages: extract -> score -> train-bridge -> evaluate / generate; sweep trains one bridge per layer."""
     from dihal.artifacts.errors import DihalError
@@ -103,6 +110,9 @@ def callback(
         os.environ["OMP_NUM_THREADS"] = str(threads)  # read when torch is imported, by workers too
         if "torch" in sys.modules:  # already imported (a test, or a caller in one process)
             sys.modules["torch"].set_num_threads(threads)
+    if not 0 < dist_timeout < float("inf"):
+        raise DihalError(f"--dist-timeout must be a positive number of minutes, got {dist_timeout}")
+    os.environ[DIST_TIMEOUT_ENV] = f"{dist_timeout:g}"  # read when a rank joins the process group
     if cache_dir:
         os.environ["DIHAL_CACHE"] = cache_dir
     LOG_EVERY["seconds"] = log_every

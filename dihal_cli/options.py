@@ -155,15 +155,18 @@ def numbers(spec: str, flag: str, kind=float) -> tuple:
 
 # -- hardware and the process group -----------------------------------------------------------------------
 def device_and_dtype(device: str, dtype: str, dry_run: bool = False) -> tuple[str, str]:
-    """--device and --dtype resolved ('auto' -> what this machine has); under torchrun each rank joins
-    the process group and takes its own GPU."""
+    """--device and --dtype as configs record them: the device type (`cuda`, never `cuda:1`: an
+    artifact's id must not depend on a GPU's index or a rank) and a concrete dtype ('auto' resolved
+    for this machine). A real run also takes its device: under torchrun each rank joins the process
+    group and makes the GPU of its LOCAL_RANK current; one process makes cuda:N current."""
     from dihal.stages.lm.models import dtype_name, resolve_device
     from dihal.stages.runtime import dist
 
     device = resolve_device(device, check=not dry_run)
+    dist.check(device)
     if not dry_run:
         device = dist.join(device)
-    return device, dtype_name(dtype, device)
+    return dist.device_type(device), dtype_name(dtype, device)
 
 
 def rank0() -> bool:

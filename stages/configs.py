@@ -34,6 +34,8 @@ SCHEDULES = ("cosine", "constant")
 PRECISIONS = ("float32", "bfloat16")
 SOURCES = ("prior", "null", "oracle")  # what a parallel recovery reads: section 5's controls bracket the prior
 CONFIRM_NAMED = {"l_star": "l_star", "oracle": "oracle_layer", "worst": "worst_layer"}  # --at name -> sweep key
+DIST_TIMEOUT_MINUTES = 60.0  # a torchrun rank's wait for the others (NCCL's own 10 minutes ends a sweep early)
+DIST_TIMEOUT_ENV = "DIHAL_DIST_TIMEOUT"  # how `dihal --dist-timeout` reaches every rank's process group
 COMPARISON_CONDITION_NOISE = 0.5  # section 5: sigma_max of the corrupted conditions of decoder and bridges
 DECODER_DEPTH = 2  # section 5: the decoder has the protocol's width and depth 2
 

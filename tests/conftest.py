@@ -124,6 +124,24 @@ def run_cli(
     return proc
 
 
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def torchrun(*args: str, ranks: int = 2, kill_after: int | None = None, timeout: float = 300):
+    """`dihal ARGS` on `ranks` gloo ranks under torchrun, each rank's device written as cpu:<rank>
+    (tests/rank_devices.py), one thread each; kill_after=N: rank 0 is SIGKILLed after N units of work."""
+    entry = ["-m", "tests.rank_devices"] if kill_after is None else ["-m", "tests.kill_after", str(kill_after)]
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks)]
+    command += ["--master_port", str(free_port()), *entry, *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run(command, capture_output=True, text=True, env=env, cwd=ROOT, timeout=timeout)
+
+
 class Result:
     def __init__(self, exit_code: int, output: str):
         self.exit_code, self.output = exit_code, output

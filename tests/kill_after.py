@@ -12,9 +12,11 @@ import signal
 import sys
 
 from dihal.cli import ui
+from tests.rank_devices import patch
 
 
 def main() -> None:
+    patch()  # under torchrun each rank's device is cpu:<LOCAL_RANK>, as a GPU rank's is cuda:<LOCAL_RANK>
     after, args = int(sys.argv[1]), sys.argv[2:]
     done = {"n": 0}
 

@@ -4,10 +4,7 @@ data-parallel training equal to one process, the KV cache really used, lengths c
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -16,7 +13,7 @@ import torch
 from dihal.artifacts import files
 from dihal.artifacts import hidden_states as hs
 from dihal.artifacts.store import ArtifactStore
-from tests.conftest import ROOT, invoke
+from tests.conftest import invoke, run_cli, torchrun
 
 TINY = ["--protocol", "sweep-tiny", "--width", "16", "--depth", "1", "--heads", "2", "--batch-size", "4"]
 
@@ -242,93 +239,69 @@ def test_loader_serves_exactly_the_scheduled_sequences(tmp_path):
         loader.close()
 
 
-def _bridge_args(root) -> list[str]:
-    return [
-        "train-bridge",
-        "--layer",
-        "2",
-        "--extract",
-        "latest",
-        "--protocol",
-        "sweep-tiny",
-        "--width",
+def _extract(tiny_dirs, root) -> None:
+    """40 sequences of 16 tokens, layers 0 and 2, in one process (what every torchrun test starts from)."""
+    args = [
+        "extract",
+        "--model",
+        str(tiny_dirs["llama"]),
+        "--max-sequences",
+        "40",
+        "--seq-len",
         "16",
-        "--depth",
-        "1",
-        "--heads",
-        "2",
-        "--batch-size",
-        "8",
-        "--train-steps",
-        "8",
-        "--eval-every",
-        "4",
-        "--seed",
-        "3",
+        "--layers",
+        "0,2",
+        "--val-fraction",
+        "0.2",
         "--device",
         "cpu",
         "--root",
         str(root),
     ]
+    run_cli(*args, env={"OMP_NUM_THREADS": "1"}, check=True)
+
+
+TINY_PART = [
+    "--protocol",
+    "sweep-tiny",
+    "--width",
+    "16",
+    "--depth",
+    "1",
+    "--heads",
+    "2",
+    "--batch-size",
+    "8",
+    "--train-steps",
+    "8",
+    "--eval-every",
+    "4",
+    "--seed",
+    "3",
+    "--device",
+    "cpu",
+]
+
+
+def _bridge_args(root) -> list[str]:
+    return ["train-bridge", "--layer", "2", "--extract", "latest", *TINY_PART, "--root", str(root)]
 
 
 def test_two_ranks_train_the_same_bridge_as_one_process(tiny_dirs, tmp_path):
     """Tolerance: per-step training loss within 1e-4 relative and EMA weights within 1e-5; the only
-    difference is the order in which gloo sums the two ranks' gradients."""
+    difference is the order in which gloo sums the two ranks' gradients. Rank 1's device is cpu:1
+    (tests/rank_devices.py), as a GPU rank's is cuda:1: the id must not see it."""
     single, dist = tmp_path / "single", tmp_path / "dist"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "dihal.cli",
-            "extract",
-            "--model",
-            str(tiny_dirs["llama"]),
-            "--max-sequences",
-            "40",
-            "--seq-len",
-            "16",
-            "--layers",
-            "0,2",
-            "--val-fraction",
-            "0.2",
-            "--device",
-            "cpu",
-            "--root",
-            str(single),
-        ],
-        check=True,
-        capture_output=True,
-        env=env,
-        cwd=ROOT,
-    )
+    _extract(tiny_dirs, single)
     shutil.copytree(single, dist)
-    one = subprocess.run(
-        [sys.executable, "-m", "dihal.cli", *_bridge_args(single)], capture_output=True, text=True, env=env, cwd=ROOT
-    )
-    assert one.returncode == 0, one.stderr[-2000:]
-    two = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nproc_per_node",
-            "2",
-            "--master_port",
-            "29541",
-            "-m",
-            "dihal.cli",
-            *_bridge_args(dist),
-        ],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=ROOT,
-    )
+    run_cli(*_bridge_args(single), env={"OMP_NUM_THREADS": "1"}, check=True)
+    two = torchrun(*_bridge_args(dist))
     assert two.returncode == 0, two.stderr[-3000:]
-    a, b = ArtifactStore(single).resolve("latest", "bridge"), ArtifactStore(dist).resolve("latest", "bridge")
-    assert a.id == b.id and b.manifest["metrics"]["world_size"] == 2 and a.manifest["metrics"]["world_size"] == 1
+    a, b = ArtifactStore(single).resolve("latest", "bridge"), ArtifactStore(dist).all("bridge")
+    assert [x.id for x in b] == [a.id] and b[0].complete, "both ranks must write one artifact, with one id"
+    b = b[0]
+    assert b.manifest["metrics"]["world_size"] == 2 and a.manifest["metrics"]["world_size"] == 1
+    assert b.manifest["environment"]["world_size"] == 2 and b.config["device"] == "cpu"
     log_a, log_b = files.read_jsonl(a.file("metrics.jsonl")), files.read_jsonl(b.file("metrics.jsonl"))
     assert [r["step"] for r in log_b] == list(range(1, 9))
     np.testing.assert_allclose([r["train_loss"] for r in log_b], [r["train_loss"] for r in log_a], rtol=1e-4)
@@ -338,6 +311,42 @@ def test_two_ranks_train_the_same_bridge_as_one_process(tiny_dirs, tmp_path):
     )
     for name in wa:
         torch.testing.assert_close(wb[name], wa[name], atol=1e-5, rtol=1e-4)
+
+
+def test_every_stage_under_torchrun_writes_one_artifact_with_one_id(tiny_dirs, tmp_path):
+    """extract, train-prior and train-decoder on two ranks whose devices are cpu:0 and cpu:1 (as
+    cuda:0 and cuda:1 on a GPU node): each makes exactly one complete artifact, whose config names
+    the device type only. Before the fix rank 1 hashed `cpu:1` into its own id and failed."""
+    root = tmp_path / "runs"
+    args = [
+        "--model",
+        str(tiny_dirs["llama"]),
+        "--max-sequences",
+        "40",
+        "--seq-len",
+        "16",
+        "--layers",
+        "0,2",
+        "--val-fraction",
+        "0.2",
+        "--device",
+        "cpu",
+        "--root",
+        str(root),
+    ]
+    proc = torchrun("extract", *args)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    store = ArtifactStore(root)
+    (extract,) = store.all("extract")
+    assert extract.complete and extract.config["device"] == "cpu" and extract.manifest["world_size"] == 2
+    no_depth = [a for i, a in enumerate(TINY_PART) if "--depth" not in TINY_PART[max(i - 1, 0) : i + 1]]
+    for command, stage in (("train-prior", "prior"), ("train-decoder", "decoder")):  # the decoder's depth is fixed
+        proc = torchrun(command, *(TINY_PART if stage == "prior" else no_depth), "--root", str(root))
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        made = store.all(stage)
+        assert len(made) == 1 and made[0].complete, f"{command}: {[(a.id, a.status) for a in made]}"
+        assert made[0].manifest["metrics"]["world_size"] == 2 and made[0].config["device"] == "cpu"
+        assert [r["step"] for r in files.read_jsonl(made[0].file("metrics.jsonl"))] == list(range(1, 9))
 
 
 def test_bfloat16_autocast_trains_on_cpu(tiny_dirs, root):
@@ -446,7 +455,8 @@ def test_sweep_scores_every_candidate_and_refuses_a_foreign_score(tiny_dirs, roo
 
 
 def test_a_sweep_under_torchrun_shards_layers_over_ranks(tiny_dirs, tmp_path):
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    """Each (layer, seed) bridge is trained once, by one rank, and rank 0 finds the others' in the
+    store: with rank 1 on cpu:1, its bridges must have the ids rank 0 looks for."""
     args = [
         "sweep",
         "--model",
@@ -476,29 +486,14 @@ def test_a_sweep_under_torchrun_shards_layers_over_ranks(tiny_dirs, tmp_path):
         "--root",
         str(tmp_path / "runs"),
     ]
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nproc_per_node",
-            "2",
-            "--master_port",
-            "29547",
-            "-m",
-            "dihal.cli",
-            *args,
-        ],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=ROOT,
-    )
+    proc = torchrun(*args)
     assert proc.returncode == 0, proc.stderr[-3000:]
     store = ArtifactStore(tmp_path / "runs")
     bridges = store.all("bridge")
     assert sorted((b.config["layer"], b.config["seed"]) for b in bridges) == [(1, 0), (1, 1), (2, 0), (2, 1)]
     assert all(b.complete and b.manifest["metrics"]["world_size"] == 1 for b in bridges)  # each by one rank
+    for b in bridges:  # trained once: three steps, never resumed or started again by another rank
+        assert [r["step"] for r in files.read_jsonl(b.file("metrics.jsonl"))] == [1, 2, 3] and not b.manifest["resumed"]
     # jobs (layer, seed) in order (1,0) (1,1) (2,0) (2,1): rank 1 takes the second and the fourth
     assert "rank 1, layer 1, seed 1" in proc.stderr and "rank 1, layer 2, seed 1" in proc.stderr
     assert sorted(s.config["normalize"] for s in store.all("score")) == ["none", "rms", "standardize"]
@@ -508,71 +503,58 @@ def test_a_sweep_under_torchrun_shards_layers_over_ranks(tiny_dirs, tmp_path):
 
 def test_a_killed_data_parallel_run_resumes_to_the_uninterrupted_weights(tiny_dirs, tmp_path):
     """Rank 0 is SIGKILLed after 6 of 8 steps (8 steps checkpoint every step: at least five a run);
-    torchrun takes rank 1 down;
-    the same command resumes both ranks from the checkpoint and ends where an uninterrupted
-    two-rank run ends."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    first = tmp_path / "first"
-    subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "dihal.cli",
-            "extract",
-            "--model",
-            str(tiny_dirs["llama"]),
-            "--max-sequences",
-            "40",
-            "--seq-len",
-            "16",
-            "--layers",
-            "0,2",
-            "--val-fraction",
-            "0.2",
-            "--device",
-            "cpu",
-            "--root",
-            str(first),
-        ],
-        check=True,
-        capture_output=True,
-        env=env,
-        cwd=ROOT,
-    )
-    again = tmp_path / "again"
+    torchrun takes rank 1 down. The same command resumes both ranks at step 6 (a rank that started
+    again at 0 would wait for the other forever: the timeout catches that) and ends where an
+    uninterrupted two-rank run ends."""
+    first, again = tmp_path / "first", tmp_path / "again"
+    _extract(tiny_dirs, first)
     shutil.copytree(first, again)
-    args = _bridge_args(first)[:-2]
-
-    def torchrun(entry: list[str], root, port: int):
-        return subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "torch.distributed.run",
-                "--nproc_per_node",
-                "2",
-                "--master_port",
-                str(port),
-                *entry,
-                *args,
-                "--root",
-                str(root),
-            ],
-            capture_output=True,
-            text=True,
-            env=env,
-            cwd=ROOT,
-        )
-
-    killed = torchrun(["-m", "tests.kill_after", "6"], first, 29551)
+    killed = torchrun(*_bridge_args(first), kill_after=6)
     assert killed.returncode != 0
-    partial = ArtifactStore(first).all("bridge")[0]
+    (partial,) = ArtifactStore(first).all("bridge")
     assert partial.status == "running" and files.load_state(partial.path)["step"] == 6
-    resumed = torchrun(["-m", "dihal.cli"], first, 29552)
+    resumed = torchrun(*_bridge_args(first), timeout=180)
     assert resumed.returncode == 0 and "resuming bridge L2 training at step 6" in resumed.stderr, resumed.stderr[-2000:]
-    whole = torchrun(["-m", "dihal.cli"], again, 29553)
+    (done,) = ArtifactStore(first).all("bridge")
+    assert [r["step"] for r in files.read_jsonl(done.file("metrics.jsonl"))] == list(range(1, 9))
+    whole = torchrun(*_bridge_args(again))
     assert whole.returncode == 0, whole.stderr[-2000:]
-    a = files.load_tensors(ArtifactStore(first).resolve("latest", "bridge").file("weights_ema.safetensors"))
+    a = files.load_tensors(done.file("weights_ema.safetensors"))
     b = files.load_tensors(ArtifactStore(again).resolve("latest", "bridge").file("weights_ema.safetensors"))
     for name in a:
         torch.testing.assert_close(a[name], b[name], atol=1e-6, rtol=1e-5)
+
+
+def test_an_indexed_device_under_torchrun_is_one_line_and_ids_record_the_type(monkeypatch, tiny_dirs, root):
+    from dihal.stages.runtime import dist
+
+    base = ["extract", "--model", str(tiny_dirs["llama"]), "--max-sequences", "8", "--dry-run"]
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    res = invoke(*base, "--device", "cuda:1")
+    assert res.exit_code == 2 and "Traceback" not in res.output
+    assert res.output.strip().splitlines()[-1] == (
+        "error: --device cuda:1 under torchrun would put every rank on one GPU; give --device cuda "
+        "(rank r takes the GPU of its LOCAL_RANK)"
+    )
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert dist.device_type("cuda:3") == "cuda" and dist.join("cpu") == "cpu"
+    for bad, says in (("cuda:x", "unknown --device 'cuda:x'"), ("cpu:1", "unknown --device 'cpu:1'")):
+        res = invoke(*base, "--device", bad)
+        assert res.exit_code == 2 and says in res.output
+    for value in ("0", "-5", "nan", "inf"):
+        res = invoke("--dist-timeout", value, *base)
+        assert res.exit_code == 2 and "--dist-timeout must be a positive number of minutes" in res.output
+
+
+def test_a_missing_gpu_index_is_one_line(monkeypatch):
+    from dihal.artifacts.errors import DihalError
+    from dihal.stages.lm import models
+
+    monkeypatch.setattr(models.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(models.torch.cuda, "device_count", lambda: 2)
+    assert models.resolve_device("cuda:1") == "cuda:1"
+    with pytest.raises(DihalError, match=r"--device cuda:2 asked for, but torch sees 2 GPU\(s\): cuda:0..cuda:1"):
+        models.resolve_device("cuda:2")
+    monkeypatch.setattr(models.torch.cuda, "is_available", lambda: False)
+    with pytest.raises(DihalError, match="torch sees no CUDA device; use --device cpu"):
+        models.resolve_device("cuda")

@@ -61,21 +61,32 @@ class LoadedModel:
 
 
 def resolve_device(device: str, check: bool = True) -> str:
-    """'auto' -> cuda when torch sees one, else cpu; check=False (dry runs) skips the availability check."""
+    """'auto' -> cuda when torch sees one, else cpu; cuda:N is checked against the GPUs torch sees.
+    check=False (dry runs) skips the availability checks."""
     if device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
-    if check and device.startswith("cuda") and not torch.cuda.is_available():
-        raise DihalError(f"--device {device} asked for, but torch sees no CUDA device; use --device cpu")
-    if device != "cpu" and not device.startswith("cuda") and device != "mps":
+    kind, _, index = device.partition(":")
+    if kind not in ("cpu", "cuda", "mps") or (index and (kind != "cuda" or not index.isdigit())):
         raise DihalError(f"unknown --device '{device}'; use auto, cpu, cuda or cuda:N")
+    if check and kind == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise DihalError(f"--device {device} asked for, but torch sees no CUDA device; use --device cpu")
+        if index and int(index) >= count:
+            raise DihalError(f"--device {device} asked for, but torch sees {count} GPU(s): cuda:0..cuda:{count - 1}")
     return device
+
+
+def native_bfloat16(device: str) -> bool:
+    """bfloat16 in hardware (compute capability 8.0+: A100, H100, ...); V100 and T4 only emulate it, slowly."""
+    if not device.startswith("cuda") or not torch.cuda.is_available():
+        return False
+    return torch.cuda.get_device_capability(torch.device(device)) >= (8, 0)
 
 
 def resolve_dtype(dtype: str, device: str) -> torch.dtype:
     if dtype == "auto":
-        if device.startswith("cuda") and torch.cuda.is_bf16_supported():
-            return torch.bfloat16
-        return torch.float32
+        return torch.bfloat16 if native_bfloat16(device) else torch.float32
     if dtype not in DTYPES:
         raise DihalError(f"unknown --dtype '{dtype}'; use auto, float32, bfloat16 or float16")
     return DTYPES[dtype]

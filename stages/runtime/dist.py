@@ -2,25 +2,67 @@
 
 Outside torchrun (WORLD_SIZE unset or 1) nothing here starts a group: rank 0 of a world of 1.
 Inside `local()` every rank works on its own (a sweep shards layers over ranks, not batches).
+
+Devices. A config records the device *type* (`cpu`, `cuda`), never an index: every rank of a
+torchrun job must compute the same artifact ids, and so must a run on GPU 0 and one on GPU 3.
+The index lives in torch's current device instead: `join` makes the rank's GPU (`cuda:<LOCAL_RANK>`)
+current, or `cuda:N` for one process, so that `cuda` means that GPU everywhere after it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import datetime
 import os
 
+import torch
 import torch.distributed as dist
+
+from dihal.artifacts.errors import DihalError
+from dihal.stages.configs import DIST_TIMEOUT_ENV, DIST_TIMEOUT_MINUTES
 
 _LOCAL = {"depth": 0}
 
 
+def launched() -> bool:
+    """Started by torchrun with more than one process."""
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1
+
+
+def device_type(device: str) -> str:
+    """'cuda:1' -> 'cuda': what a config records."""
+    return device.split(":")[0]
+
+
+def timeout_minutes() -> float:
+    return float(os.environ.get(DIST_TIMEOUT_ENV, DIST_TIMEOUT_MINUTES))
+
+
+def check(device: str) -> None:
+    """An indexed --device under torchrun would put every rank on the same GPU."""
+    if launched() and ":" in device:
+        raise DihalError(
+            f"--device {device} under torchrun would put every rank on one GPU; give --device "
+            f"{device_type(device)} (rank r takes the GPU of its LOCAL_RANK)"
+        )
+
+
 def join(device: str) -> str:
-    """Under torchrun, join the process group (NCCL on CUDA, Gloo on CPU) and give each rank its own
-    GPU; returns the rank's device. A no-op otherwise."""
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
-        dist.init_process_group("nccl" if device.startswith("cuda") else "gloo")
+    """The device this process computes on, made current: under torchrun, `cuda` becomes
+    cuda:<LOCAL_RANK> and the process group is joined (NCCL with the rank's device and
+    --dist-timeout, Gloo on CPU); one process with cuda:N makes GPU N current."""
+    check(device)
+    if launched():
         if device == "cuda":
             device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
+        if not dist.is_initialized():
+            kwargs: dict = {"timeout": datetime.timedelta(minutes=timeout_minutes())}
+            if device.startswith("cuda"):
+                torch.cuda.set_device(torch.device(device))
+                kwargs["device_id"] = torch.device(device)
+            dist.init_process_group("nccl" if device.startswith("cuda") else "gloo", **kwargs)
+    elif device.startswith("cuda:"):
+        torch.cuda.set_device(torch.device(device))
     return device
 
 
