@@ -23,7 +23,7 @@ from dihal.artifacts.store import Artifact, ArtifactStore, artifact_id
 from dihal.stages.configs import ExtractConfig, parse_layers
 from dihal.stages.lineage import same_model
 from dihal.stages.lm.capture import capture_layers, run_capture
-from dihal.stages.lm.models import LoadedModel, check_remote_code, load_model, locate
+from dihal.stages.lm.models import LoadedModel, check_remote_code, load_model, locate, not_finite
 from dihal.stages.runtime import dist
 from dihal.stages.runtime.progress import NullProgress, Progress
 from dihal.stages.text import data as data_mod
@@ -150,6 +150,15 @@ def check_float16(layer: int, values: torch.Tensor, chosen: str) -> None:
         )
 
 
+def check_finite(states: dict[int, torch.Tensor], loaded: LoadedModel) -> dict[int, torch.Tensor]:
+    """Every captured layer finite, in any dtype (a float16 backbone stops at its block already,
+    stages/lm/models.py guard_float16); nothing non-finite is ever stored."""
+    for layer, values in states.items():
+        if not torch.isfinite(values).all():
+            raise not_finite(layer, loaded.identity["name"], loaded.identity["dtype"])
+    return states
+
+
 MAX_SCALE_EXP = 16  # auto: a float16 layer is stored divided by at most 2^16, else float32
 
 
@@ -230,7 +239,8 @@ def run(
             if not (zarr_path / "zarr.json").exists():
                 first = torch.from_numpy(packed.input_ids[: cfg.batch_size].astype(np.int64)).to(loaded.device)
                 with torch.no_grad(), capture_layers(loaded.model, layers) as captured:
-                    dtypes, scales = choose_storage(run_capture(loaded.model, captured, first), cfg.store_dtype)
+                    first_states = check_finite(run_capture(loaded.model, captured, first), loaded)
+                    dtypes, scales = choose_storage(first_states, cfg.store_dtype)
                 building = zarr_path.with_name("hidden.zarr.tmp")  # renamed once split and pool are in
                 shutil.rmtree(building, ignore_errors=True)
                 group = hs.create(
@@ -324,7 +334,7 @@ def _extract_chunks(
             start, stop = chunks[index]
             ids = torch.from_numpy(input_ids[start:stop].astype(np.int64)).to(device)
             mask = torch.ones_like(ids)
-            states = run_capture(loaded.model, captured, ids, mask)
+            states = check_finite(run_capture(loaded.model, captured, ids, mask), loaded)
             arrays, pool, samples, starts = {}, hs.pool_rows(group, index, start), {}, {}
             for layer in layers:
                 values = states[layer].to("cpu", torch.float32).numpy()

@@ -348,3 +348,60 @@ def test_disk_estimate_refuses_when_space_is_short(tiny_dirs, root, monkeypatch)
         "extract", "--model", str(tiny_dirs["llama"]), "--max-sequences", "8", "--seq-len", "16", "--device", "cpu"
     )
     assert res.exit_code == 2 and "GiB free" in res.output and "--force" in res.output
+
+
+@pytest.fixture(scope="module")
+def overflowing(tmp_path_factory):
+    """A tiny llama whose block 2 writes values past float16's 65504 (as gemma3-270m's layers 8-18 do)."""
+    from tests.conftest import build_tiny
+
+    model, tok = build_tiny("llama")
+    with torch.no_grad():
+        model.model.layers[1].mlp.down_proj.weight.mul_(1e6)
+    path = tmp_path_factory.mktemp("tiny-overflow")
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+def test_a_float16_overflow_stops_with_the_layer_and_the_dtype_to_use(overflowing, root):
+    base = ["--model", str(overflowing), "--max-sequences", "8", "--seq-len", "16", "--device", "cpu"]
+    res = invoke("extract", *base, "--dtype", "float16")
+    assert res.exit_code == 2 and "Traceback" not in res.output
+    assert res.output.strip().splitlines()[-1] == (
+        f"error: layer 2 of {overflowing.name} is not finite in float16 (its states pass float16's range of "
+        "65504); rerun with --dtype bfloat16 or float32"
+    )
+    (failed,) = ArtifactStore(root).all("extract")
+    assert failed.status == "failed" and "layer 2" in failed.manifest["error"]
+    zarr_dir = failed.path / "hidden.zarr"
+    assert not zarr_dir.exists() or not hs.committed_chunks(hs.open_group(zarr_dir)).any()
+    # any stage that reads the model in float16 says the same, here the backbone's own samples
+    res = invoke(
+        "generate",
+        "--baseline",
+        "original-only",
+        "--model",
+        str(overflowing),
+        "--num-samples",
+        "2",
+        "--max-new-tokens",
+        "4",
+        "--device",
+        "cpu",
+        "--dtype",
+        "float16",
+    )
+    assert res.exit_code == 2 and "layer 2 of" in res.output and "--dtype bfloat16 or float32" in res.output
+    assert invoke("extract", *base, "--dtype", "float32").exit_code == 0  # the cure it names works
+
+
+def test_an_extract_that_stored_non_finite_states_is_refused_by_training(tmp_path):
+    from dihal.artifacts.errors import DihalError
+    from dihal.stages.diffusion.normalizer import Normalizer
+
+    group = hs.create(tmp_path / "h.zarr", [0, 3], 4, 5, 2, {0: "float32", 3: "float32"}, 2, {})
+    group["layers/0"][:] = 1.0
+    group["layers/3"][:] = np.nan  # what a float16 extract of gemma3-270m stored at layer 12 before the check
+    with pytest.raises(DihalError, match="layer 3 of this extract holds non-finite states"):
+        Normalizer.fit(group, 0, 3, np.arange(4))

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from dihal.artifacts import hidden_states as hs
+from dihal.artifacts.errors import DihalError
 
 
 class RunningMoments:
@@ -61,6 +62,12 @@ class Normalizer:
             y.add(target[:, start:])
             c.add(cond[:, start:])
             pos0 += target[:, 0].astype(np.float64).sum(axis=0)
+        for layer, moments in ((target_layer, y), (cond_layer, c)):
+            if not (np.isfinite(moments.mean).all() and np.isfinite(moments.m2).all()):
+                raise DihalError(
+                    f"layer {layer} of this extract holds non-finite states (a float16 backbone past its range); "
+                    "extract it again with --dtype bfloat16 or float32"
+                )
         as_t = lambda a: torch.from_numpy(np.asarray(a)).float()  # noqa: E731
         floor = lambda s: np.maximum(s, 1e-6)  # noqa: E731
         return Normalizer(

@@ -18,7 +18,7 @@ class _StopForward(Exception):
     pass
 
 
-def _first_tensor(value):
+def first_tensor(value):
     if isinstance(value, torch.Tensor):
         return value
     if isinstance(value, (tuple, list)):
@@ -44,7 +44,7 @@ def capture_layers(
 
     def make_hook(layer: int):
         def hook(module, args, output):
-            captured[layer] = _first_tensor(output).detach()
+            captured[layer] = first_tensor(output).detach()
             if stop_early and layer == deepest:
                 raise _StopForward
 

