@@ -131,6 +131,7 @@ class BridgeTask:
     def __init__(self, group, cfg: BridgeConfig, norm: Normalizer, start: int, prior=None):
         """prior: a trained stages.prior.Prior whose estimates corrupt c (--condition-noise prior:T)."""
         self.group, self.cfg, self.norm, self.start, self.prior = group, cfg, norm, start, prior
+        self.on_device = norm.to(cfg.device)  # the loss normalizes where it trains
         self.train_seqs = hs.split_indices(group, "train")
         self.n_train, self.chunk = len(self.train_seqs), int(group.attrs["chunk_seqs"])
         self.tokens_per_item = group["input_ids"].shape[1] - start
@@ -146,17 +147,18 @@ class BridgeTask:
         seqs = self.train_seqs[positions]
         return {"c": hs.read_sequences(self.group, 0, seqs), "y": hs.read_sequences(self.group, self.cfg.layer, seqs)}
 
-    def loss(self, net, batch, gens, device) -> torch.Tensor:
-        c = self.norm.c(torch.from_numpy(batch["c"][:, self.start :].astype(np.float32))).to(device)
-        y = self.norm.y(torch.from_numpy(batch["y"][:, self.start :].astype(np.float32))).to(device)
-        t = torch.stack([torch.rand((), generator=g) for g in gens]).to(device)
-        eps = torch.stack([torch.randn(y.shape[1:], generator=g) for g in gens]).to(device)
+    def loss(self, net, batch, draws, device) -> torch.Tensor:
+        norm = self.on_device
+        c = norm.c(torch.from_numpy(batch["c"][:, self.start :].astype(np.float32)).to(device))
+        y = norm.y(torch.from_numpy(batch["y"][:, self.start :].astype(np.float32)).to(device))
+        t = draws.rand()
+        eps = draws.randn(*y.shape[1:])
         if self.prior is not None:  # positions 1..T' only: the prior does not model position 0
-            raw = torch.from_numpy(batch["c"][:, 1:].astype(np.float32))
-            estimate = self.norm.c(self.prior.corrupt(raw, self.cfg.condition_noise, gens).cpu())
-            c = torch.cat([c[:, : 1 - self.start].cpu(), estimate], dim=1).to(device)
+            raw = torch.from_numpy(batch["c"][:, 1:].astype(np.float32)).to(device)
+            estimate = norm.c(self.prior.corrupt(raw, self.cfg.condition_noise, draws))
+            c = torch.cat([c[:, : 1 - self.start], estimate], dim=1)
         else:
-            c = flow.corrupt(c.cpu(), self.cfg.condition_noise, gens).to(device)
+            c = flow.corrupt(c, self.cfg.condition_noise, draws)
         out = net(flow.noisy(y, eps, t), t, c)
         return ((out.float() - flow.training_target(y, eps, self.cfg.prediction)) ** 2).mean(dim=(1, 2)).sum()
 

@@ -26,7 +26,7 @@ from dihal.artifacts.errors import DihalError
 from dihal.artifacts.store import Artifact, ArtifactStore
 from dihal.stages.configs import DECODER_DEPTH, DecoderTrainConfig, part_hash
 from dihal.stages.diffusion import trainer
-from dihal.stages.diffusion.cross_decoder import CrossDecoder, DecoderConfig
+from dihal.stages.diffusion.cross_decoder import VAL_BATCH, CrossDecoder, DecoderConfig, teacher_forced
 from dihal.stages.diffusion.flow import corrupt
 from dihal.stages.diffusion.normalizer import Normalizer
 from dihal.stages.diffusion.trainer import distributed
@@ -48,6 +48,7 @@ class DecoderTask:
     def __init__(self, group, cfg: DecoderTrainConfig, norm: Normalizer, prior=None):
         """prior: a trained stages.prior.Prior whose estimates corrupt e (--condition-noise prior:T)."""
         self.group, self.cfg, self.norm, self.prior = group, cfg, norm, prior
+        self.on_device = norm.to(cfg.device)  # the prior's estimates are normalized where it trains
         self.train_seqs = hs.split_indices(group, "train")
         self.n_train, self.chunk = len(self.train_seqs), int(group.attrs["chunk_seqs"])
         self.tokens_per_item = group["input_ids"].shape[1] - 1
@@ -63,24 +64,28 @@ class DecoderTask:
     def condition(self, raw: np.ndarray) -> torch.Tensor:
         return self.norm.c(torch.from_numpy(raw[:, 1:].astype(np.float32)))
 
-    def loss(self, net, batch, gens, device) -> torch.Tensor:
+    def loss(self, net, batch, draws, device) -> torch.Tensor:
         if self.prior is not None:
-            raw = torch.from_numpy(batch["c"][:, 1:].astype(np.float32))
-            e = self.norm.c(self.prior.corrupt(raw, self.cfg.condition_noise, gens).cpu()).to(device)
+            raw = torch.from_numpy(batch["c"][:, 1:].astype(np.float32)).to(device)
+            e = self.on_device.c(self.prior.corrupt(raw, self.cfg.condition_noise, draws))
         else:
-            e = corrupt(self.condition(batch["c"]), self.cfg.condition_noise, gens).to(device)
+            e = corrupt(self.condition(batch["c"]).to(device), self.cfg.condition_noise, draws)
         ids = torch.from_numpy(batch["ids"].astype(np.int64)).to(device)
         logits = net(ids[:, :-1], e).float()
         per_token = F.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none")
         return per_token.mean(dim=1).sum()
 
-    @torch.no_grad()
     def validate(self, net) -> float:
-        """Token cross-entropy on clean validation conditions (teacher forced)."""
+        """Token cross-entropy on clean validation conditions (teacher forced), VAL_BATCH sequences at a
+        time and the logits in slices (cross_decoder.teacher_forced)."""
         device = next(net.parameters()).device
-        e = self.condition(self.val["c"]).to(device)
-        ids = torch.from_numpy(self.val["ids"].astype(np.int64)).to(device)
-        return float(F.cross_entropy(net(ids[:, :-1], e).float().transpose(1, 2), ids[:, 1:]))
+        nll, count = 0.0, 0
+        for s in range(0, len(self.val["ids"]), VAL_BATCH):
+            e = self.condition(self.val["c"][s : s + VAL_BATCH]).to(device)
+            ids = torch.from_numpy(self.val["ids"][s : s + VAL_BATCH].astype(np.int64)).to(device)
+            batch_nll, _, tokens = teacher_forced(net, ids, e)
+            nll, count = nll + batch_nll, count + tokens
+        return nll / count
 
 
 def unigram_entropy(ids: np.ndarray) -> float:

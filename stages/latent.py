@@ -32,7 +32,7 @@ from dihal.artifacts.errors import DihalError
 from dihal.artifacts.store import Artifact, ArtifactStore
 from dihal.stages.configs import DECODER_DEPTH, AutoencoderConfig
 from dihal.stages.diffusion import trainer
-from dihal.stages.diffusion.cross_decoder import Attention, CrossDecoder, DecoderConfig
+from dihal.stages.diffusion.cross_decoder import VAL_BATCH, Attention, CrossDecoder, DecoderConfig, teacher_forced
 from dihal.stages.diffusion.normalizer import Normalizer
 from dihal.stages.diffusion.trainer import distributed
 from dihal.stages.lm import decoding
@@ -118,19 +118,23 @@ class AutoencoderTask:
     def states(self, raw: np.ndarray) -> torch.Tensor:
         return self.norm.y(torch.from_numpy(raw[:, 1:].astype(np.float32)))
 
-    def loss(self, net, batch, gens, device) -> torch.Tensor:
+    def loss(self, net, batch, draws, device) -> torch.Tensor:
         ids = torch.from_numpy(batch["ids"].astype(np.int64)).to(device)
         logits = net(ids[:, :-1], self.states(batch["h"]).to(device)).float()
         return F.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none").mean(dim=1).sum()
 
     @torch.no_grad()
     def scores(self, net) -> tuple[float, float]:
-        """(cross-entropy, token accuracy) on the validation sequences, teacher forced from their latents."""
+        """(cross-entropy, token accuracy) on the validation sequences, teacher forced from their latents,
+        VAL_BATCH sequences at a time and the logits in slices (cross_decoder.teacher_forced)."""
         device = next(net.parameters()).device
-        ids = torch.from_numpy(self.val["ids"].astype(np.int64)).to(device)
-        logits = net(ids[:, :-1], self.states(self.val["h"]).to(device)).float()
-        ce = float(F.cross_entropy(logits.transpose(1, 2), ids[:, 1:]))
-        return ce, float((logits.argmax(-1) == ids[:, 1:]).float().mean())
+        nll, hits, count = 0.0, 0, 0
+        for s in range(0, len(self.val["ids"]), VAL_BATCH):
+            ids = torch.from_numpy(self.val["ids"][s : s + VAL_BATCH].astype(np.int64)).to(device)
+            latents = net.resampler(self.states(self.val["h"][s : s + VAL_BATCH]).to(device))
+            batch = teacher_forced(net.decoder, ids, latents)
+            nll, hits, count = nll + batch[0], hits + batch[1], count + batch[2]
+        return nll / count, hits / count
 
     def validate(self, net) -> float:
         return self.scores(net)[0]

@@ -75,14 +75,14 @@ class PriorTask:
     def read(self, positions: np.ndarray) -> dict[str, np.ndarray]:
         return {"y": hs.read_sequences(self.group, self.cfg.layer, self.train_seqs[positions])}
 
-    def loss(self, net, batch, gens, device) -> torch.Tensor:
+    def loss(self, net, batch, draws, device) -> torch.Tensor:
         y = self.normalize(batch["y"]).to(device)
-        t = torch.stack([torch.rand((), generator=g) for g in gens]).to(device)
-        eps = torch.stack([torch.randn(y.shape[1:], generator=g) for g in gens]).to(device)
+        t = draws.rand()
+        eps = draws.randn(*y.shape[1:])
         x_t = flow.noisy(y, eps, t)
         x0_prev = None
         if self.cfg.self_condition:  # SED: half the sequences see a first pass's estimate
-            use = torch.stack([torch.rand((), generator=g) < 0.5 for g in gens]).to(device)
+            use = draws.rand() < 0.5
             with torch.no_grad():
                 first = net(x_t, t, x0_prev=torch.zeros_like(y)).float()
             x0_prev = torch.where(use[:, None, None], first, torch.zeros_like(first))
@@ -248,14 +248,14 @@ class Prior:
         return torch.cat(out)
 
     @torch.no_grad()
-    def corrupt(self, raw: torch.Tensor, t_max: float, gens: list[torch.Generator]) -> torch.Tensor:
+    def corrupt(self, raw: torch.Tensor, t_max: float, draws) -> torch.Tensor:
         """Section 5's `prior:T` conditions: raw states (B, T', D) at positions 1..T' -> the prior's own
         x0 estimate (raw units, no gradient) from them noised to t ~ U(0, t_max) per sequence: errors
         of the kind generation feeds a recovery. Drawn after the item's other draws, as flow.corrupt."""
         device = next(self.net.parameters()).device
         e = ((raw.to(device) - self.mu) / self.sigma).float()
-        t = torch.stack([torch.rand((), generator=g) * t_max for g in gens]).to(device)
-        eps = torch.stack([torch.randn(e.shape[1:], generator=g) for g in gens]).to(device)
+        t = draws.rand().to(device) * t_max
+        eps = draws.randn(*e.shape[1:]).to(device)
         x0_prev = torch.zeros_like(e) if self.self_condition else None
         y_hat = self.net(flow.noisy(e, eps, t), t, x0_prev=x0_prev).float()
         return y_hat * self.sigma + self.mu

@@ -14,6 +14,7 @@ import torch
 from dihal.artifacts.store import ArtifactStore
 from dihal.stages.diffusion import flow
 from dihal.stages.diffusion.denoiser import Denoiser, DenoiserConfig
+from dihal.stages.diffusion.draws import ItemDraws
 from dihal.stages.diffusion.normalizer import Normalizer
 from dihal.stages.prior import Prior, PriorTask, nearest
 from tests.conftest import ROOT as REPO
@@ -43,10 +44,9 @@ def _toy_prior(self_condition: bool, steps: int = 500):
     opt = torch.optim.AdamW(net.parameters(), lr=3e-3)
     losses = []
     for step in range(steps):
-        gens = [torch.Generator().manual_seed(step * 1000 + i) for i in range(64)]
-        pick = torch.stack([torch.randint(0, 3, (), generator=g) for g in gens])
+        pick = torch.randint(0, 3, (64,), generator=torch.Generator().manual_seed(step))
         raw = torch.cat([torch.zeros(64, 1, 2), TEMPLATES[pick]], dim=1).numpy()  # position 0 is dropped
-        loss = task.loss(net, {"y": raw}, gens, torch.device("cpu")) / 64
+        loss = task.loss(net, {"y": raw}, ItemDraws(7, step, np.arange(64)), torch.device("cpu")) / 64
         opt.zero_grad()
         loss.backward()
         opt.step()
@@ -91,7 +91,7 @@ def test_prior_conditions_are_the_priors_own_estimates_from_noise_up_to_t():
     further (it must guess the template); the draws repeat with the generators' seeds."""
     prior, _ = _toy_prior(False, steps=300)
     raw = TEMPLATES[[0, 1, 2, 0, 1, 2]]
-    gens = lambda: [torch.Generator().manual_seed(i) for i in range(6)]  # noqa: E731
+    gens = lambda: ItemDraws(0, 0, np.arange(6))  # noqa: E731
     near = prior.corrupt(raw, 1e-3, gens())
     far = prior.corrupt(raw, 1.0, gens())
     assert (near - raw).abs().max() < 0.3
@@ -206,16 +206,15 @@ def test_decoder_learns_the_toy_set_to_99_percent(tiny_dirs, root):
 
 
 def test_condition_noise_corrupts_per_sequence_within_sigma_max():
-    gens = [torch.Generator().manual_seed(i) for i in range(200)]
     c = torch.zeros(200, 30, 4)
-    noisy = flow.corrupt(c, 0.5, gens)
+    noisy = flow.corrupt(c, 0.5, ItemDraws(0, 0, np.arange(200)))
     per_seq_std = noisy.std(dim=(1, 2))
     assert (
         per_seq_std.max() < 0.5 * 1.3
         and per_seq_std.min() < 0.05
         and per_seq_std.mean() == pytest.approx(0.25, abs=0.04)
     )
-    assert torch.equal(flow.corrupt(c, 0.0, gens), c)
+    assert torch.equal(flow.corrupt(c, 0.0, ItemDraws(0, 0, np.arange(200))), c)
 
 
 # -- through the CLI -----------------------------------------------------------------------------------------

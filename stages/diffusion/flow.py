@@ -59,10 +59,10 @@ def sample(
     return x
 
 
-def corrupt(c: torch.Tensor, sigma_max: float, gens: list[torch.Generator]) -> torch.Tensor:
-    """c + sigma z, sigma ~ U(0, sigma_max) per sequence (drawn after the item's other draws)."""
+def corrupt(c: torch.Tensor, sigma_max: float, draws) -> torch.Tensor:
+    """c + sigma z, sigma ~ U(0, sigma_max) per sequence (drawn after the item's other draws, on c's device)."""
     if sigma_max <= 0:
         return c
-    sigma = torch.stack([torch.rand((), generator=g) * sigma_max for g in gens])
-    z = torch.stack([torch.randn(c.shape[1:], generator=g) for g in gens])
+    sigma = draws.rand() * sigma_max
+    z = draws.randn(*c.shape[1:])
     return c + sigma[:, None, None] * z

@@ -5,8 +5,8 @@ The loop knows nothing of bridges. A stage hands it a Task:
     task.n_train                      how many training sequences there are
     task.chunk                        sequences per storage chunk (reads are grouped by chunk)
     task.read(positions)              raw arrays for those training sequences (one sorted read)
-    task.loss(net, batch, gens, dev)  the SUM over the batch's items of each item's mean loss;
-                                      item i draws its randomness (t, noise) from gens[i] only
+    task.loss(net, batch, draws, dev) the SUM over the batch's items of each item's mean loss;
+                                      its randomness (t, noise) from `draws` (stages/diffusion/draws.py)
     task.validate(net)                one deterministic number (lower is better)
 
 and the loop owns the rest, once for every task:
@@ -16,10 +16,12 @@ and the loop owns the rest, once for every task:
   `shuffle_window` sequences (so reads stay chunk-local while the order is random). Epoch e's
   order depends only on (seed, e). `steps` (or `epochs` x ceil(n_train / batch)) steps run;
   a step takes the next `batch_size` sequences of the order, crossing epochs as needed.
-- **Randomness.** Item j of step s draws from a generator seeded by (seed, s, j), so a run
-  resumed at step s, or split over ranks, draws exactly what one uninterrupted process would.
+- **Randomness.** Item j of step s draws from a stream determined by (seed, s, j), so a run
+  resumed at step s, or split over ranks, draws exactly what one uninterrupted process would; on a
+  GPU the draws are made on the device (stages/diffusion/draws.py).
 - **Data-parallel.** Under torchrun (a process group is initialized), rank r takes items
-  r, r+W, ... of each global batch, reads only those, and gradients are all-reduced by DDP.
+  r, r+W, ... of each global batch, reads only those, and gradients are all-reduced by DDP
+  (buffers are not broadcast: the decoder's frozen V x D table is one, 2 GB at 8B).
   The loss is scaled so that the all-reduced gradient equals the single-process gradient of
   the same global batch. Rank 0 validates, checkpoints and logs.
 - **Schedules that fit the run.** Warm-up is at most a tenth of the run and a run checkpoints
@@ -51,6 +53,8 @@ from torch import nn
 from dihal.artifacts import files
 from dihal.artifacts.errors import DihalError
 from dihal.stages.configs import LoopConfig
+from dihal.stages.diffusion import draws
+from dihal.stages.diffusion.draws import Draws
 from dihal.stages.runtime.dist import barrier, distributed, local  # noqa: F401  (stages use trainer.local())
 from dihal.stages.runtime.progress import Progress
 
@@ -68,7 +72,7 @@ class Task(Protocol):
     def read(self, positions: np.ndarray) -> dict[str, np.ndarray]: ...
 
     def loss(
-        self, net: nn.Module, batch: dict[str, np.ndarray], gens: list[torch.Generator], device: torch.device
+        self, net: nn.Module, batch: dict[str, np.ndarray], draws: Draws, device: torch.device
     ) -> torch.Tensor: ...
 
     def validate(self, net: nn.Module) -> float: ...
@@ -113,10 +117,6 @@ class Schedule:
         """The global batch of step `step`: positions into the training sequences."""
         epoch, k = divmod(step, self.per_epoch)
         return self._order(epoch)[k * self.batch : (k + 1) * self.batch]
-
-
-def item_generators(seed: int, step: int, slots: np.ndarray) -> list[torch.Generator]:
-    return [torch.Generator().manual_seed(int(seed) * 1_000_003 + step * 4099 + int(j)) for j in slots]
 
 
 class Loader:
@@ -243,7 +243,7 @@ def train(task: Task, net: nn.Module, cfg: LoopConfig, directory: Path, progress
         if rank == 0:
             files.write_jsonl(metrics_path, log)
             progress.log(f"resuming {name} training at step {first_step} of {total}")
-    model = nn.parallel.DistributedDataParallel(net) if world > 1 else net
+    model = nn.parallel.DistributedDataParallel(net, broadcast_buffers=False) if world > 1 else net
     loader = Loader(task, schedule, rank, world, first_step)
     if rank == 0:
         progress.start(name, total - first_step, "step")
@@ -257,7 +257,7 @@ def train(task: Task, net: nn.Module, cfg: LoopConfig, directory: Path, progress
             for group in optimizer.param_groups:
                 group["lr"] = lr
             with autocast(cfg.precision, device):
-                summed = task.loss(model, batch, item_generators(cfg.seed, step, slots), device)
+                summed = task.loss(model, batch, draws.for_step(cfg.seed, step, slots, global_size, device), device)
             # DDP averages gradients over ranks; scaling by world / global size makes the result the
             # gradient of the global batch's mean loss, as one process would compute it
             loss = summed.float() * (weight * world / global_size)
