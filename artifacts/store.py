@@ -434,6 +434,16 @@ class ArtifactStore:
                 )
                 art.fail(message)
                 raise DihalError(message) from None
+            except RuntimeError as exc:
+                if not out_of_gpu_memory(exc):
+                    raise
+                batch = config.get("batch_size")
+                message = (
+                    f"out of GPU memory in {COMMANDS.get(stage, stage)}{f' at batch {batch}' if batch else ''}; "
+                    "lower --train-batch / --batch-size, then rerun the same command to resume"
+                )
+                art.fail(message)
+                raise DihalError(message) from None
 
     def cached(self, stage: str, config: dict, parents: dict[str, str], *, force: bool = False) -> Artifact | None:
         """The complete artifact for this config and parents, or None (always None under --force)."""
@@ -442,6 +452,11 @@ class ArtifactStore:
         art = self.load(stage, artifact_id(stage, config, parents))
         art.reused = art.complete
         return art if art.complete else None
+
+
+def out_of_gpu_memory(exc: BaseException) -> bool:
+    """torch.cuda.OutOfMemoryError (bad input like any other: the batch did not fit the GPU)."""
+    return type(exc).__name__ == "OutOfMemoryError" and type(exc).__module__.startswith("torch")
 
 
 def _reason(exc: OSError) -> str:

@@ -21,6 +21,7 @@ from rich.progress import (
 )
 
 from dihal.artifacts.errors import DihalError
+from dihal.artifacts.store import out_of_gpu_memory
 from dihal.cli.tables import fmt
 
 console = Console()
@@ -166,6 +167,16 @@ def user_errors(fn: Callable) -> Callable:
             err_console.print(
                 f"[red]error:[/red] {exc.strerror or exc}{where}; check the path, its permissions and "
                 "free space, then rerun",
+                highlight=False,
+                soft_wrap=True,
+            )
+            raise typer.Exit(2) from None
+        except RuntimeError as exc:  # out of GPU memory outside an artifact (a model that does not fit)
+            if not out_of_gpu_memory(exc):
+                raise
+            err_console.print(
+                f"[red]error:[/red] out of GPU memory in {fn.__name__.replace('_', '-')}; lower --train-batch / "
+                "--batch-size, or use a smaller --dtype or a larger GPU",
                 highlight=False,
                 soft_wrap=True,
             )

@@ -148,14 +148,18 @@ def part_configs(cfg: CompareConfig, seed: int, l_star: int, worst: int, k: int 
 
 
 def train_parts(
-    cfg: CompareConfig, extract, store, seed: int, l_star: int, worst: int, k: int, progress: Progress
+    cfg: CompareConfig, extract, store, seed: int, l_star: int, worst: int, k: int, progress: Progress, loaded
 ) -> dict[str, Artifact]:
+    """loaded: the backbone this comparison holds; the decoder and the autoencoder read their frozen
+    embedding table from it instead of loading it again."""
     parts = {}  # the prior over h_0 comes first: with prior:T the decoder and the noisy bridges read it
     for name, (run, part_cfg) in part_configs(cfg, seed, l_star, worst, k).items():
         progress.log(f"budget x{k}, seed {seed}: {name}")
         reads = {"prior": parts["prior"]} if getattr(part_cfg, "condition_from", None) == "prior" else {}
         if getattr(part_cfg, "latent", False):
             reads = {"latents": parts["autoencoder"]}
+        if run in (decoder_stage.run, latent_stage.run):
+            reads["loaded"] = loaded
         parts[name] = run(part_cfg, extract, store, progress=progress, **reads)
     return parts
 
@@ -536,7 +540,7 @@ def run(
         frames, parts_table = [], []
         for k in cfg.budgets:
             for seed in cfg.seeds:
-                parts = train_parts(cfg, extract, store, seed, l_star, worst, k, progress)
+                parts = train_parts(cfg, extract, store, seed, l_star, worst, k, progress, loaded)
                 parts_table += [{"budget": k, "seed": seed, **part_row(n, a, loaded.model)} for n, a in parts.items()]
                 gens = generate_rows(cfg, parts, store, loaded, seed, l_star, worst, progress, short)
                 frames.append(sample_table(gens, evaluators, store, cfg, k, seed, progress))

@@ -139,10 +139,12 @@ def run(
     store: ArtifactStore,
     *,
     prior: Artifact | None = None,
+    loaded=None,
     force: bool = False,
     progress: Progress | None = None,
 ) -> Artifact:
-    """prior: the layer-0 prior of --condition-noise prior:T."""
+    """prior: the layer-0 prior of --condition-noise prior:T; loaded: the backbone, when the caller holds it
+    (its embedding table is read from it), else it is read once on the run's device and dtype."""
     from dihal.stages.bridge import check_condition_prior, condition_prior
 
     progress = progress or NullProgress()
@@ -152,13 +154,20 @@ def run(
         return cached
 
     def train_fn(art, report):
-        from dihal.stages.lineage import backbone_for
-        from dihal.stages.recover import embedding_table
-
-        table = embedding_table(backbone_for(extract, "cpu", "float32").model)  # frozen: its values, once
+        table = frozen_table(extract, cfg, loaded)
         return train(cfg, group, art, table, report, condition_prior(prior, cfg))
 
     return trainer.write_trained(store, STAGE, config, parents, extract, cfg, train_fn, force=force, progress=progress)
+
+
+def frozen_table(extract: Artifact, cfg, loaded=None) -> torch.Tensor:
+    """The backbone's raw (V, D) embedding table, frozen: from `loaded`, else from the backbone read
+    once on the run's device in its training precision (what generation reads it from, too)."""
+    from dihal.stages.lineage import backbone_for
+    from dihal.stages.recover import embedding_table
+
+    loaded = loaded or backbone_for(extract, cfg.device, cfg.precision)
+    return embedding_table(loaded.model)
 
 
 class Decoder:

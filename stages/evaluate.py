@@ -257,7 +257,7 @@ def run_samples(
                 continue
             samples = [json.loads(l) for l in gen_art.file(name).read_text().splitlines()][: cfg.limit]
             texts = [s["text"] for s in samples]
-            nlls = sample_nlls(loaded, [s["prompt"] for s in samples], texts)
+            nlls = sample_nlls(loaded, [s["prompt"] for s in samples], texts, cfg.batch_size)
             per_sample += [
                 {"model": s["model"], "index": i, "nll": nll, "n_scored": n, "n_tokens": s["n_tokens"],
                  "token_entropy": token_entropy([s["token_ids"]]) if s["token_ids"] else float("nan")}

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import time
 from collections.abc import Callable
 from dataclasses import astuple, replace
 
@@ -27,6 +26,7 @@ from dihal.stages.lm.capture import hidden_states
 from dihal.stages.lm.hybrid import suffix_model
 from dihal.stages.lm.models import LoadedModel, locate
 from dihal.stages.registry import RECOVERIES, resolve
+from dihal.stages.runtime import clock
 from dihal.stages.runtime.progress import NullProgress, Progress
 from dihal.stages.text.data import start_token
 
@@ -160,12 +160,12 @@ def generate_all(loaded: LoadedModel, bridge: Bridge | None, cfg: GenerateConfig
     for batch_index, (prompt, count) in enumerate(jobs(cfg)):
         gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + batch_index)
         prefix = torch.tensor([prompt_ids(tok, prompt)] * count, device=device)
-        clock = time.perf_counter()
+        start = clock.now(device)
         if bridge is not None:
             new = generate_hybrid(loaded, bridge, suffix, prefix, cfg, gen)
         else:
             new = generate_original(loaded, prefix, cfg, gen)
-        seconds = time.perf_counter() - clock
+        seconds = clock.now(device) - start
         for row_ids in new.tolist():
             kept = truncate_at_eos(row_ids, tok.eos_token_id)
             rows.append(
@@ -334,9 +334,9 @@ def prior_samples(cfg: GenerateConfig, prior, prior_art: Artifact, table) -> tup
     key += (cfg.seed, cfg.batch_size, cfg.clamp, cfg.device, cfg.dtype)
     reused = key in _PRIOR_SAMPLES
     if not reused:
-        clock = time.perf_counter()
+        start = clock.now(cfg.device)
         e = prior.sample(cfg.num_samples, cfg.prior_steps, cfg.seed, cfg.batch_size, table() if cfg.clamp else None)
-        _PRIOR_SAMPLES[key] = (e.detach().cpu().clone(), time.perf_counter() - clock)
+        _PRIOR_SAMPLES[key] = (e.detach().cpu().clone(), clock.now(cfg.device) - start)
         while len(_PRIOR_SAMPLES) > PRIOR_SAMPLES_KEPT:
             _PRIOR_SAMPLES.pop(next(iter(_PRIOR_SAMPLES)))
     e, seconds = _PRIOR_SAMPLES[key]
@@ -423,9 +423,9 @@ def run_parallel(
             return tables[0]
 
         progress.start("generate", cfg.num_samples, "sample")
-        clock = time.perf_counter()
+        start = clock.now(cfg.device)
         e, integrated, reused = sources(cfg, prior, prior_art, store, table)
-        prior_seconds, clock = integrated or time.perf_counter() - clock, time.perf_counter()  # reused: its cost
+        prior_seconds, start = integrated or clock.now(cfg.device) - start, clock.now(cfg.device)  # reused: its cost
         e_digest = hashlib.sha256(e.detach().cpu().numpy().tobytes()).hexdigest()[:16]
         recovery = resolve(RECOVERIES[cfg.recovery].fn)(loaded, prior, recovery_art, cfg, table)
         tokens = []
@@ -433,7 +433,7 @@ def run_parallel(
             block = e[first : first + cfg.batch_size]
             tokens.append(recovery.tokens(block, first))
             progress.advance(block.shape[0])
-        recovery_seconds = time.perf_counter() - clock
+        recovery_seconds = clock.now(cfg.device) - start
         progress.stop()
         label, tok = parallel_label(prior_art, cfg, recovery_art), loaded.tokenizer
         rows = []

@@ -188,22 +188,19 @@ def run(
     extract: Artifact,
     store: ArtifactStore,
     *,
+    loaded=None,
     force: bool = False,
     progress: Progress | None = None,
 ) -> Artifact:
+    """loaded: the backbone, when the caller holds it (stages/decoder.py frozen_table)."""
+    from dihal.stages.decoder import frozen_table
+
     progress = progress or NullProgress()
     group = hs.open_with_layers(extract, (0,))
     config, parents = asdict(cfg), {"extract": extract.id}
     if cached := store.cached(STAGE, config, parents, force=force):
         return cached
-
-    def train_fn(art, report):
-        from dihal.stages.lineage import backbone_for
-        from dihal.stages.recover import embedding_table
-
-        table = embedding_table(backbone_for(extract, "cpu", "float32").model)  # frozen: its values, once
-        return train(cfg, group, art, table, report)
-
+    train_fn = lambda art, report: train(cfg, group, art, frozen_table(extract, cfg, loaded), report)  # noqa: E731
     return trainer.write_trained(store, STAGE, config, parents, extract, cfg, train_fn, force=force, progress=progress)
 
 

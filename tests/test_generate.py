@@ -232,3 +232,57 @@ def test_generate_bad_input(tiny_trained_bridge, tmp_path, monkeypatch):
         res = invoke("generate", "--bridge", art.id, "--top-p", bad)
         assert res.exit_code == 2 and "--top-p must be in (0, 1]" in res.output
         assert len(res.output.strip().splitlines()) == 1
+
+
+def test_heads_of_fidelity_and_gen_ppl_compute_in_float32_whatever_the_dtype(tiny_dirs):
+    """A bfloat16 model's logits for evaluation are its float32 head on the hidden states: equal to a
+    float64 reference to float32 rounding, unlike the bfloat16 head's own."""
+    from transformers import AutoModelForCausalLM
+
+    from dihal.stages.lm.hybrid import lm_logits
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_dirs["gemma3"], dtype=torch.bfloat16).eval()
+    hidden = torch.randn(5, 7, model.config.hidden_size, generator=torch.Generator().manual_seed(0)).bfloat16()
+    cap = model.config.final_logit_softcapping
+    reference = hidden.double() @ model.lm_head.weight.double().T
+    reference = torch.tanh(reference / cap) * cap if cap else reference
+    got = lm_logits(model, hidden)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), reference, rtol=1e-5, atol=1e-5)
+    own = model.lm_head(hidden).double()
+    own = torch.tanh(own / cap) * cap if cap else own
+    assert (own - reference).abs().max() > 10 * (got.double() - reference).abs().max()
+
+
+def test_evaluate_batch_size_is_honoured_for_samples(tiny_dirs, root, monkeypatch):
+    from dihal.stages import evaluate
+
+    args = [
+        "generate",
+        "--baseline",
+        "original-only",
+        "--model",
+        str(tiny_dirs["llama"]),
+        "--num-samples",
+        "7",
+        "--max-new-tokens",
+        "5",
+        "--device",
+        "cpu",
+    ]
+    assert invoke(*args).exit_code == 0
+    sizes, real = [], evaluate._forward_padded
+    monkeypatch.setattr(evaluate, "_forward_padded", lambda loaded, rows: sizes.append(len(rows)) or real(loaded, rows))
+    res = invoke("evaluate", "--samples", "latest", "--batch-size", "3", "--device", "cpu")
+    assert res.exit_code == 0, res.output
+    assert sizes == [3, 3, 1]
+
+
+def test_dtype_auto_picks_bfloat16_only_where_the_gpu_has_it(monkeypatch):
+    from dihal.stages.lm import models
+
+    monkeypatch.setattr(models.torch.cuda, "is_available", lambda: True)
+    for capability, expected in (((7, 0), torch.float32), ((7, 5), torch.float32), ((8, 0), torch.bfloat16)):
+        monkeypatch.setattr(models.torch.cuda, "get_device_capability", lambda device=None, c=capability: c)
+        assert models.resolve_dtype("auto", "cuda") == expected  # V100 7.0 and T4 7.5 only emulate bfloat16
+    assert models.resolve_dtype("auto", "cpu") == torch.float32

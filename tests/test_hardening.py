@@ -224,6 +224,58 @@ def test_out_of_disk_marks_failed_keeps_others_and_resumes(tiny_dirs, root, monk
     assert again.exit_code == 0 and "resuming: 1 of 4 chunks" in again.output, again.output
 
 
+def test_out_of_gpu_memory_is_one_line_and_marks_the_artifact_failed(tiny_dirs, root, monkeypatch):
+    """A CUDA OOM is bad input like any other: one line naming the batch flags, exit 2, the artifact
+    `failed` (not left `running`), and the same command resumes once it fits."""
+    import torch
+
+    from dihal.stages import bridge
+
+    assert (
+        invoke(*_extract(tiny_dirs, "--max-sequences", "16", "--layers", "0,2", "--val-fraction", "0.25")).exit_code
+        == 0
+    )
+    real_loss = bridge.BridgeTask.loss
+
+    def too_big(self, *args):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+
+    monkeypatch.setattr(bridge.BridgeTask, "loss", too_big)
+    train = [
+        "train-bridge",
+        "--layer",
+        "2",
+        "--extract",
+        "latest",
+        "--protocol",
+        "sweep-tiny",
+        "--width",
+        "16",
+        "--depth",
+        "1",
+        "--heads",
+        "2",
+        "--batch-size",
+        "4",
+        "--train-steps",
+        "3",
+        "--device",
+        "cpu",
+    ]
+    res = invoke(*train)
+    _one_error_line(res, "out of GPU memory in train-bridge at batch 4; lower --train-batch / --batch-size", True)
+    (failed,) = ArtifactStore(root).all("bridge")
+    assert failed.status == "failed" and "out of GPU memory" in failed.manifest["error"]
+    monkeypatch.setattr(bridge.BridgeTask, "loss", real_loss)
+    assert invoke(*train).exit_code == 0 and ArtifactStore(root).resolve("latest", "bridge").complete
+    # outside an artifact (loading a model that does not fit): the command's name, the same rule
+    from dihal.stages.lm import models
+
+    monkeypatch.setattr(models, "_from_pretrained", lambda *a, **k: too_big(None))
+    res = invoke(*_extract(tiny_dirs, "--max-sequences", "12"))
+    _one_error_line(res, "out of GPU memory in extract; lower --train-batch / --batch-size")
+
+
 def _mount_tmpfs(path, options: str) -> bool:
     path.mkdir(parents=True, exist_ok=True)
     return (

@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import fields
 from pathlib import Path
@@ -55,6 +54,7 @@ from dihal.artifacts.errors import DihalError
 from dihal.stages.configs import LoopConfig
 from dihal.stages.diffusion import draws
 from dihal.stages.diffusion.draws import Draws
+from dihal.stages.runtime import clock
 from dihal.stages.runtime.dist import barrier, distributed, local  # noqa: F401  (stages use trainer.local())
 from dihal.stages.runtime.progress import Progress
 
@@ -247,7 +247,7 @@ def train(task: Task, net: nn.Module, cfg: LoopConfig, directory: Path, progress
     loader = Loader(task, schedule, rank, world, first_step)
     if rank == 0:
         progress.start(name, total - first_step, "step")
-    clock, tokens = time.time(), 0
+    start, tokens = clock.now(device), 0
     try:
         for step in range(first_step, total):
             slots, batch = loader.batch(step)
@@ -280,7 +280,7 @@ def train(task: Task, net: nn.Module, cfg: LoopConfig, directory: Path, progress
                 "step": step + 1,
                 "train_loss": mean_loss,
                 "lr": lr,
-                "tokens_per_s": tokens / max(time.time() - clock, 1e-9),
+                "tokens_per_s": tokens / max(clock.now(device) - start, 1e-9),
             }
             if rank == 0:
                 if (step + 1) % cfg.eval_every == 0 or step + 1 == total:

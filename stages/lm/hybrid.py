@@ -10,8 +10,10 @@ in the original, because they are the original code.
 from __future__ import annotations
 
 import copy
+import weakref
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 
@@ -61,10 +63,23 @@ def suffix_logits(suffix: nn.Module, states: torch.Tensor) -> torch.Tensor:
     return lm_logits(suffix, suffix_hidden(suffix, states))
 
 
+_FLOAT32_HEADS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # lm_head -> its float32 weight, once
+
+
 def lm_logits(model: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
-    """The LM head (and Gemma's final logit soft-capping, where set) on final hidden states, float32.
-    Callers pass slices of positions, so (B, T, V) is never materialized for a large vocabulary."""
-    logits = model.lm_head(hidden).float()
+    """The LM head (and Gemma's final logit soft-capping, where set) on final hidden states, computed
+    in float32 whatever the model's dtype: a bfloat16 head gives KL 5.2e-4 and top-1 agreement 0.977
+    against a float32 one on the same states, a floor under fidelity that no bridge causes. The
+    float32 copy of the head's weight is made once per model. Callers pass slices of positions, so
+    (B, T, V) is never materialized for a large vocabulary."""
+    head = model.lm_head
+    weight = head.weight
+    if weight.dtype != torch.float32:
+        weight = _FLOAT32_HEADS.get(head)
+        if weight is None:
+            weight = _FLOAT32_HEADS[head] = head.weight.detach().float()
+    bias = head.bias.float() if getattr(head, "bias", None) is not None else None
+    logits = F.linear(hidden.float(), weight, bias)
     cap = getattr(model.config, "final_logit_softcapping", None)
     return torch.tanh(logits / cap) * cap if cap else logits
 
