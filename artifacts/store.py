@@ -27,6 +27,7 @@ import os
 import platform
 import shutil
 import subprocess
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -205,6 +206,8 @@ class Artifact:
         }
         self.manifest["files"] = files
         self.manifest["size_bytes"] = sum(f["bytes"] for f in files.values())
+        if (peak := peak_gpu_memory()) is not None:
+            self.manifest["peak_gpu_memory_gib"] = peak
         self.manifest["finished"] = _now()
         self.manifest["status"] = "complete"
         self.save_manifest()
@@ -452,6 +455,14 @@ class ArtifactStore:
         art = self.load(stage, artifact_id(stage, config, parents))
         art.reused = art.complete
         return art if art.complete else None
+
+
+def peak_gpu_memory() -> float | None:
+    """GiB this process has held on its GPU at most so far (None where it never used one)."""
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return None
+    return round(torch.cuda.max_memory_allocated() / 2**30, 3)
 
 
 def out_of_gpu_memory(exc: BaseException) -> bool:

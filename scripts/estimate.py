@@ -1,73 +1,181 @@
-"""What each stage of a paper-scale run will take: disk, RAM, GPU memory and time, printed before
-the run starts (scripts/reproduce_paper.sh calls it). Sizes follow from the model's shape and the
-run's flags; times assume the throughputs stated in the table's footer, which are assumptions to
-be replaced by measured ones, not measurements.
+"""What each stage of a paper-scale run will take: disk, RAM, peak GPU memory and time, for
+Llama-3.1-8B-Instruct and Qwen3-8B (or a model of other shapes), printed before the run starts
+(scripts/reproduce_paper.sh calls it).
 
-python scripts/estimate.py --blocks 32 --width 4096 --vocab 128256 --params 8.0e9
+Sizes follow from the model's shapes (scripts/make_random_model.py holds both published configs)
+and the paper protocol (stages/configs.py PROTOCOLS["paper"]): bfloat16 weights, the float32 copy
+of the LM head that fidelity and Gen.PPL use, the denoiser's weights, AdamW state and EMA, the
+decoder's frozen V x D table and its training logits. The validation logits of the decoder and the
+autoencoder come in 64 MiB slices, so they are left out. Times assume the throughputs in the footer;
+those are assumptions until scripts/gpu_smoke.sh has measured them on a GPU (docs/results/paper_scale.md).
+
+    python scripts/estimate.py                       # both 8B models
+    python scripts/estimate.py --like qwen3-8b --sequences 40000
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+import sys
+from pathlib import Path
 
-from dihal.artifacts.hidden_states import estimate_bytes
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from make_random_model import LIKE  # noqa: E402
+
+from dihal.artifacts.hidden_states import estimate_bytes  # noqa: E402
+from dihal.stages.configs import PROTOCOLS  # noqa: E402
 
 GIB = 2**30
+PAPER = PROTOCOLS["paper"]
+
+
+def shapes(a: argparse.Namespace) -> dict:
+    """blocks, width, vocab, intermediate, kv width and parameters of the model."""
+    c = {**LIKE[a.like]} if a.like else {}
+    blocks, width = a.blocks or c["num_hidden_layers"], a.width or c["hidden_size"]
+    vocab, inter = a.vocab or c["vocab_size"], a.intermediate or c["intermediate_size"]
+    heads, kv = c.get("num_attention_heads", 32), c.get("num_key_value_heads", 8)
+    head_dim = c.get("head_dim") or width // heads
+    per_block = width * heads * head_dim * 2 + 2 * width * kv * head_dim + 3 * width * inter
+    params = a.params or (2 * vocab * width + blocks * per_block)
+    return dict(blocks=blocks, width=width, vocab=vocab, inter=inter, kv=kv * head_dim, params=params)
+
+
+def denoiser_parameters(width: int, dim: int, depth: int, skip: bool = True) -> int:
+    """Blocks (attention 4 w^2, MLP 8 w^2, adaLN 6 w^2), the timestep MLP and final adaLN (3 w^2), the
+    input and output projections, the skip A c."""
+    return (18 * depth + 3) * width**2 + 3 * dim * width + (dim * dim if skip else 0)
+
+
+def training_gib(params: int, batch: int, tokens: int, width: int, depth: int, dim: int) -> float:
+    """A part under the loop: float32 weights, gradients, two AdamW moments and the EMA (5 copies), the
+    batch's tensors at D (x_t, c, y, eps, the output and their gradients), and bf16 activations."""
+    state = 5 * 4 * params
+    io = 8 * batch * tokens * dim * 4
+    activations = 24 * batch * tokens * width * depth * 2
+    return (state + io + activations) / GIB
 
 
 def estimate(a: argparse.Namespace) -> list[tuple[str, float, float, float, float, str]]:
-    """(stage, disk GiB, RAM GiB, GPU GiB, minutes, note) per stage."""
-    layers, tokens = a.blocks + 1, a.sequences * a.seq_len
+    """(stage, disk GiB, RAM GiB, peak GPU GiB, minutes, note) per stage."""
+    s = shapes(a)
+    d, v, layers, tokens = s["width"], s["vocab"], s["blocks"] + 1, a.sequences * a.seq_len
+    weights = s["params"] * 2 / GIB  # bfloat16
+    head32 = v * d * 4 / GIB  # the float32 LM head of fidelity and Gen.PPL
     n_train = int(a.sequences * (1 - a.val_fraction))
-    weights = a.params * 2 / GIB  # bfloat16
-    per_layer = tokens * a.width * 2 / GIB  # float16 storage (auto may pick float32 for a layer: twice that)
-    # the extract's own estimate (layers, position-0 arrays, ids, the score's pool), as its plan prints it
-    extract_bytes = estimate_bytes(
-        a.sequences, a.seq_len, a.width, ["float16"] * layers, a.batch, a.pool, a.val_fraction
-    )
+    w, depth, batch = PAPER["width"], PAPER["depth"], PAPER["batch_size"]
+    extract_bytes = estimate_bytes(a.sequences, a.seq_len, d, ["float16"] * layers, a.batch, a.pool, a.val_fraction)
+    captured = layers * a.batch * a.seq_len * d * 2 / GIB  # every layer of one batch, held until copied out
     rows = [
         (
             "extract",
             extract_bytes / GIB,
-            a.batch * a.seq_len * a.width * layers * 4 / GIB * 2 + 2,
-            weights + a.batch * a.seq_len * a.width * 4 * 40 / GIB,
-            max(tokens / a.forward_tps, per_layer * layers / a.disk_gibps) / 60,
+            captured * 4 + 2,
+            weights + captured + 4 * a.batch * a.seq_len * s["inter"] * 2 / GIB,
+            max(tokens / a.forward_tps, extract_bytes / GIB / a.disk_gibps) / 60,
             f"{layers} layers x {tokens:,} tokens, float16",
-        )
-    ]
-    rows.append(
+        ),
         (
             "score",
             0.01,
-            (a.tokens**2 * 8 * 3 + a.pool * a.width * 8) / GIB + 1,
-            0,
-            (a.pool * a.width * 2 * (layers - 2) / GIB / a.disk_gibps + (layers - 2) * a.score_s_per_layer) / 60,
-            f"reads the {a.pool:,}-position pool, not the layers",
-        )
-    )
-    den = 12 * a.den_depth * a.den_width**2 + 3 * a.width * a.den_width + a.width**2  # blocks, in/out, skip A
-    steps = math.ceil(n_train / a.bridge_batch)
-    bridge_tokens = steps * a.bridge_batch * (a.seq_len - 1)
-    read = 2 * n_train * a.seq_len * a.width * 2 / GIB * 2  # the normalizer's pass and one epoch, layers 0 and l
+            (a.tokens**2 * 8 * 3 + a.pool * d * 8) / GIB + 1,
+            (a.tokens**2 * 8 * 4 + a.tokens * 4 * d * 8) / GIB,
+            (a.pool * d * 2 * (layers - 2) / GIB / a.disk_gibps + (layers - 2) * a.score_s_per_layer) / 60,
+            f"the {a.pool:,}-position pool, not the layers",
+        ),
+    ]
+    den = denoiser_parameters(w, d, depth)
+    steps = math.ceil(n_train / batch)
+    bridge_tokens = steps * batch * (a.seq_len - 1)
+    read = 2 * n_train * a.seq_len * d * 2 / GIB * 2  # the normalizer's pass and one epoch, layers 0 and l
+    bridge_gpu = training_gib(den, batch, a.seq_len - 1, w, depth, d)
+    bridge_minutes = (bridge_tokens / a.bridge_tps + read / a.disk_gibps) / 60
+    ram = a.window * a.seq_len * d * 2 * 2 / GIB + 16384 * d * 8 * 2 / GIB + 2
     rows.append(
         (
-            f"sweep ({a.blocks - 1} bridges)",
-            (a.blocks - 1) * den * 4 * 4 / GIB,
-            a.window * a.seq_len * a.width * 2 * 2 / GIB + 16384 * a.width * 8 * 2 / GIB + 2,
-            den * 16 / GIB + a.bridge_batch * a.seq_len * a.den_width * a.den_depth * 40 / GIB,
-            (a.blocks - 1) * (bridge_tokens / a.bridge_tps + read / a.disk_gibps) / 60,
-            f"{den / 1e6:.0f}M-parameter denoiser, {steps} steps a layer (1 epoch)",
+            "train-bridge (one layer)",
+            den * 4 * 4 / GIB,
+            ram,
+            bridge_gpu,
+            bridge_minutes,
+            f"{den / 1e6:.0f}M-parameter denoiser, {steps} steps (1 epoch)",
         )
     )
     rows.append(
         (
-            "evaluate + generate",
+            f"sweep ({s['blocks'] - 1} bridges)",
+            (s["blocks"] - 1) * den * 16 / GIB,
+            ram,
+            bridge_gpu,
+            (s["blocks"] - 1) * bridge_minutes,
+            "one bridge at a time per GPU",
+        )
+    )
+    prior = denoiser_parameters(w, d, depth, skip=False)
+    rows.append(
+        (
+            "train-prior",
+            prior * 16 / GIB,
+            ram,
+            training_gib(prior, batch, a.seq_len - 1, w, depth, d),
+            bridge_minutes,
+            "the bridge's network, no condition",
+        )
+    )
+    table = v * d * 4 / GIB  # the frozen embedding table, float32
+    decoder = denoiser_parameters(w, d, 2, skip=False)
+    logits = 3 * batch * (a.seq_len - 1) * v * 4 / GIB  # training logits, their softmax and gradient, float32
+    decoder_gpu = max(weights + table, table + training_gib(decoder, batch, a.seq_len - 1, w, 2, d) + logits)
+    rows.append(
+        (
+            "train-decoder / -autoencoder",
+            decoder * 16 / GIB,
+            ram + table,
+            decoder_gpu,
+            bridge_minutes,
+            f"frozen {v:,} x {d} table; the backbone is read once for it",
+        )
+    )
+    rows.append(
+        (
+            "evaluate (fidelity)",
+            0.01,
+            4,
+            weights + head32 + bridge_gpu / 4,
+            a.eval_tokens / a.forward_tps / 60,
+            "backbone, float32 head, bridge; logits in slices",
+        )
+    )
+    kv_cache = 2 * s["blocks"] * a.gen_batch * a.seq_len * s["kv"] * 2 / GIB
+    rows.append(
+        (
+            "generate (AR)",
             0.1,
             4,
-            weights + a.gen_batch * a.seq_len * a.vocab * 4 / GIB / 4,
-            (a.samples * (a.seq_len - 1) / a.gen_tps + a.eval_tokens / a.forward_tps) / 60,
+            weights + kv_cache + den * 4 / GIB + a.gen_batch * v * 8 / GIB,
+            a.samples * (a.seq_len - 1) / a.gen_tps / 60,
             f"{a.samples} samples of {a.seq_len - 1} tokens",
+        )
+    )
+    rows.append(
+        (
+            "evaluate (Gen.PPL)",
+            0.01,
+            4,
+            weights + head32 + 1,
+            a.samples * a.seq_len / a.forward_tps / 60,
+            "the evaluator, float32 head",
+        )
+    )
+    rows.append(
+        (
+            "compare",
+            1,
+            ram + table,
+            2 * (weights + head32) + decoder_gpu - weights,
+            0,
+            "backbone and the other 8B as evaluator, with the largest part training",
         )
     )
     return rows
@@ -75,20 +183,17 @@ def estimate(a: argparse.Namespace) -> list[tuple[str, float, float, float, floa
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--like", choices=sorted(LIKE), default=None, help="one model's shapes (default: both 8B)")
+    for name in ("blocks", "width", "vocab", "intermediate"):
+        p.add_argument(f"--{name}", type=int, default=None, help="instead of --like's")
+    p.add_argument("--params", type=float, default=None)
     for name, value in dict(
-        blocks=32,
-        width=4096,
-        vocab=128256,
-        params=8.0e9,
         sequences=20000,
         seq_len=128,
         val_fraction=0.1,
         batch=32,
         pool=16384,
         tokens=4096,
-        bridge_batch=64,
-        den_width=1024,
-        den_depth=8,
         window=512,
         samples=1000,
         gen_batch=50,
@@ -100,18 +205,24 @@ def main() -> None:
         gen_tps=400.0,
     ).items():
         p.add_argument("--" + name.replace("_", "-"), type=type(value), default=value)
-    p.add_argument("--model", default="")
+    p.add_argument("--model", default="", help="a name for the header")
     a = p.parse_args()
-    print(f"estimate for {a.model or 'the model'}: {a.blocks} blocks, width {a.width}, vocab {a.vocab:,}")
-    print(f"{'stage':<22}{'disk GiB':>10}{'RAM GiB':>9}{'GPU GiB':>9}{'minutes':>9}  note")
-    total = 0.0
-    for stage, disk, ram, gpu, minutes, note in estimate(a):
-        total += minutes
-        print(f"{stage:<22}{disk:>10.1f}{ram:>9.1f}{gpu:>9.1f}{minutes:>9.0f}  {note}")
-    print(f"{'total':<22}{'':>28}{total:>9.0f}")
+    for like in [a.like] if (a.like or a.blocks) else sorted(LIKE):
+        a.like = like
+        s = shapes(a)
+        print(
+            f"\nestimate for {a.model or like or 'the model'}: {s['blocks']} blocks, width {s['width']}, "
+            f"vocab {s['vocab']:,}, {s['params'] / 1e9:.2f}B parameters; paper protocol, one GPU"
+        )
+        print(f"{'stage':<30}{'disk GiB':>9}{'RAM GiB':>8}{'GPU GiB':>8}{'minutes':>8}  note")
+        total = 0.0
+        for stage, disk, ram, gpu, minutes, note in estimate(a):
+            total += minutes
+            print(f"{stage:<30}{disk:>9.1f}{ram:>8.1f}{gpu:>8.1f}{minutes:>8.0f}  {note}")
+        print(f"{'total (the sweep counted once)':<30}{'':>25}{total - estimate(a)[2][4]:>8.0f}")
     print(
-        f"assumed: forward {a.forward_tps:,.0f} tok/s, bridge training {a.bridge_tps:,.0f} tok/s, generation "
-        f"{a.gen_tps:,.0f} tok/s (batched), disk {a.disk_gibps} GiB/s; one GPU; replace with your measurements"
+        f"\nassumed, not yet measured on a GPU: forward {a.forward_tps:,.0f} tok/s, bridge training "
+        f"{a.bridge_tps:,.0f} tok/s, generation {a.gen_tps:,.0f} tok/s (batched), disk {a.disk_gibps} GiB/s"
     )
 
 

@@ -10,13 +10,13 @@ DRY=$(dry && echo --dry-run || true)
 DEV="--device ${DEVICE:-cuda} --dtype ${DTYPE:-bfloat16} $DRY"
 latest() { if dry; then echo latest; else dihal runs latest "$1"; fi; }
 
-# model, candidate layers, blocks, vocabulary, parameters (for the estimate printed first)
-for spec in "meta-llama/Llama-3.1-8B-Instruct 1-31 32 128256 8.0e9" "Qwen/Qwen3-8B 1-35 36 151936 8.2e9"; do
+# model, candidate layers, its shapes for the estimate printed first (scripts/make_random_model.py's configs)
+for spec in "meta-llama/Llama-3.1-8B-Instruct 1-31 llama-3.1-8b" "Qwen/Qwen3-8B 1-35 qwen3-8b"; do
   set -- $spec
   MODEL=$1; LAYERS=$2
   export DIHAL_ROOT=runs/paper/$(basename "$MODEL")
   echo "== $MODEL"
-  python3 scripts/estimate.py --model "$MODEL" --blocks $3 --vocab $4 --params $5 --sequences 20000 --seq-len 128
+  python3 scripts/estimate.py --model "$MODEL" --like "$3" --sequences 20000 --seq-len 128
   dihal extract --model "$MODEL" --dataset allenai/dolma --dataset-config v1_7 --text-field text \
     --layers all --max-sequences 20000 --seq-len 128 --batch-size 32 $DEV
   EXTRACT=$(latest extract)

@@ -4,10 +4,7 @@ data-parallel training equal to one process, the KV cache really used, lengths c
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -16,7 +13,7 @@ import torch
 from dihal.artifacts import files
 from dihal.artifacts import hidden_states as hs
 from dihal.artifacts.store import ArtifactStore
-from tests.conftest import ROOT, invoke, run_cli, torchrun
+from tests.conftest import invoke, run_cli, torchrun
 
 TINY = ["--protocol", "sweep-tiny", "--width", "16", "--depth", "1", "--heads", "2", "--batch-size", "4"]
 
@@ -563,60 +560,19 @@ def test_a_missing_gpu_index_is_one_line(monkeypatch):
         models.resolve_device("cuda")
 
 
-VALIDATION_PEAK = """
-import resource, sys
-import numpy as np, torch, torch.nn.functional as F
-from dihal.artifacts import hidden_states as hs
-from dihal.stages.configs import DecoderTrainConfig
-from dihal.stages.decoder import DecoderTask
-from dihal.stages.diffusion.cross_decoder import CrossDecoder, DecoderConfig
-from dihal.stages.diffusion.normalizer import Normalizer
-torch.set_num_threads(1)
-torch.manual_seed(0)
-n, t, d, vocab = 72, 64, 16, int(sys.argv[2])
-group = hs.create(__import__("pathlib").Path(sys.argv[3]), [0], n, t, d, {0: "float32"}, 8, {})
-group["layers/0"][:] = np.random.default_rng(0).normal(size=(n, t, d)).astype(np.float32)
-group["input_ids"][:] = np.random.default_rng(1).integers(0, vocab, (n, t)).astype(np.int32)
-group["split"][:] = np.r_[np.zeros(8), np.ones(64)].astype(np.int8)
-cfg = DecoderTrainConfig.from_protocol("compare-cpu", width=16, heads=2, val_sequences=64)
-norm = Normalizer(*(torch.zeros(d), torch.ones(d)) * 2, torch.zeros(d))
-task = DecoderTask(group, cfg, norm)
-net = CrossDecoder(DecoderConfig(vocab=vocab, dim=d, width=16, depth=1, heads=2, max_len=t - 1), torch.randn(vocab, d))
-e, ids = task.condition(task.val["c"]), torch.from_numpy(task.val["ids"].astype(np.int64))
-with torch.no_grad():
-    net(ids[:8, :-1], e[:8])  # warm-up: every kernel and buffer of a forward allocated once
-before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-with torch.no_grad():
-    if sys.argv[1] == "old":  # what validate did before: every sequence's logits at once
-        loss = float(F.cross_entropy(net(ids[:, :-1], e).float().transpose(1, 2), ids[:, 1:]))
-    else:
-        loss = task.validate(net)
-print(loss, (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024)
-"""
-
-
 def test_decoder_validation_memory_is_bounded_whatever_the_vocabulary(tmp_path):
     """The old validation built (64, 63, V) float32 logits at once (33 GB at the paper protocol's 512 x
-    127 x 128,256). Measured as peak RSS in a fresh process at V = 65,536: the old path's growth is at
-    least the logits' size (so the measurement sees it), the sliced one's is a quarter of that or less,
-    and both give the same loss."""
-    vocab = 65536
-    logits_bytes = 64 * 63 * vocab * 4
-    runs = {}
-    for path in ("old", "new"):
-        proc = subprocess.run(
-            [sys.executable, "-c", VALIDATION_PEAK, path, str(vocab), str(tmp_path / f"{path}.zarr")],
-            capture_output=True,
-            text=True,
-            cwd=ROOT,
-            env={**os.environ, "OMP_NUM_THREADS": "1"},
-        )
-        assert proc.returncode == 0, proc.stderr[-2000:]
-        loss, grew = proc.stdout.split()
-        runs[path] = (float(loss), int(grew))
-    assert runs["old"][1] >= logits_bytes, runs
-    assert runs["new"][1] * 4 <= logits_bytes, runs
-    assert runs["new"][0] == pytest.approx(runs["old"][0], rel=1e-5)
+    127 x 128,256). Measured as peak RSS in a fresh process at V = 65,536 (benchmarks/
+    bench_decoder_memory.py): the old path's growth is at least the logits' size (so the measurement
+    sees it), the sliced one's is a quarter of that or less, and both give the same loss."""
+    from benchmarks.bench_decoder_memory import measure
+
+    vocab, sequences = 65536, 64
+    logits_bytes = sequences * 63 * vocab * 4
+    old, new = (measure(path, sequences, 64, vocab, tmp_path / path) for path in ("old", "new"))
+    assert old["peak_growth_bytes"] >= logits_bytes, old
+    assert new["peak_growth_bytes"] * 4 <= logits_bytes, new
+    assert new["loss"] == pytest.approx(old["loss"], rel=1e-5)
 
 
 def test_cpu_draws_are_the_per_item_generators_every_cpu_artifact_was_trained_with():
@@ -648,3 +604,31 @@ def test_device_draws_split_over_ranks_as_one_process_draws_them():
     assert not torch.equal(other.rand(), t)
     again = DeviceDraws(3, 17, np.arange(6), 6, "cpu")
     assert torch.equal(again.rand(), t) and torch.equal(again.randn(5, 4), eps)
+
+
+@pytest.mark.parametrize("like", ["llama-3.1-8b", "qwen3-8b"])
+def test_the_estimate_counts_the_parameters_of_the_models_it_estimates(like):
+    """scripts/estimate.py's sizes rest on two counts: the backbone's parameters, from the published
+    config that scripts/make_random_model.py holds (8.03B and 8.19B), and the denoiser's, from the
+    paper protocol's width and depth. Both are checked against the real modules (built on the meta
+    device: no memory)."""
+    import argparse
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from dihal.stages.diffusion.denoiser import Denoiser, DenoiserConfig
+    from tests.conftest import load_script
+
+    estimate, models = load_script("estimate"), load_script("make_random_model")
+    config = AutoConfig.for_model(**models.LIKE[like])
+    with torch.device("meta"):
+        real = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
+    args = argparse.Namespace(like=like, blocks=None, width=None, vocab=None, intermediate=None, params=None)
+    norms = (2 * config.num_hidden_layers + 1) * config.hidden_size + 2 * config.num_hidden_layers * 128 * (
+        like == "qwen3-8b"
+    )  # RMSNorm weights (and Qwen3's q/k norms), which the estimate leaves out
+    assert estimate.shapes(args)["params"] == real - norms
+    with torch.device("meta"):
+        den = Denoiser(DenoiserConfig(dim=4096, width=1024, depth=8, heads=16, max_len=127))
+    counted = estimate.denoiser_parameters(1024, 4096, 8)
+    assert abs(sum(p.numel() for p in den.parameters()) - counted) / counted < 0.01
