@@ -66,6 +66,12 @@ def compare(
     seed = 0  # the extract and score of the comparison
     ecfg = extract_config(locals(), device, dtype, "all")
     scfg = ScoreConfig(tokens=tokens, device=device)
+    if not extract:
+        from dihal.stages.extract import check_planned
+
+        held_out = cfg.num_samples if cfg.controls else 1  # the oracle controls read N held-out sequences
+        fix = " (or lower --num-samples, or --controls '')"
+        check_planned(ecfg.data, validation=held_out, tokens=None if score else tokens, why="the comparison", fix=fix)
     if dry_run:
         return dry(
             "compare", cfg, *([] if extract else [ecfg]), *([] if score else [scfg]), plan=None if extract else ecfg

@@ -140,6 +140,8 @@ def sweep(
     cfg = o.build(SweepConfig, locals(), layers=layer_list, overrides=overrides, seeds=o.seeds(seeds))
     ecfg = extract_config(locals(), device, dtype, "all")  # S z-scores over every candidate, whichever are swept
     scfg = o.build(ScoreConfig, locals())
+    if extract is None:
+        ex.check_planned(ecfg.data, tokens=None if score else scfg.tokens, why="every bridge's validation loss")
     if dry_run:
         if extract is None:
             ex.plan(ecfg)

@@ -139,6 +139,19 @@ def condition_default(cls) -> str:
     return f"{default(cls, 'condition_from')}:{default(cls, 'condition_noise'):g}"
 
 
+def count_or_auto(spec: str, flag: str) -> int | None:
+    """A whole number >= 1, or 'auto' (None: the stage sizes it)."""
+    if spec == "auto":
+        return None
+    try:
+        value = int(spec)
+    except ValueError:
+        raise DihalError(f"cannot read {flag} '{spec}'; use a whole number or auto") from None
+    if value < 1:
+        raise DihalError(f"{flag} must be at least 1 (or auto), got {value}")
+    return value
+
+
 def comma_list(spec: str) -> tuple[str, ...]:
     return tuple(a.strip() for a in spec.split(",") if a.strip())
 

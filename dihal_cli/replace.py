@@ -64,7 +64,8 @@ def train_bridge(
     store_dtype: str = o.StoreDtype,
     own_text: float = o.opt(OwnTextConfig, "own_text", help="Share of the extract's sequences that are the "
                             "backbone's own unprompted samples (0: the corpus alone; README: 0.5 measured)."),
-    own_samples: int = o.opt(OwnTextConfig, "own_samples", help="--own-text: how many samples the backbone writes."),
+    own_samples: str = typer.Option("auto", "--own-samples", help="--own-text: how many samples the backbone "
+                                    "writes; auto: enough for the share of --max-sequences (1024 without)."),
     own_seed: int = o.opt(OwnTextConfig, "own_seed", help="--own-text: their seed."),
     prediction: str = o.opt(BridgeConfig, "prediction", help="x0 or velocity."),
     skip_init: str = o.opt(BridgeConfig, "skip_init", help="ridge or zero."),
@@ -78,17 +79,23 @@ def train_bridge(
     fixed = dict(layer=layer, prediction=prediction, skip_init=skip_init, **condition(condition_noise))
     cfg = BridgeConfig.for_run(protocol, recipe, seed=seed, device=device, dtype=dtype, **fixed)
     ecfg = extract_config(locals(), device, dtype, f"0,{layer}")
-    own = OwnTextConfig(own_text=own_text, own_samples=own_samples, own_seed=own_seed)
+    own = OwnTextConfig(own_text=own_text, own_samples=o.count_or_auto(own_samples, "--own-samples"), own_seed=own_seed)
     if own.own_text and extract:
         raise DihalError("--own-text makes the extract; leave out --extract (or give an extract of generate:<ID>)")
     from dihal.stages import own_text as own_stage
 
+    if not extract:
+        from dihal.stages.extract import check_planned
+
+        check_planned(own_stage.planned(own, ecfg).data, why="the bridge's validation loss")  # before samples or states
+    store = ArtifactStore(root)
+    for warning in own_stage.check_sizes(own, ecfg, store):  # before any sample is written or model loaded
+        console.print(warning, highlight=False, soft_wrap=True)
     if dry_run:
         ecfg, made = own_stage.planned(own, ecfg), [own_stage.samples_config(own, ecfg)] if own.own_text else []
         return dry("train-bridge", cfg, *made, *([] if extract else [ecfg]), plan=None if extract else ecfg)
     from dihal.stages import bridge as stage
 
-    store = ArtifactStore(root)
     prior_art = store.resolve(prior, "prior") if prior else None
     if own.own_text:
         ecfg, samples = own_stage.run(own, ecfg, store, progress=make_progress())

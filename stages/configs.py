@@ -576,13 +576,12 @@ class GenerateConfig(Config):
 
 @dataclass(frozen=True)
 class OwnTextConfig(Config):
-    """The bridge's training text (README, "Training on the model's own text"): `own_text` of the
-    extract's sequences are the backbone's own unprompted samples, `own_samples` of them drawn at
-    `own_seed` (seq_len - 1 new tokens each, batch_size at a time), the rest the corpus.
-    0: the corpus alone, as in the paper."""
+    """The bridge's training text (docs/results/own_text.md): `own_text` of the extract's sequences are
+    the backbone's own unprompted samples, `own_samples` of them drawn at `own_seed` (seq_len - 1 new
+    tokens each, batch_size at a time), the rest the corpus. 0: the corpus alone, as in the paper."""
 
     own_text: float = 0.0
-    own_samples: int = 1024
+    own_samples: int | None = None  # None: auto, sized from the share before any sample is written (stages/own_text.py)
     own_seed: int = 100  # evaluation draws its held-out own samples at another seed (scripts/own_text.sh: 200)
     batch_size: int = 32
 

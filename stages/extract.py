@@ -131,6 +131,25 @@ def plan(cfg: ExtractConfig) -> Plan:
     return Plan(layers, num_blocks, config.hidden_size, n, est, identity)
 
 
+def check_planned(data, *, validation: int = 1, tokens: int | None = None, why: str = "", fix: str = "") -> None:
+    """What an extract of `data` will hold is known before it is made (at most --max-sequences, split by
+    the rule): a stage that will read it fails now, not after the extraction, when it will not find
+    `validation` held-out sequences or `tokens` train positions (positions 1..seq_len-1)."""
+    train, val = data_mod.wanted_counts(data)
+    if train is None:  # every sequence of the corpus: known only once read
+        return
+    if val < validation:
+        raise DihalError(
+            f"{why}: --max-sequences {data.max_sequences} at --val-fraction {data.val_fraction:g} holds {val} "
+            f"held-out sequences and {validation} are needed; raise --max-sequences or --val-fraction{fix}"
+        )
+    if tokens is not None and tokens > train * (data.seq_len - 1):
+        raise DihalError(
+            f"--tokens {tokens} asked for, but --max-sequences {data.max_sequences} gives at most "
+            f"{train * (data.seq_len - 1)} train positions; lower --tokens or extract more sequences"
+        )
+
+
 def disk_estimate(cfg: ExtractConfig, n_seq: int, width: int, n_layers: int) -> int:
     """hidden_states.estimate_bytes for this extract (auto counted as float16, what it picks when the
     layers' positions >= 1 fit)."""

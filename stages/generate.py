@@ -358,16 +358,28 @@ def sources(
     return prior_samples(cfg, prior, prior_art, table)
 
 
+def held_out(prior_art: Artifact, store: ArtifactStore, n: int) -> None:
+    """--source oracle reads n held-out sequences (an autoencoder's validation latents for a prior over
+    latents): one line where there are fewer, before any model is loaded."""
+    import numpy as np
+
+    from dihal.artifacts import hidden_states as hs
+
+    extract = store.load("extract", prior_art.manifest["parents"]["extract"])
+    split = np.asarray(hs.open_group(extract.path / "hidden.zarr")["split"][:])
+    have = int((split == hs.SPLITS["validation"]).sum())
+    if have < n:
+        raise DihalError(
+            f"--source oracle reads held-out sequences, but extract {extract.id} has {have} validation "
+            f"sequences; use --num-samples {have} or fewer, or extract with a larger --val-fraction"
+        )
+
+
 def oracle_latents(prior, prior_art: Artifact, store: ArtifactStore, n: int) -> torch.Tensor:
     """The autoencoder's latents of the first n validation sequences, in the prior's normalization."""
     from dihal.stages.latent import latents_of
 
     val = latents_of(store.load("autoencoder", prior_art.manifest["parents"]["autoencoder"]), "validation")
-    if val.shape[0] < n:
-        raise DihalError(
-            f"--source oracle reads held-out sequences, but the autoencoder holds {val.shape[0]} validation "
-            f"latents; use --num-samples {val.shape[0]} or fewer"
-        )
     return (val[:n].to(prior.mu.device) - prior.mu) / prior.sigma
 
 
@@ -380,11 +392,6 @@ def oracle_states(prior, prior_art: Artifact, store: ArtifactStore, n: int) -> t
     extract = store.load("extract", prior_art.manifest["parents"]["extract"])
     group = hs.open_group(extract.path / "hidden.zarr")
     val = hs.split_indices(group, "validation")
-    if len(val) < n:
-        raise DihalError(
-            f"--source oracle reads held-out sequences, but extract {extract.id} has {len(val)} validation "
-            f"sequences; use --num-samples {len(val)} or fewer, or extract with a larger --val-fraction"
-        )
     raw = torch.from_numpy(hs.read_sequences(group, prior.layer, val[:n])[:, 1:].astype(np.float32))
     return (raw.to(prior.mu.device) - prior.mu) / prior.sigma
 
@@ -407,6 +414,8 @@ def run_parallel(
     if cfg.mode != "parallel":
         raise DihalError("run_parallel needs --mode parallel")
     check_parallel(cfg, prior_art, recovery_art)
+    if cfg.source == "oracle":  # before the model loads: the held-out sequences must be there
+        held_out(prior_art, store, cfg.num_samples)
     parents = {"prior": prior_art.id, **({recovery_art.stage: recovery_art.id} if recovery_art is not None else {})}
     config = cfg.hashed()
     if cached := store.cached(STAGE, config, parents, force=force):

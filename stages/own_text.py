@@ -11,14 +11,105 @@ learned from which model's text. Nothing here changes when own_text is 0.
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 
+from dihal.artifacts.errors import DihalError
 from dihal.artifacts.store import Artifact, ArtifactStore, artifact_id
 from dihal.stages import generate
-from dihal.stages.configs import ExtractConfig, GenerateConfig, OwnTextConfig
+from dihal.stages.configs import DataConfig, ExtractConfig, GenerateConfig, OwnTextConfig
 from dihal.stages.lm.models import load_model
 from dihal.stages.runtime.progress import Progress
-from dihal.stages.text.data import GENERATED
+from dihal.stages.text.data import GENERATED, SPLIT_NAMES, allot, is_validation, wanted_counts
+
+# --own-samples auto: each sample is counted as giving YIELD of an extract sequence. A sample of seq_len - 1
+# new tokens gives one; one that stopped at EOS part of one (1024 smollm2-135m samples of 63 tokens gave 977
+# sequences, 0.95; one split of 600 gave 0.87), so 0.8 leaves a margin for a model that stops more often.
+YIELD = 0.8
+UNSIZED = 1024  # auto without --max-sequences: the mix then takes as many sequences as the samples give
+
+
+# -- how many samples, known before any is written -------------------------------------------------------------
+def asked(cfg: OwnTextConfig, ecfg: ExtractConfig) -> tuple[int, int] | None:
+    """(train, validation) sequences the extract's mix asks of the samples; None without --max-sequences
+    (the mix then takes as many as the scarcest source gives)."""
+    data = with_samples(ecfg, cfg, "planned").data
+    wanted = wanted_counts(data)
+    if wanted[0] is None:
+        return None
+    return tuple(allot(w, data.shares)[len(data.sources) - 1] for w in wanted)
+
+
+def documents_per_split(n: int, data: DataConfig) -> tuple[int, int]:
+    """(train, validation) samples among the first n: a document's split is a hash of its index (the
+    extract's rule), and every sample is one document."""
+    val = sum(is_validation(i, data.val_fraction, data.seed) for i in range(n))
+    return n - val, val
+
+
+def sized(cfg: OwnTextConfig, ecfg: ExtractConfig) -> OwnTextConfig:
+    """cfg with --own-samples auto made a number: the fewest samples whose documents, at YIELD of a
+    sequence each, give every split its share (UNSIZED without --max-sequences)."""
+    if cfg.own_samples is not None or not cfg.own_text:
+        return cfg
+    need = asked(cfg, ecfg)
+    return replace(cfg, own_samples=UNSIZED if need is None else fewest(need, ecfg.data, YIELD))
+
+
+def fewest(need: tuple[int, int], data: DataConfig, per_sample: float) -> int:
+    """The fewest samples whose documents per split, times per_sample, cover need."""
+    n, have = 0, [0, 0]
+    while any(have[s] * per_sample < need[s] for s in (0, 1)):
+        have[int(is_validation(n, data.val_fraction, data.seed))] += 1
+        n += 1
+    return n
+
+
+def given_sequences(art: Artifact, data: DataConfig) -> tuple[int, int]:
+    """(train, validation) sequences a generate artifact's samples pack into, exactly: a document is its
+    prompt, its new tokens and EOS where it stopped early; a split packs seq_len - 1 tokens a sequence."""
+    body, totals = data.seq_len - 1, [0, 0]
+    rows = [json.loads(line) for line in art.file("samples.jsonl").read_text().splitlines()]
+    for i, r in enumerate(rows):
+        stopped = r["n_tokens"] < art.config["max_new_tokens"]
+        totals[int(is_validation(i, data.val_fraction, data.seed))] += (
+            len(r.get("prompt_ids", [0])) - 1 + r["n_tokens"] + stopped
+        )
+    return totals[0] // body, totals[1] // body
+
+
+def check_sizes(cfg: OwnTextConfig, ecfg: ExtractConfig, store: ArtifactStore) -> list[str]:
+    """Before any sample is written: one error line where the samples cannot give a split its share (exactly,
+    when they exist already; at most one sequence a sample, when they do not), naming the --own-samples and
+    the --max-sequences that would do; a warning where only samples that all run to full length would."""
+    need = asked(cfg, ecfg)
+    if not cfg.own_text or need is None:
+        return []
+    data, n = with_samples(ecfg, cfg, "planned").data, sized(cfg, ecfg).own_samples
+    existing = store.load(generate.STAGE, samples_id(cfg, ecfg))
+    have = given_sequences(existing, data) if existing.complete else documents_per_split(n, data)
+    short = [s for s in (0, 1) if have[s] < need[s]]
+    if short:
+        s, m = short[0], ecfg.data.max_sequences
+        fits = next((k for k in range(m, 0, -1) if all(a <= h for a, h in zip(asked_at(cfg, ecfg, k), have))), None)
+        bound = "give" if existing.complete else "give at most"
+        raise DihalError(
+            f"--own-samples {n} {bound} {have[s]} {SPLIT_NAMES[s]} sequences, but --own-text {cfg.own_text:g} of "
+            f"--max-sequences {m} asks {need[s]} of them; use --own-samples {fewest(need, data, YIELD)} (or auto)"
+            + (f", or --max-sequences {fits}" if fits else "")
+        )
+    if existing.complete:
+        return []
+    return [
+        f"warning: --own-samples {n} give at most {have[s]} {SPLIT_NAMES[s]} sequences and the mix asks {need[s]}: "
+        f"samples that stop early may leave too few; --own-samples {fewest(need, data, YIELD)} (auto) leaves a margin"
+        for s in (0, 1)
+        if have[s] * YIELD < need[s]
+    ]
+
+
+def asked_at(cfg: OwnTextConfig, ecfg: ExtractConfig, max_sequences: int) -> tuple[int, int]:
+    return asked(cfg, replace(ecfg, data=replace(ecfg.data, max_sequences=max_sequences)))
 
 
 def samples_config(cfg: OwnTextConfig, ecfg: ExtractConfig) -> GenerateConfig:
@@ -26,7 +117,7 @@ def samples_config(cfg: OwnTextConfig, ecfg: ExtractConfig) -> GenerateConfig:
     return GenerateConfig(
         baseline="original-only",
         model=ecfg.model,
-        num_samples=cfg.own_samples,
+        num_samples=sized(cfg, ecfg).own_samples,
         max_new_tokens=ecfg.data.seq_len - 1,
         batch_size=cfg.batch_size,
         seed=cfg.own_seed,

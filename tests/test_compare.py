@@ -260,6 +260,30 @@ def parts(tiny_dirs, root, tmp_path):
     return {k: store.resolve("latest", k) for k in ("extract", "prior", "bridge", "decoder")}
 
 
+def test_too_few_held_out_sequences_for_the_oracle_fail_before_the_model_loads(parts, root, monkeypatch):
+    from dihal.stages.lm import models
+
+    monkeypatch.setattr(models, "load_model", lambda *a, **k: pytest.fail("the model loaded before the check"))
+    res = invoke(
+        "generate",
+        "--mode",
+        "parallel",
+        "--prior",
+        parts["prior"].id,
+        "--source",
+        "oracle",
+        "--num-samples",
+        "50",
+        "--device",
+        "cpu",
+    )
+    assert res.exit_code == 2 and "Traceback" not in res.output
+    assert res.output.strip().splitlines()[-1] == (
+        f"error: --source oracle reads held-out sequences, but extract {parts['extract'].id} has 4 validation "
+        "sequences; use --num-samples 4 or fewer, or extract with a larger --val-fraction"
+    )
+
+
 def test_rows_that_share_a_prior_and_seed_share_its_samples(parts, root):
     common = [
         "generate",
@@ -315,8 +339,20 @@ def test_parts_trained_on_the_priors_estimates_record_it_and_refuse_bad_specs(pa
     assert res.exit_code == 0, res.output
     dec = store.resolve("latest", "decoder")
     assert dec.manifest["parents"]["prior"] == parts["prior"].id and dec.config["condition_from"] == "prior"
-    res = invoke("train-bridge", "--layer", "2", "--extract", "latest", *small, "--depth", "1",
-                 "--condition-noise", "prior:0.5", "--prior", parts["prior"].id)  # fmt: skip
+    res = invoke(
+        "train-bridge",
+        "--layer",
+        "2",
+        "--extract",
+        "latest",
+        *small,
+        "--depth",
+        "1",
+        "--condition-noise",
+        "prior:0.5",
+        "--prior",
+        parts["prior"].id,
+    )
     assert res.exit_code == 0, res.output
     assert store.resolve("latest", "bridge").manifest["parents"]["prior"] == parts["prior"].id
     for spec, extra, needle in (
@@ -343,12 +379,26 @@ def test_ld4lg_autoencoder_reconstructs_through_its_latents_and_its_prior_feeds_
     from dihal.stages import latent, recover
 
     ok = lambda res: res.exit_code == 0 or pytest.fail(res.output)  # noqa: E731
-    ok(invoke("extract", "--model", str(tiny_dirs["llama"]), "--max-sequences", "16", "--seq-len", "12",
-              "--val-fraction", "0.25", "--device", "cpu"))  # fmt: skip
+    ok(
+        invoke(
+            "extract",
+            "--model",
+            str(tiny_dirs["llama"]),
+            "--max-sequences",
+            "16",
+            "--seq-len",
+            "12",
+            "--val-fraction",
+            "0.25",
+            "--device",
+            "cpu",
+        )
+    )
     store = ArtifactStore(root)
     ex = store.resolve("latest", "extract")
-    cfg = latent.AutoencoderConfig.from_protocol("sweep-tiny", steps=150, width=64, heads=4, batch_size=12, lr=3e-3,
-                                                 latents=4, latent_dim=16)  # fmt: skip
+    cfg = latent.AutoencoderConfig.from_protocol(
+        "sweep-tiny", steps=150, width=64, heads=4, batch_size=12, lr=3e-3, latents=4, latent_dim=16
+    )
     ae = latent.run(cfg, ex, store)
     group = hs.open_group(ex.path / "hidden.zarr")
     train = hs.split_indices(group, "train")
@@ -429,9 +479,35 @@ def test_bad_parallel_requests_are_one_line(parts, tiny_dirs, root):
     refused(invoke("train-prior", "--train-steps", "0"), "--train-steps must be at least 1")
 
 
-COMPARE = ["compare", "--max-sequences", "48", "--seq-len", "12", "--seeds", "0,1", "--num-samples", "4",
-           "--prior-steps", "3", "--sample-steps", "2", "--train-steps", "3", "--width", "16", "--depth", "1",
-           "--tokens", "150", "--temperatures", "0,1", "--budgets", "1,2", "--device", "cpu"]  # fmt: skip
+COMPARE = [
+    "compare",
+    "--max-sequences",
+    "48",
+    "--seq-len",
+    "12",
+    "--seeds",
+    "0,1",
+    "--num-samples",
+    "4",
+    "--prior-steps",
+    "3",
+    "--sample-steps",
+    "2",
+    "--train-steps",
+    "3",
+    "--width",
+    "16",
+    "--depth",
+    "1",
+    "--tokens",
+    "150",
+    "--temperatures",
+    "0,1",
+    "--budgets",
+    "1,2",
+    "--device",
+    "cpu",
+]
 
 
 def test_compare_end_to_end_writes_curves_controls_budgets_and_the_verdict(tiny_dirs, root):
@@ -443,8 +519,16 @@ def test_compare_end_to_end_writes_curves_controls_budgets_and_the_verdict(tiny_
     res = invoke(*args)
     assert res.exit_code == 0, res.output
     art = ArtifactStore(root).resolve("latest", "compare")
-    for name in ("compare.csv", "summary.csv", "controls.csv", "parts.csv", "samples.csv", "compare.json",
-                 "compare_x1.png", "compare_x2.png"):  # fmt: skip
+    for name in (
+        "compare.csv",
+        "summary.csv",
+        "controls.csv",
+        "parts.csv",
+        "samples.csv",
+        "compare.json",
+        "compare_x1.png",
+        "compare_x2.png",
+    ):
         assert art.file(name).stat().st_size > 0, name
     lines, summary, parts_df, samples = (
         pd.read_csv(art.file(n)) for n in ("compare.csv", "summary.csv", "parts.csv", "samples.csv")
@@ -452,8 +536,15 @@ def test_compare_end_to_end_writes_curves_controls_budgets_and_the_verdict(tiny_
     result = json.loads(art.file("compare.json").read_text())
     l_star, worst = result["l_star"], result["argmin_S"]
     ld4lg = f"LD4LG-style (frozen {tiny_dirs['llama'].name} encoder)"
-    curves = ["CoDAR", ld4lg, f"DiHAL (l*={l_star})", f"DiHAL (argmin S={worst})", f"DiHAL-direct (l*={l_star})",
-              "AR hybrid (l*)", "original (AR)"]  # fmt: skip
+    curves = [
+        "CoDAR",
+        ld4lg,
+        f"DiHAL (l*={l_star})",
+        f"DiHAL (argmin S={worst})",
+        f"DiHAL-direct (l*={l_star})",
+        "AR hybrid (l*)",
+        "original (AR)",
+    ]
     prior = lines[lines.source == "trained prior"]
     # one line per row, temperature, seed and budget: curve rows at both temperatures, points once
     for row in curves:
@@ -531,8 +622,19 @@ def test_compare_refuses_bad_requests_before_any_work(tiny_dirs, root):
         assert res.exit_code == 2 and "Traceback" not in res.output, (extra, res.output)
         last = res.output.strip().splitlines()[-1]
         assert last.startswith("error: ") and needle in res.output, (extra, res.output)
-    res = invoke("compare", "--model", str(tiny_dirs["llama"]), "--evaluator", str(tiny_dirs["llama"]),
-                 "--max-sequences", "16", "--seq-len", "12", "--device", "cpu")  # fmt: skip
+    res = invoke(
+        "compare",
+        "--model",
+        str(tiny_dirs["llama"]),
+        "--evaluator",
+        str(tiny_dirs["llama"]),
+        "--max-sequences",
+        "16",
+        "--seq-len",
+        "12",
+        "--device",
+        "cpu",
+    )
     assert res.exit_code == 2 and "is the backbone; the primary evaluator must be another model" in res.output
     assert ArtifactStore(root).all("prior") == []  # refused before any part was trained
 
@@ -643,10 +745,28 @@ def test_mauve_scores_each_rows_top_temperature_against_held_out_features(monkey
             for row, temps in (("CoDAR", (0.0, 1.0)), ("SED", (None,))):
                 for t in temps:
                     for i in range(3):
-                        rows.append({"budget": budget, "seed": seed, "row": row, "temperature": t, "index": i,
-                                     "source": "trained prior", "text": f"{row} {t} {seed} {i}"})  # fmt: skip
-    rows.append({"budget": 1, "seed": 0, "row": "CoDAR", "temperature": 1.0, "index": 0, "source": "null prior",
-                 "text": "control"})  # fmt: skip
+                        rows.append(
+                            {
+                                "budget": budget,
+                                "seed": seed,
+                                "row": row,
+                                "temperature": t,
+                                "index": i,
+                                "source": "trained prior",
+                                "text": f"{row} {t} {seed} {i}",
+                            }
+                        )
+    rows.append(
+        {
+            "budget": 1,
+            "seed": 0,
+            "row": "CoDAR",
+            "temperature": 1.0,
+            "index": 0,
+            "source": "null prior",
+            "text": "control",
+        }
+    )
     samples = pd.DataFrame(rows)
     monkeypatch.setitem(sys.modules, "mauve", None)  # not installed
     assert stage.mauve_available() is None and stage.mauve_scores(samples, None, None, 1.0, 0).empty
@@ -670,7 +790,7 @@ def test_mauve_scores_each_rows_top_temperature_against_held_out_features(monkey
             & (samples.source == "trained prior")
             & (samples.temperature.isna() | (samples.temperature == 1.0))
         ]
-        assert r.mauve == sum(len(t) for t in texts.text)  # fmt: skip
+        assert r.mauve == sum(len(t) for t in texts.text)
     assert all(q is held for _, q in seen)
 
 
@@ -686,10 +806,24 @@ def test_diversity_is_per_seed_so_the_same_held_out_text_twice_keeps_its_diversi
     rows = []
     for seed in (0, 1):
         for i, text in enumerate(texts):
-            rows.append({"budget": 1, "row": "held-out text", "kind": "point", "source": "data",
-                         "temperature": float("nan"), "seed": seed, "index": i, "text": text, "n_tokens": 7,
-                         "token_entropy": 1.9, "nll_evaluator": 7.0, "n_evaluator": 7, "nll_backbone": 7.0,
-                         "n_backbone": 7})  # fmt: skip
+            rows.append(
+                {
+                    "budget": 1,
+                    "row": "held-out text",
+                    "kind": "point",
+                    "source": "data",
+                    "temperature": float("nan"),
+                    "seed": seed,
+                    "index": i,
+                    "text": text,
+                    "n_tokens": 7,
+                    "token_entropy": 1.9,
+                    "nll_evaluator": 7.0,
+                    "n_evaluator": 7,
+                    "nll_backbone": 7.0,
+                    "n_backbone": 7,
+                }
+            )
     samples = pd.DataFrame(rows)
     one_seed = tm.diversity(texts)
     assert one_seed > 0.9 and tm.diversity(texts + texts) < one_seed / 4  # what pooling did

@@ -487,3 +487,33 @@ def test_model_code_runs_only_with_trust_remote_code(tiny_dirs, tmp_path):
     assert any(tmp_path.rglob("RAN"))
     art = ArtifactStore(tmp_path / "runs").resolve("latest", "extract")
     assert art.config["trust_remote_code"] is True and art.manifest["model"]["trust_remote_code"] is True
+
+
+@pytest.mark.parametrize(
+    "args, says",
+    [
+        (
+            ["train-bridge", "--layer", "1", "--max-sequences", "1"],
+            "error: the bridge's validation loss: --max-sequences 1 at --val-fraction 0.1 holds 0 held-out sequences "
+            "and 1 are needed; raise --max-sequences or --val-fraction",
+        ),
+        (
+            ["sweep", "--layers", "1,2", "--max-sequences", "8", "--seq-len", "16"],
+            "error: --tokens 4096 asked for, but --max-sequences 8 gives at most 105 train positions; lower --tokens "
+            "or extract more sequences",
+        ),
+        (
+            ["compare", "--max-sequences", "40", "--evaluator", "smollm2-135m"],
+            "error: the comparison: --max-sequences 40 at --val-fraction 0.1 holds 4 held-out sequences and 256 are "
+            "needed; raise --max-sequences or --val-fraction (or lower --num-samples, or --controls '')",
+        ),
+    ],
+)
+def test_sizes_known_from_the_plan_fail_before_any_model_loads(args, says, tiny_dirs, root, monkeypatch):
+    """Each of these used to fail after its extract had run (and, for the comparison, its score)."""
+    from dihal.stages.lm import models
+
+    monkeypatch.setattr(models, "load_model", lambda *a, **k: pytest.fail("a model was loaded before the check"))
+    for extra in ([], ["--dry-run"]):
+        res = invoke(*args, "--model", str(tiny_dirs["llama"]), "--device", "cpu", *extra)
+        _one_error_line(res, says.removeprefix("error: "))

@@ -176,7 +176,7 @@ CONFIG_OF = {  # the config whose fields a command's options set
     "compare": (C.CompareConfig, C.ScoreConfig, C.DataConfig, C.ExtractConfig),
     "confirm": (C.ConfirmConfig,),
 }
-RESOLVED = {"device", "dtype"}  # 'auto' on the command line, resolved to what this machine has
+RESOLVED = {"device", "dtype", "own_samples"}  # "auto" on the command line, resolved by the run
 
 
 def _config_default(classes, name: str):

@@ -24,9 +24,19 @@ def _store() -> ArtifactStore:
 
 def _own_samples(model_dir, *extra: str) -> str:
     res = invoke(
-        "generate", "--baseline", "original-only", "--model", str(model_dir), "--num-samples", "24",
-        "--max-new-tokens", str(SEQ_LEN - 1), "--batch-size", "8", *extra,
-    )  # fmt: skip
+        "generate",
+        "--baseline",
+        "original-only",
+        "--model",
+        str(model_dir),
+        "--num-samples",
+        "24",
+        "--max-new-tokens",
+        str(SEQ_LEN - 1),
+        "--batch-size",
+        "8",
+        *extra,
+    )
     assert res.exit_code == 0, res.output
     return _store().resolve("latest", "generate").id
 
@@ -66,9 +76,16 @@ def test_a_generate_artifact_as_a_dataset_keeps_its_token_ids(tiny_dirs, root):
 def test_a_mix_draws_the_stated_shares(tiny_dirs, root):
     gen_id = _own_samples(tiny_dirs["llama"], "--max-new-tokens", "120", "--num-samples", "48")
     art = _extract(
-        tiny_dirs["llama"], "--dataset", "pydoc", "--dataset", f"generate:{gen_id}", "--mix", "0.25,0.75",
-        "--max-sequences", "80",
-    )  # fmt: skip
+        tiny_dirs["llama"],
+        "--dataset",
+        "pydoc",
+        "--dataset",
+        f"generate:{gen_id}",
+        "--mix",
+        "0.25,0.75",
+        "--max-sequences",
+        "80",
+    )
     group = hs.open_group(art.path / "hidden.zarr")
     ids, split = np.asarray(group["input_ids"][:]), np.asarray(group["split"][:])
     source = np.load(art.file("source.npy"))
@@ -138,9 +155,22 @@ def test_original_only_needs_a_model_and_no_bridge(root):
 def test_a_mix_too_small_for_its_share_names_the_source(tiny_dirs, root):
     gen_id = _own_samples(tiny_dirs["llama"])  # 24 samples: about 21 training sequences
     res = invoke(
-        "extract", "--model", str(tiny_dirs["llama"]), "--layers", "0,1", "--seq-len", str(SEQ_LEN),
-        "--dataset", "pydoc", "--dataset", f"generate:{gen_id}", "--mix", "0.5,0.5", "--max-sequences", "200",
-    )  # fmt: skip
+        "extract",
+        "--model",
+        str(tiny_dirs["llama"]),
+        "--layers",
+        "0,1",
+        "--seq-len",
+        str(SEQ_LEN),
+        "--dataset",
+        "pydoc",
+        "--dataset",
+        f"generate:{gen_id}",
+        "--mix",
+        "0.5,0.5",
+        "--max-sequences",
+        "200",
+    )
     assert res.exit_code == 2 and f"dataset 'generate:{gen_id}' gives" in res.output
     assert "lower --max-sequences or its share (--mix, --own-text)" in res.output
 
@@ -150,9 +180,24 @@ def test_fidelity_on_own_samples_says_whether_the_bridge_was_trained_on_them(tin
     assert seen != unseen
     art = _extract(tiny_dirs["llama"], "--dataset", f"generate:{seen}")
     res = invoke(
-        "train-bridge", "--layer", "1", "--extract", art.id, "--train-steps", "4", "--width", "16", "--depth", "1",
-        "--heads", "2", "--batch-size", "4", "--eval-every", "2",
-    )  # fmt: skip
+        "train-bridge",
+        "--layer",
+        "1",
+        "--extract",
+        art.id,
+        "--train-steps",
+        "4",
+        "--width",
+        "16",
+        "--depth",
+        "1",
+        "--heads",
+        "2",
+        "--batch-size",
+        "4",
+        "--eval-every",
+        "2",
+    )
     assert res.exit_code == 0, res.output
     bridge = _store().resolve("latest", "bridge").id
     held = {}
@@ -170,9 +215,18 @@ def test_prompts_drawn_from_the_corpus_are_recorded_and_trained_on_as_read(tiny_
     from dihal.stages.text.data import documents
 
     gen_id = _own_samples(
-        tiny_dirs["llama"], "--prompts-from", "pydoc", "--prompt-tokens", "4", "--num-prompts", "3",
-        "--num-samples", "2", "--max-new-tokens", "6",
-    )  # fmt: skip
+        tiny_dirs["llama"],
+        "--prompts-from",
+        "pydoc",
+        "--prompt-tokens",
+        "4",
+        "--num-prompts",
+        "3",
+        "--num-samples",
+        "2",
+        "--max-new-tokens",
+        "6",
+    )
     rows = [json.loads(line) for line in _store().load("generate", gen_id).file("samples.jsonl").open()]
     assert len(rows) == 6 and len({r["prompt"] for r in rows}) == 3
     from transformers import AutoTokenizer
@@ -186,23 +240,48 @@ def test_prompts_drawn_from_the_corpus_are_recorded_and_trained_on_as_read(tiny_
     ids = np.asarray(hs.open_group(art.path / "hidden.zarr")["input_ids"][:])
     docs = [r["prompt_ids"][1:] + r["token_ids"] + ([2] if r["n_tokens"] < 6 else []) for r in rows]
     assert ids.tolist() == _chunks(docs, 1)
-    res = invoke("generate", "--baseline", "original-only", "--model", "smollm2-135m", "--prompts-from", "pydoc",
-                 "--prompt", "The")  # fmt: skip
+    res = invoke(
+        "generate",
+        "--baseline",
+        "original-only",
+        "--model",
+        "smollm2-135m",
+        "--prompts-from",
+        "pydoc",
+        "--prompt",
+        "The",
+    )
     assert res.exit_code == 2 and "not both" in res.output
 
 
 def test_fidelity_on_another_extracts_validation_split_checks_it_is_unseen(tiny_dirs, root):
     bridge_extract = _extract(tiny_dirs["llama"], "--max-sequences", "40")
     res = invoke(
-        "train-bridge", "--layer", "1", "--extract", bridge_extract.id, "--train-steps", "2", "--width", "16",
-        "--depth", "1", "--heads", "2", "--batch-size", "4", "--eval-every", "2",
-    )  # fmt: skip
+        "train-bridge",
+        "--layer",
+        "1",
+        "--extract",
+        bridge_extract.id,
+        "--train-steps",
+        "2",
+        "--width",
+        "16",
+        "--depth",
+        "1",
+        "--heads",
+        "2",
+        "--batch-size",
+        "4",
+        "--eval-every",
+        "2",
+    )
     assert res.exit_code == 0, res.output
     bridge = _store().resolve("latest", "bridge").id
     same_split = _extract(tiny_dirs["llama"], "--max-sequences", "80")  # the same documents are held out
     reshuffled = _extract(tiny_dirs["llama"], "--max-sequences", "80", "--seed", "3")  # others are
-    other_len = invoke("extract", "--model", str(tiny_dirs["llama"]), "--layers", "0,1", "--seq-len", "16",
-                       "--max-sequences", "20")  # fmt: skip
+    other_len = invoke(
+        "extract", "--model", str(tiny_dirs["llama"]), "--layers", "0,1", "--seq-len", "16", "--max-sequences", "20"
+    )
     assert other_len.exit_code == 0
     found = {}
     for extract in (same_split.id, reshuffled.id, bridge_extract.id):
@@ -219,8 +298,25 @@ def test_fidelity_on_another_extracts_validation_split_checks_it_is_unseen(tiny_
     assert res.exit_code == 2 and "is not of the bridge's model and --seq-len" in res.output
 
 
-BRIDGE = ["train-bridge", "--layer", "1", "--seq-len", str(SEQ_LEN), "--train-steps", "2", "--width", "16",
-          "--depth", "1", "--heads", "2", "--batch-size", "4", "--eval-every", "2"]  # fmt: skip
+BRIDGE = [
+    "train-bridge",
+    "--layer",
+    "1",
+    "--seq-len",
+    str(SEQ_LEN),
+    "--train-steps",
+    "2",
+    "--width",
+    "16",
+    "--depth",
+    "1",
+    "--heads",
+    "2",
+    "--batch-size",
+    "4",
+    "--eval-every",
+    "2",
+]
 
 
 def test_own_text_trains_the_bridge_on_the_backbones_own_samples_at_its_share(tiny_dirs, root):
@@ -366,3 +462,92 @@ def test_own_text_py_gives_a_bridge_off_the_recipe_a_row_of_its_own():
     assert label(steps=2000) == "own, 2000 steps"
     assert label(width=512, lr=5e-4) == "own, 512 width, 0.0005 lr"
     assert label(n=1954) == "own, 1954 seqs"
+
+
+def _split_of(index: int, fraction: float = 0.1, seed: int = 0) -> int:
+    """docs/method.md section 0's rule, written out: 1 (validation) when the hash of seed:index falls below
+    the fraction."""
+    import hashlib
+
+    return int(int.from_bytes(hashlib.sha256(f"{seed}:{index}".encode()).digest()[:8], "big") / 2**64 < fraction)
+
+
+def test_too_few_own_samples_fail_in_the_plan_before_any_model_loads(tiny_dirs, root, monkeypatch):
+    """Before, 256 samples were written (2 minutes on smollm2-135m) and only then did the mix say they were
+    too few. Now the plan knows: a sample is one document, whose split is a hash of its index, and gives at
+    most one sequence. No model may load (it would raise here)."""
+    from dihal.stages.lm import models
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("a model was loaded before the size check")
+
+    monkeypatch.setattr(models, "load_model", no_model)
+    args = [*BRIDGE, "--model", str(tiny_dirs["llama"]), "--max-sequences", "40", "--own-text", "0.5"]
+    train_docs = sum(1 - _split_of(i) for i in range(8))
+    for extra in ([], ["--dry-run"]):
+        res = invoke(*args, "--own-samples", "8", *extra)
+        assert res.exit_code == 2 and "Traceback" not in res.output, res.output
+        line = res.output.strip().splitlines()[-1]
+        assert line.startswith(
+            f"error: --own-samples 8 give at most {train_docs} training sequences, but --own-text 0.5 of "
+            "--max-sequences 40 asks 18 of them; use --own-samples "
+        ), line
+        assert "(or auto), or --max-sequences " in line
+    assert ArtifactStore(root).all() == []  # nothing written either
+
+
+def test_own_samples_auto_is_sized_from_the_share_with_a_margin(tiny_dirs, root):
+    """auto: the fewest samples whose documents, counted at 0.8 of a sequence each, cover the mix's ask of
+    each split (here 18 train and 2 validation sequences of --max-sequences 40 at 0.5)."""
+    n, have = 0, [0, 0]
+    while have[0] * 0.8 < 18 or have[1] * 0.8 < 2:
+        have[_split_of(n)] += 1
+        n += 1
+    res = invoke(*BRIDGE, "--model", str(tiny_dirs["llama"]), "--max-sequences", "40", "--own-text", "0.5", "--dry-run")
+    assert res.exit_code == 0, res.output
+    assert f"num_samples={n}," in res.output and "warning" not in res.output
+    unsized = invoke(*BRIDGE, "--model", str(tiny_dirs["llama"]), "--own-text", "0.5", "--dry-run")
+    assert "num_samples=1024," in unsized.output  # no --max-sequences: the measured recipe's 1024, its ids kept
+    bad = invoke(*BRIDGE, "--model", str(tiny_dirs["llama"]), "--own-text", "0.5", "--own-samples", "lots")
+    assert bad.exit_code == 2 and "cannot read --own-samples 'lots'; use a whole number or auto" in bad.output
+
+
+def test_existing_samples_are_counted_exactly_as_the_extract_packs_them(tiny_dirs, root):
+    from dihal.stages.configs import DataConfig
+    from dihal.stages.own_text import given_sequences
+
+    gen = [
+        "generate",
+        "--baseline",
+        "original-only",
+        "--model",
+        str(tiny_dirs["llama"]),
+        "--num-samples",
+        "40",
+        "--max-new-tokens",
+        str(SEQ_LEN - 1),
+        "--seed",
+        "100",
+        "--device",
+        "cpu",
+    ]
+    assert invoke(*gen).exit_code == 0
+    store = _store()
+    samples = store.resolve("latest", "generate")
+    ex = [
+        "extract",
+        "--model",
+        str(tiny_dirs["llama"]),
+        "--dataset",
+        f"generate:{samples.id}",
+        "--layers",
+        "0,1",
+        "--seq-len",
+        str(SEQ_LEN),
+        "--device",
+        "cpu",
+    ]
+    assert invoke(*ex).exit_code == 0
+    metrics = store.resolve("latest", "extract").manifest["metrics"]
+    counted = given_sequences(samples, DataConfig(seq_len=SEQ_LEN))
+    assert counted == (metrics["n_train"], metrics["n_validation"])
