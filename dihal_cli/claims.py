@@ -44,6 +44,7 @@ def compare(
     extract: str | None = typer.Option(None, "--extract", help="Extract of every layer (omitted: extract now)."),
     score: str | None = typer.Option(None, "--score", help="Score of that extract (omitted: score now)."),
     tokens: int = o.opt(ScoreConfig, "tokens", help="Score sample size when scoring now."),
+    select: str = o.opt(ScoreConfig, "select", help="l* when scoring now: S (the paper's) or r2_token."),
     model: str = o.Model, dataset: list[str] = o.Dataset, mix: str | None = o.Mix,
     max_sequences: int | None = o.MaxSeq, seq_len: int = o.SeqLen,
     store_dtype: str = o.StoreDtype, batch_size: int = o.opt(CompareConfig, "batch_size", help="Samples per batch."),
@@ -65,7 +66,7 @@ def compare(
         raise DihalError(f"--evaluator {evaluator} is the backbone; the primary evaluator must be another model")
     seed = 0  # the extract and score of the comparison
     ecfg = extract_config(locals(), device, dtype, "all")
-    scfg = ScoreConfig(tokens=tokens, device=device)
+    scfg = ScoreConfig(tokens=tokens, select=select, device=device)
     if not extract:
         from dihal.stages.extract import check_planned
 

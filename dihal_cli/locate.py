@@ -84,6 +84,9 @@ def score(
     split: str = o.opt(ScoreConfig, "split"),
     bootstrap: int = o.opt(ScoreConfig, "bootstrap", help="B more draws of positions: spread of S, how often l*."),
     outlier_mads: float | None = o.opt(ScoreConfig, "outlier_mads", help="Also robust proxies without outliers (5)."),
+    r2_penalty: str = o.opt(ScoreConfig, "r2_penalty", help="r2_token's ridge penalty: kfold (5-fold CV) or gcv "
+                            "(before)."),
+    select: str = o.opt(ScoreConfig, "select", help="Which pick is l*: S (the paper's) or r2_token (dihal's)."),
     seed: int = o.Seed, device: str = o.opt(ScoreConfig, "device"), force: bool = o.Force, dry_run: bool = o.DryRun,
     as_json: bool = o.AsJson, root: str = o.Root,
 ) -> None:  # fmt: skip

@@ -125,9 +125,11 @@ SWEEP = {
 
 
 def score_table(records: list[dict], metrics: dict, bootstrap: int, robust: bool) -> Table:
-    title = f"layer ranking (l* = {metrics['l_star']}"
+    by_r2 = metrics.get("l_star_r2_token")
+    title = f"layer ranking (l* = {metrics['l_star_S']} by S" + (f", {by_r2} by r2_token" if by_r2 else "")
+    title += f"; --select {metrics['select']}" if metrics["select"] != "S" else ""
     if bootstrap:
-        title += f", l* in {metrics['l_star_frequency']:.0%} of {bootstrap} draws"
+        title += f"; argmax S in {metrics['l_star_frequency']:.0%} of {bootstrap} draws"
     if robust:
         title += f"; robust l* = {metrics['l_star_robust']}"
     if not (bootstrap or robust):

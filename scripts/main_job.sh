@@ -3,7 +3,7 @@
 # pydoc corpus), sized for a laptop: extract -> score -> train-bridge at l* -> evaluate -> generate ->
 # evaluate, then one summary table. The extended checks (score draws, robust proxies, fidelity
 # elsewhere, the sweep, claim 4) are in scripts/reproduce_cpu.sh.
-#   MODEL=gemma3-270m, SEQUENCES, BRIDGE_STEPS, DEVICE, DTYPE and DIHAL_ROOT change what it runs.
+#   MODEL=gemma3-270m, SEQUENCES, BRIDGE_STEPS, SELECT, DEVICE, DTYPE and DIHAL_ROOT change what it runs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 MODEL=${MODEL:-smollm2-135m}
@@ -11,6 +11,7 @@ export DIHAL_ROOT=${DIHAL_ROOT:-runs/main-$(basename "$MODEL")}
 DEV="--device ${DEVICE:-cpu} --dtype ${DTYPE:-float32}"
 SEQUENCES=${SEQUENCES:-384}
 STEPS=${BRIDGE_STEPS:-300}
+SELECT=${SELECT:-S}  # which pick the bridge goes at: S (the paper's l*) or r2_token
 step() { echo "== step $1/6: $2 ($(date +%H:%M:%S))"; }
 
 step 1 "extract every layer of $MODEL on pydoc, $SEQUENCES sequences of 64 tokens"
@@ -18,8 +19,8 @@ dihal extract --model "$MODEL" --dataset pydoc --max-sequences "$SEQUENCES" $DEV
 EXTRACT=$(dihal runs latest extract)
 
 step 2 "score every layer by the geometry of its hidden states (docs/method.md section 1)"
-dihal score --extract "$EXTRACT"
-LSTAR=$(dihal score --extract "$EXTRACT" --json | python3 -c "import json,sys; print(json.load(sys.stdin)['l_star'])")
+dihal score --extract "$EXTRACT" --select "$SELECT"   # prints l* by S (the paper's) and by r2_token (dihal's)
+LSTAR=$(dihal score --extract "$EXTRACT" --select "$SELECT" --json | python3 -c "import json,sys; print(json.load(sys.stdin)['l_star'])")
 
 step 3 "train the bridge that replaces the embeddings and blocks 1..$LSTAR ($STEPS steps)"
 dihal train-bridge --layer "$LSTAR" --extract "$EXTRACT" --train-steps "$STEPS" $DEV

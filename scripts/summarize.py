@@ -54,7 +54,12 @@ def rows_for(store: ArtifactStore) -> list[tuple[str, str]]:
     rows = []
     score = latest(store, "score")
     if score:
-        rows.append(("l* (argmax S)", str(score.manifest["metrics"]["l_star"])))
+        m = score.manifest["metrics"]
+        rows.append(("l* by S, the paper's (argmax S)", str(m.get("l_star_S", m["l_star"]))))
+        if "l_star_r2_token" in m:  # dihal's proxy, which ranks layers better than depth (docs/results/locate.md)
+            rows.append(("l* by r2_token (argmax)", str(m["l_star_r2_token"])))
+        if m.get("select", "S") != "S":
+            rows.append(("the bridge's layer (--select)", f"{m['l_star']} ({m['select']})"))
     sweep = latest(store, "sweep")
     if sweep:
         m = sweep.manifest["metrics"]

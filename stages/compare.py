@@ -57,8 +57,9 @@ DEGENERATE = 0.9  # a row whose entropy is below 0.9 x the held-out text's at ev
 
 
 def layers_from_score(score_art: Artifact, cfg: CompareConfig) -> tuple[int, int]:
+    """(l*: --layer, else the score's own pick (argmax S, or argmax r2_token under its --select); argmin S)."""
     table = score_stage.load_table(score_art).set_index("layer")["S"]
-    l_star = cfg.layer if cfg.layer is not None else int(table.idxmax())
+    l_star = cfg.layer if cfg.layer is not None else int(score_art.manifest["metrics"]["l_star"])
     return l_star, int(table.idxmin())
 
 

@@ -28,6 +28,8 @@ from dihal.stages.registry import RECOVERIES, ROW_KEYS
 # -- names a config may take --------------------------------------------------------------------
 STORE_DTYPES = ("auto", "float16", "float32")
 NORMALIZATIONS = ("none", "rms", "standardize")
+R2_PENALTIES = ("kfold", "gcv")  # r2_token's ridge penalty: 5-fold cross-validation, or the GCV of before
+SELECTIONS = ("S", "r2_token")  # what l* is the argmax of: the paper's S, or dihal's r2_token
 SPLITS = ("train", "validation")
 PREDICTIONS = ("x0", "velocity")
 SCHEDULES = ("cosine", "constant")
@@ -433,6 +435,8 @@ class ScoreConfig(Config):
     chunk: int = 512  # points per batched kNN / Gram block; bounds memory, not results
     bootstrap: int = 0  # B more draws of --tokens positions, for the stability of S and l*
     outlier_mads: float | None = None  # also the robust proxies, outlier-norm positions left out
+    r2_penalty: str = "kfold"  # how r2_token's and r2_context's ridge penalty is chosen (score.Embeddings)
+    select: str = "S"  # which pick is l*: "S" (argmax of the paper's score) or "r2_token" (its argmax)
 
     def check(self) -> None:
         excluded_positions(self.exclude_positions)
@@ -449,6 +453,8 @@ class ScoreConfig(Config):
         require(
             self.outlier_mads is None or self.outlier_mads > 0, f"--outlier-mads must be > 0, got {self.outlier_mads}"
         )
+        one_of(self, "r2_penalty", R2_PENALTIES)
+        one_of(self, "select", SELECTIONS)
 
 
 # -- use ------------------------------------------------------------------------------------------------

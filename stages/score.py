@@ -65,6 +65,22 @@ def sample_positions(
     return seqs[rows[pick]], cols[pick]
 
 
+def ridge_rng(seed: int, draw: int) -> np.random.Generator:
+    """The ridge proxies' positions of a draw, apart from the geometry's."""
+    return np.random.default_rng([seed, draw, 23])
+
+
+def ridge_sample(group, cfg: ScoreConfig, exclude: list[int], draw: int) -> tuple[np.ndarray, np.ndarray]:
+    """max(--tokens, Embeddings.ROWS) positions of the split for the ridge proxies (all of them, if fewer)."""
+    seqs = hs.split_indices(group, cfg.split)
+    mask = np.asarray(group["attention_mask"].oindex[seqs]).astype(bool)
+    mask[:, [p for p in exclude if p < mask.shape[1]]] = False
+    rows, cols = np.nonzero(mask)
+    n = min(max(cfg.tokens, Embeddings.ROWS), rows.size)
+    pick = np.sort(ridge_rng(cfg.seed, draw).choice(rows.size, size=n, replace=False))
+    return seqs[rows[pick]], cols[pick]
+
+
 def normalize(x: torch.Tensor, mode: str) -> torch.Tensor:
     if mode == "none":
         return x
@@ -194,10 +210,12 @@ def spectrum_stats(eig: torch.Tensor) -> dict[str, float]:
 class Geometry:
     """One layer's sampled states X (already normalized, float64), what the proxies read: the
     score's settings, the m_mono pairs, the spectrum of Sigma computed once for all, and the token
-    embeddings at the same positions (None where the extract has no layer 0)."""
+    embeddings with the layer's states at the ridge proxies' own positions (None without layer 0)."""
 
-    def __init__(self, x: torch.Tensor, cfg: ScoreConfig, pairs, embeddings: Embeddings | None = None):
+    def __init__(self, x: torch.Tensor, cfg: ScoreConfig, pairs, embeddings: Embeddings | None = None, targets=None):
+        """targets: the layer's states at the embeddings' positions (Embeddings.ROWS of them); default x."""
         self.x, self.cfg, self.pairs, self.embeddings = x, cfg, pairs, embeddings
+        self.targets = x if targets is None else targets
         self._ridge: dict[int, dict[str, float]] = {}
 
     @functools.cached_property
@@ -209,7 +227,7 @@ class Geometry:
         if self.embeddings is None:
             return {"r2": float("nan"), "penalty": float("nan")}
         if width not in self._ridge:
-            self._ridge[width] = self.embeddings.fit(self.x, width)
+            self._ridge[width] = self.embeddings.fit(self.targets, width)
         return self._ridge[width]
 
 
@@ -250,49 +268,132 @@ def r2_context_penalty(g: Geometry) -> float:
     return g.ridge(Embeddings.WINDOW)["penalty"]
 
 
+class RidgeBasis:
+    """Ridge maps from features F_A to any targets Y, scored on F_B, at every penalty after one
+    eigendecomposition: of F_A'F_A (p x p) when there are at least as many rows as features, else of
+    the n x n kernel F_A F_A' (at D = 4096 with --tokens 4096, 3,277 held-in rows for 4,097 features).
+    Either way the prediction on F_B at penalty lam is Z_B diag(1 / (e + lam)) G(Y), where G(Y) = Z_A'Y
+    (primal, Z = F V) or U'Y (dual, Z_B = F_B F_A' U)."""
+
+    def __init__(self, fa: torch.Tensor, fb: torch.Tensor):
+        if fa.shape[0] >= fa.shape[1]:
+            e, v = torch.linalg.eigh(fa.T @ fa)
+            self.left, self.z_b = (fa @ v).float(), (fb @ v).float()  # G = Z_A'Y
+        else:
+            e, u = torch.linalg.eigh(fa @ fa.T)
+            self.left, self.z_b = u.float(), ((fb @ fa.T) @ u).float()  # G = U'Y
+        self.e = e.clamp_min(0)
+        self.gram_b = (self.z_b.T @ self.z_b).double()  # Z_B'Z_B, for every target at once
+
+    def g(self, y: torch.Tensor) -> torch.Tensor:
+        return self.left.T @ y.float()
+
+    def errors(self, y_b: torch.Tensor, g: torch.Tensor, lams: list[float]) -> list[float]:
+        """|Y_B - Z_B diag(s) G|^2 at each penalty, s = 1 / (e + lam): |Y_B|^2 - 2 s.h + s'(Z_B'Z_B o GG')s,
+        h_i = <(Z_B'Y_B)_i, G_i>, without forming a prediction."""
+        h = ((self.z_b.T @ y_b.float()).double() * g.double()).sum(1)
+        quad = self.gram_b * (g @ g.T).double()
+        total, out = float((y_b.double() ** 2).sum()), []
+        for lam in lams:
+            shrink = 1 / (self.e + lam)
+            out.append(max(total - 2 * float(shrink @ h) + float(shrink @ quad @ shrink), 0.0))
+        return out
+
+    def predict(self, g: torch.Tensor, lam: float) -> torch.Tensor:
+        return self.z_b @ (g / (self.e + lam).float()[:, None])
+
+
 class Embeddings:
     """dihal's own proxies of how far layer l still is from the embedding interface (docs/method.md
     section 1, not the paper's): the held-out R^2 of the ridge map from the token embeddings h_0 to
-    h_l at the score's positions, from the token alone (r2_token) and from a causal window of it
-    and its WINDOW - 1 predecessors (r2_context).
+    h_l, from the token alone (r2_token) and from a causal window of it and its WINDOW - 1
+    predecessors (r2_context).
 
-    The penalty is chosen per layer on the held-in positions alone, by generalized cross-validation
-    (Golub, Heath and Wahba 1979) over PENALTIES x held-in rows; the held-out fifth then scores the
-    chosen map. For one draw of positions this holds the split and, per width, the eigenbasis of the
-    held-in Gram matrix, which does not depend on the layer: each layer costs two matrix products."""
+    Positions: max(--tokens, ROWS) of them, drawn apart from the geometry's. A ridge map's held-out R^2
+    rises with the rows it is fitted on whatever its penalty (layer 1 of smollm2-135m, the best
+    penalty in hindsight: 0.52 at 1,024 positions, 0.65 at 2,048, 0.74 at 4,096, 0.78 at 8,192), so
+    --tokens, which sizes the geometry's O(n^2) neighbourhoods, does not size this O(n p^2) fit.
+
+    A fifth of them is held out; the map is fitted on the rest at a penalty (x held-in rows) chosen on
+    the held-in positions alone, by the rule `--r2-penalty`:
+        kfold  FOLDS-fold cross-validation over random folds of the held-in rows. A fold, like the held-out
+               fifth, holds a fifth of the rows, so its tokens are unseen by its fit in the proportion the
+               held-out fifth's are, and memorising the seen ones pays exactly as much as it will there.
+        gcv    generalized cross-validation (Golub, Heath and Wahba 1979), the rule before. It approximates
+               leave-one-out, which never leaves a token out (at layer 1, h_l is nearly a function of the
+               token, and frequent tokens repeat), so it rewarded memorising them: at 2,048 positions it took
+               the grid's smallest penalty and scored -0.5 to -1.1, the held-out fifth's unseen tokens far off.
+    For one draw of positions the split, the folds and every fit's eigenbasis (RidgeBasis) are made once,
+    whatever the layer: each layer then costs a few matrix products."""
 
     WINDOW = 4
     HELD_OUT = 0.2
+    FOLDS = 5
+    ROWS = 8192
     PENALTIES = tuple(10.0 ** (k / 4) for k in range(-16, 9))  # 1e-4 .. 1e2, x held-in rows
 
-    def __init__(self, window: np.ndarray, seed: int, draw: int, device: str = "cpu"):
+    def __init__(self, window: np.ndarray, seed: int, draw: int, device: str = "cpu", rule: str = "kfold"):
         n = window.shape[0]
         order = draw_rng(seed, draw).permutation(n)
         n_test = max(1, int(round(self.HELD_OUT * n)))
         self.test, self.train = (torch.from_numpy(np.sort(i)).to(device) for i in (order[:n_test], order[n_test:]))
+        self.rule = rule
         x = torch.from_numpy(window).to(device, torch.float64)
-        self.bases = {w: self._basis(x[:, :w].reshape(n, -1)) for w in (1, self.WINDOW)}
+        features = {w: self._features(x[:, :w].reshape(n, -1)) for w in (1, self.WINDOW)}
+        if rule == "gcv":
+            self.bases = {w: self._gcv_basis(f) for w, f in features.items()}
+            return
+        self.fits = {w: RidgeBasis(f[self.train], f[self.test]) for w, f in features.items()}
+        fold = np.random.default_rng([seed, draw, 31]).permutation(len(self.train)) % self.FOLDS
+        self.folds = [
+            (
+                torch.from_numpy(np.flatnonzero(fold != k)).to(device),
+                torch.from_numpy(np.flatnonzero(fold == k)).to(device),
+            )
+            for k in range(self.FOLDS)
+        ]
+        self.fold_fits = {
+            w: [RidgeBasis(f[self.train][a], f[self.train][b]) for a, b in self.folds] for w, f in features.items()
+        }
 
-    def _basis(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(eigenvalues e of F'F, held-in features F V, held-out features F_test V) for the features
-        normalized per dimension with held-in statistics plus an intercept; F'F = V diag(e) V'. The
+    def _features(self, x: torch.Tensor) -> torch.Tensor:
+        """x normalized per dimension with held-in statistics, plus an intercept column."""
+        mu, sd = x[self.train].mean(0), x[self.train].std(0).clamp_min(1e-6)
+        return torch.cat([(x - mu) / sd, torch.ones(x.shape[0], 1, dtype=x.dtype, device=x.device)], dim=1)
+
+    def _gcv_basis(self, f: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(eigenvalues e of F'F, held-in features F V, held-out features F_test V) of the held-in rows; the
         rotated features are float32: they enter only the two products per layer."""
-        train, test = x[self.train], x[self.test]
-        mu, sd = train.mean(0), train.std(0).clamp_min(1e-6)
-        ones = lambda m: torch.ones(m.shape[0], 1, dtype=m.dtype, device=m.device)  # noqa: E731
-        train, test = (torch.cat([(m - mu) / sd, ones(m)], dim=1) for m in (train, test))
+        train, test = f[self.train], f[self.test]
         e, v = torch.linalg.eigh(train.T @ train)
         return e.clamp_min(0), (train @ v).float(), (test @ v).float()
 
-    def fit(self, y: torch.Tensor, width: int) -> dict[str, float]:
-        """The GCV-chosen penalty (x held-in rows) and the held-out R^2 = 1 - SSE / SST of its map,
-        targets normalized per dimension with held-in statistics (as the bridge's). With Z = F V and
-        G = Z'Y, the held-in fit at penalty lam has SSE = |Y|^2 - 2 sum g/(e+lam) + sum e g/(e+lam)^2
-        (g the squared row norms of G) and trace(H) = sum e/(e+lam), so every penalty is O(p)."""
-        e, z_train, z_test = self.bases[width]
+    def _targets(self, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Held-in and held-out targets normalized per dimension with held-in statistics (as the bridge's)."""
         train, test = y[self.train], y[self.test]
         mu, sd = train.mean(0), train.std(0).clamp_min(1e-6)
-        train, test = (train - mu) / sd, (test - mu) / sd
+        return (train - mu) / sd, (test - mu) / sd
+
+    def fit(self, y: torch.Tensor, width: int) -> dict[str, float]:
+        """The chosen penalty (x held-in rows) and the held-out R^2 = 1 - SSE / SST of its map."""
+        if self.rule == "gcv":
+            return self._fit_gcv(y, width)
+        train, test = self._targets(y)
+        cv = np.zeros(len(self.PENALTIES))
+        for (a, b), basis in zip(self.folds, self.fold_fits[width]):
+            lams = [k * len(a) for k in self.PENALTIES]
+            cv += basis.errors(train[b], basis.g(train[a]), lams)
+        penalty = self.PENALTIES[int(np.argmin(cv))]
+        basis = self.fits[width]
+        residual = test - basis.predict(basis.g(train), penalty * len(self.train)).double()
+        return {"r2": float(1 - (residual**2).sum() / (test**2).sum()), "penalty": penalty}
+
+    def _fit_gcv(self, y: torch.Tensor, width: int) -> dict[str, float]:
+        """GCV over PENALTIES x held-in rows. With Z = F V and G = Z'Y, the held-in fit at penalty lam has
+        SSE = |Y|^2 - 2 sum g/(e+lam) + sum e g/(e+lam)^2 (g the squared row norms of G) and trace(H) =
+        sum e/(e+lam), so every penalty is O(p)."""
+        e, z_train, z_test = self.bases[width]
+        train, test = self._targets(y)
         gram_y = z_train.T @ train.float()  # G = Z'Y, (p, D)
         g, total, n = (gram_y.double() ** 2).sum(1), float((train**2).sum()), len(self.train)
 
@@ -308,7 +409,7 @@ class Embeddings:
         return {"r2": float(1 - (residual**2).sum() / (test**2).sum()), "penalty": penalty}
 
     @classmethod
-    def for_draws(cls, group, positions: list, seed: int, device: str = "cpu") -> list[Embeddings | None]:
+    def for_draws(cls, group, positions: list, seed: int, device: str = "cpu", rule: str = "kfold") -> list:
         """One per draw of (sequences, positions), from the extract's layer 0 read once for all draws
         (None each without it): h_0 at p, p-1, ..., p-WINDOW+1, zeros before position 0."""
         if 0 not in hs.stored_layers(group):
@@ -322,13 +423,15 @@ class Embeddings:
             for j in range(cls.WINDOW):
                 ok = pos - j >= 0
                 window[ok, j] = rows[where[ok], pos[ok] - j]
-            out.append(cls(window, seed, draw, device))
+            out.append(cls(window, seed, draw, device, rule=rule))
         return out
 
 
-def layer_proxies(x: torch.Tensor, cfg: ScoreConfig, pairs, embeddings=None, proxies=None) -> dict[str, float]:
+def layer_proxies(
+    x: torch.Tensor, cfg: ScoreConfig, pairs, embeddings=None, proxies=None, targets=None
+) -> dict[str, float]:
     """The registered proxies of one layer (every one, or those named), X already normalized, float64."""
-    g = Geometry(x, cfg, pairs, embeddings)
+    g = Geometry(x, cfg, pairs, embeddings, targets)
     chosen = [registry.PROXIES[name] for name in proxies] if proxies else registry.PROXIES.values()
     return {p.name: registry.resolve(p.fn)(g) for p in chosen}
 
@@ -343,9 +446,10 @@ def inliers(raw: torch.Tensor, mads: float) -> torch.Tensor:
     return norms <= median + mads * 1.4826 * mad
 
 
-def layer_row(raw: torch.Tensor, cfg: ScoreConfig, pairs, embeddings: Embeddings | None = None) -> dict[str, float]:
-    """The proxies of one layer's raw states (float64), and with --outlier-mads the robust ones."""
-    row = layer_proxies(normalize(raw, cfg.normalize), cfg, pairs, embeddings)
+def layer_row(raw: torch.Tensor, cfg: ScoreConfig, pairs, embeddings=None, targets=None) -> dict[str, float]:
+    """The proxies of one layer's raw states (float64), and with --outlier-mads the robust ones; targets:
+    its states at the ridge proxies' positions (default raw: the same positions)."""
+    row = layer_proxies(normalize(raw, cfg.normalize), cfg, pairs, embeddings, targets=targets)
     row["mean_token_norm"] = float(raw.norm(dim=1).mean())
     if cfg.outlier_mads is not None:
         keep = inliers(raw, cfg.outlier_mads)
@@ -438,22 +542,35 @@ def score_layers(
     """(the score's table, the bootstrap draws' long table or None, the sampled positions)."""
     exclude = excluded_positions(cfg.exclude_positions)
     draws = range(1 + cfg.bootstrap)
+    # r2_token and r2_context at positions of their own; under gcv, the rule of before, at the geometry's (its ids)
+    ridge = any(p.embeddings for p in registry.PROXIES.values()) and cfg.r2_penalty != "gcv"
     if uses_pool(group, cfg):  # the extract's pool: O(pool x D) read per layer
         pool_seq, pool_pos, _ = hs.read_pool(group, layers[0])
         picks = [np.sort(draw_rng(cfg.seed, d).choice(pool_seq.size, size=cfg.tokens, replace=False)) for d in draws]
+        rows_r2 = min(max(cfg.tokens, Embeddings.ROWS), pool_seq.size)
+        ridge_picks = [np.sort(ridge_rng(cfg.seed, d).choice(pool_seq.size, rows_r2, replace=False)) for d in draws]
         positions = [(pool_seq[p], pool_pos[p]) for p in picks]
+        ridge_positions = [(pool_seq[p], pool_pos[p]) for p in ridge_picks]
 
-        def read_layer(layer: int) -> list[np.ndarray]:
+        def read_layer(layer: int) -> list[tuple[np.ndarray, np.ndarray]]:
             states = hs.read_pool(group, layer)[2]
-            return [states[p] for p in picks]
+            return [(states[p], states[q] if ridge else None) for p, q in zip(picks, ridge_picks)]
 
     else:  # reads the chunks that hold the sampled positions
         positions = [sample_positions(group, cfg.split, cfg.tokens, exclude, cfg.seed, d) for d in draws]
-        read_layer = lambda layer: [hs.read_positions(group, layer, s, p) for s, p in positions]  # noqa: E731
+        ridge_positions = [ridge_sample(group, cfg, exclude, d) for d in draws]
+
+        def read_layer(layer: int) -> list[tuple[np.ndarray, np.ndarray]]:
+            return [
+                (hs.read_positions(group, layer, s, p), hs.read_positions(group, layer, rs, rp) if ridge else None)
+                for (s, p), (rs, rp) in zip(positions, ridge_positions)
+            ]
+
     pairs = sample_pairs(cfg.tokens, cfg.pairs, cfg.seed)
     embeddings = [None] * len(positions)
-    if any(p.embeddings for p in registry.PROXIES.values()):  # r2_token, r2_context: h_0 at the same positions
-        embeddings = Embeddings.for_draws(group, positions, cfg.seed, cfg.device)
+    if any(p.embeddings for p in registry.PROXIES.values()):
+        at = ridge_positions if ridge else positions
+        embeddings = Embeddings.for_draws(group, at, cfg.seed, cfg.device, cfg.r2_penalty)
     rows = []
     progress.start("score", len(layers) * len(draws), "layer x draw" if cfg.bootstrap else "layer")
     with ThreadPoolExecutor(max_workers=1) as reader:  # reads layer l+1 while layer l is scored
@@ -466,9 +583,10 @@ def score_layers(
             per_draw = pending.result()
             if position + 1 < len(layers):
                 pending = read(layers[position + 1])
-            for draw, states in enumerate(per_draw):
+            for draw, (states, ridge_states) in enumerate(per_draw):
                 raw = torch.from_numpy(states).to(cfg.device, torch.float64)
-                rows.append({"draw": draw, "layer": layer, **layer_row(raw, cfg, pairs, embeddings[draw])})
+                targets = None if ridge_states is None else torch.from_numpy(ridge_states).to(cfg.device, torch.float64)
+                rows.append({"draw": draw, "layer": layer, **layer_row(raw, cfg, pairs, embeddings[draw], targets)})
                 progress.advance(1)
     progress.stop()
     long = pd.DataFrame(rows)
@@ -487,6 +605,12 @@ def config_dict(cfg: ScoreConfig, layers: list[int]) -> dict:
     config = {**asdict(cfg), "candidates": layers, "device": None, "proxies": list(registry.PROXIES)}
     if any(p.embeddings for p in registry.PROXIES.values()):
         config["r2_penalties"] = [float(f"{k:.6g}") for k in Embeddings.PENALTIES]
+    if cfg.select == "S":  # the paper's l*, as before there was a choice: the id it had
+        config.pop("select")
+    if cfg.r2_penalty == "gcv":  # the rule before there was a choice, at the geometry's positions: its id
+        config.pop("r2_penalty")
+    else:
+        config["r2_folds"], config["r2_rows"] = Embeddings.FOLDS, Embeddings.ROWS
     return config
 
 
@@ -511,52 +635,74 @@ def run(
         extra={"model": extract.manifest.get("model")},
     ) as art:
         table, boot, seq_idx, pos_idx = score_layers(group, cfg, layers, progress)
-        write_outputs(art, table, seq_idx, pos_idx)
+        chosen = picks(table)
+        write_outputs(art, table, seq_idx, pos_idx, chosen, cfg.select)
         if boot is not None:
             boot.to_csv(art.file("bootstrap.csv"), index=False)
-        best = int(table.loc[table["S"].idxmax(), "layer"])
         metrics = {
-            "l_star": best,
+            "l_star": chosen[cfg.select],  # what compare and the main job use (--select)
+            "select": cfg.select,
+            **{f"l_star_{name}": layer for name, layer in chosen.items()},
             "n_tokens": cfg.tokens,
             "candidates": layers,
             "positions_from": "extract pool" if uses_pool(group, cfg) else "layers",
             "r2": {  # how r2_token and r2_context were fitted
                 "window": Embeddings.WINDOW,
                 "held_out": Embeddings.HELD_OUT,
-                "ridge_penalty": "chosen per layer by GCV on the held-in rows (columns r2_*_penalty, x rows)",
+                "ridge_penalty": (
+                    f"chosen per layer on the held-in rows by {Embeddings.FOLDS}-fold cross-validation over "
+                    "random folds (columns r2_*_penalty, x rows)"
+                    if cfg.r2_penalty == "kfold"
+                    else "chosen per layer by GCV on the held-in rows (columns r2_*_penalty, x rows)"
+                ),
+                "rule": cfg.r2_penalty,
                 "penalty_grid": list(Embeddings.PENALTIES),
             },
         }
         for suffix in ("", "_robust") if "S_robust" in table else ("",):
             winner = int(table.loc[table[f"S{suffix}"].idxmax(), "layer"])
-            metrics[f"l_star{suffix}"] = winner
-            if boot is not None:
+            if suffix:
+                metrics[f"l_star{suffix}"] = winner
+            if boot is not None:  # how often argmax S is this layer over the draws
                 freq = table.set_index("layer")[f"l_star{suffix}_freq"]
                 metrics[f"l_star{suffix}_frequency"] = float(freq[winner])
         art.manifest["metrics"] = metrics
     return art
 
 
-def write_outputs(art: Artifact, table: pd.DataFrame, seq_idx: np.ndarray, pos_idx: np.ndarray) -> None:
+def picks(table: pd.DataFrame) -> dict[str, int]:
+    """The layer each selection rule picks: argmax S (the paper's l*) and argmax r2_token (dihal's)."""
+    out = {"S": int(table.loc[table["S"].idxmax(), "layer"])}
+    if "r2_token" in table and table["r2_token"].notna().any():
+        out["r2_token"] = int(table.loc[table["r2_token"].idxmax(), "layer"])
+    return out
+
+
+def write_outputs(art: Artifact, table: pd.DataFrame, seq_idx, pos_idx, chosen: dict[str, int], select: str) -> None:
     table.to_parquet(art.file("table.parquet"), index=False)
     table.to_csv(art.file("table.csv"), index=False)
-    best = table.loc[table["S"].idxmax()]
     summary = {
-        "l_star": int(best["layer"]),
-        "S": float(best["S"]),
+        "l_star": chosen[select],
+        "select": select,
+        **{f"l_star_{name}": layer for name, layer in chosen.items()},
+        "S": float(table.set_index("layer").loc[chosen["S"], "S"]),
         "ranking": table.sort_values("rank")["layer"].astype(int).tolist(),
     }
     art.file("scores.json").write_text(json.dumps(summary, indent=2))
     np.savez(art.file("positions.npz"), sequence=seq_idx, position=pos_idx)
-    plot(table, summary["l_star"], art.file("scores.png"), art.config.get("normalize", "none"))
+    plot(table, chosen, art.file("scores.png"), art.config.get("normalize", "none"))
 
 
-def plot(table: pd.DataFrame, l_star: int, path, normalize_mode: str) -> None:
+def plot(table: pd.DataFrame, chosen: dict[str, int], path, normalize_mode: str) -> None:
     fig, ax = plotting.figure()
     for p in registry.score_terms():
         ax.plot(table["layer"], table[f"z_{p.name}"], marker=".", label=f"z({p.name})", alpha=0.8)
     ax.plot(table["layer"], table["S"], marker="o", color="black", linewidth=2, label="S")
-    ax.axvline(l_star, color="red", linestyle="--", label=f"l* = {l_star}")
+    ax.axvline(chosen["S"], color="red", linestyle="--", label=f"l* = {chosen['S']} (argmax S)")
+    if "r2_token" in chosen:
+        ax.axvline(
+            chosen["r2_token"], color="tab:green", linestyle=":", label=f"argmax r2_token = {chosen['r2_token']}"
+        )
     ax.set_xlabel("layer")
     ax.set_ylabel("z-score")
     ax.legend()

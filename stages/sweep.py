@@ -169,6 +169,7 @@ def normalize_variants(score_art: Artifact, extract: Artifact, store: ArtifactSt
     base = score_art.manifest["config"]
     known = {f.name for f in fields(ScoreConfig)}
     values = {k: v for k, v in base.items() if k in known and k != "device"}
+    values.setdefault("r2_penalty", "gcv")  # a score made before the choice existed used GCV
     if isinstance(values.get("candidates"), list):
         values["candidates"] = ",".join(map(str, values["candidates"]))
     cfg = ScoreConfig(**values)

@@ -268,13 +268,20 @@ def test_artifact_ids_do_not_move():
     assert artifact_id("generate", gen.hashed(), {"prior": "0123456789ab"}) != "ec66f62b7c09"
     from dihal.stages import score as sc
 
-    score = {**asdict(C.ScoreConfig(tokens=512, bootstrap=2)), "candidates": [1, 2, 3], "device": None}
+    later = ("r2_penalty", "select")  # fields added since
+    score = {k: v for k, v in asdict(C.ScoreConfig(tokens=512, bootstrap=2)).items() if k not in later}
+    score |= {"candidates": [1, 2, 3], "device": None}
     assert artifact_id("score", score, PARENT) == "a0aa95eb4ce8"  # the config as the landed main hashed it
     # a score now also hashes the registered proxies (r2_token, r2_context and their penalties are
-    # columns) and the penalty grid GCV chooses from: 4cbcff973dcf with the fixed penalty (README)
-    assert artifact_id("score", sc.config_dict(C.ScoreConfig(tokens=512, bootstrap=2), [1, 2, 3]), PARENT) == (
-        "efbe8a0948fd"
-    )
+    # columns) and the penalty grid GCV chooses from: 4cbcff973dcf with the fixed penalty (README). GCV,
+    # at the geometry's positions, is --r2-penalty gcv now, and a score of it keeps that id; the default
+    # 5-fold rule, at positions of its own, hashes in (docs/history.md); so would --select r2_token
+    gcv = C.ScoreConfig(tokens=512, bootstrap=2, r2_penalty="gcv")
+    assert artifact_id("score", sc.config_dict(gcv, [1, 2, 3]), PARENT) == "efbe8a0948fd"
+    kfold = artifact_id("score", sc.config_dict(C.ScoreConfig(tokens=512, bootstrap=2), [1, 2, 3]), PARENT)
+    assert kfold not in ("efbe8a0948fd", artifact_id("score", sc.config_dict(gcv, [1, 2]), PARENT))
+    picked = sc.config_dict(C.ScoreConfig(tokens=512, bootstrap=2, select="r2_token"), [1, 2, 3])
+    assert artifact_id("score", picked, PARENT) != kfold
     sweep = C.SweepConfig(layers=(1, 2), overrides=(("steps", 20), ("width", 32)))
     assert artifact_id("sweep", asdict(sweep), PARENT) == "6204bf89a0bb"
     # section 5 revision 2 gave the comparison its grid, controls and budgets: a new id (README)
