@@ -19,8 +19,8 @@ from benchmarks.common import Timer, save, store  # noqa: E402
 from dihal.stages import bridge as bstage  # noqa: E402
 from dihal.stages import extract as ex  # noqa: E402
 from dihal.stages import generate as gen  # noqa: E402
-from dihal.stages.bridge import Bridge  # noqa: E402
 from dihal.stages.lm.models import load_model  # noqa: E402
+from dihal.stages.parts.bridge import Bridge  # noqa: E402
 from dihal.stages.text.data import DataConfig  # noqa: E402
 
 NEW_TOKENS, BATCH, REPEATS = 48, 1, 2

@@ -1,7 +1,7 @@
 """The paper's claims as commands: `dihal compare` (claim 3, docs/method.md section 5) and
 `dihal confirm` (claim 4). `dihal sweep` (claims 1 and 2) is in locate.py.
 
-The comparison's rows come from dihal/stages/registry.py's ROWS; every trained part runs under
+The comparison's rows come from stages/registry.py's ROWS; every trained part runs under
 one protocol with the same overrides, so the budget is matched.
 """
 

@@ -3,12 +3,12 @@
 Commands live one module per group, each a screen per command (parse -> config -> stage -> print):
 
     locate.py   extract, score, sweep
-    replace.py  train-bridge, train-prior, train-decoder
+    replace.py  train-bridge, train-prior, train-decoder, train-autoencoder
     use.py      generate, evaluate
     claims.py   compare, confirm
     runs.py     runs list/show/latest/verify/rm/gc
 
-Shared options and defaults are in options.py (read from dihal/stages/configs.py), every table in
+Shared options and defaults are in options.py (read from stages/configs.py), every table in
 tables.py, progress and errors in ui.py. Nothing imported here loads torch, transformers, scipy
 or pandas, so `dihal --help` answers at once; each command imports its stage when it runs.
 """

@@ -1,6 +1,6 @@
 """The options several commands share, and the few steps every command takes.
 
-Every default is read from the config classes (dihal/stages/configs.py), so it is written once;
+Every default is read from the config classes (stages/configs.py), so it is written once;
 an option that defaults to None takes the protocol's value. Nothing here imports torch: a
 command imports its stage (and with it torch) inside its body, after --help has been answered.
 """

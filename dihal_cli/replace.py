@@ -1,7 +1,7 @@
 """Replace: `dihal train-bridge` (docs/method.md section 2), and the comparison's other trained
 parts, `dihal train-prior` and `dihal train-decoder` (section 5).
 
-Every trained part is a recipe (dihal/stages/configs.py): a named protocol with the recipe options
+Every trained part is a recipe (stages/configs.py): a named protocol with the recipe options
 given here on top (options.recipe_options adds them, written once); the recipe validates every
 field in one place. The stage is imported inside the command, after --help and bad values.
 """

@@ -1,4 +1,4 @@
-"""`dihal runs ...`: inspect, verify and clean the artifact store (dihal/artifacts/store.py)."""
+"""`dihal runs ...`: inspect, verify and clean the artifact store (artifacts/store.py)."""
 
 from __future__ import annotations
 

@@ -82,7 +82,9 @@ def generate(
         prior_art = store.resolve(prior, "prior")
         part = next((store.resolve(ref, stage) for stage, ref in given.items()), None)
         load = lambda: backbone_for(prior_art, device, dtype, trust_remote_code)  # noqa: E731
-        art = stage.run_parallel(cfg, prior_art, store, load, part, force=force, progress=make_progress())
+        from dihal.stages import generate_parallel
+
+        art = generate_parallel.run_parallel(cfg, prior_art, store, load, part, force=force, progress=make_progress())
         m = art.manifest["metrics"]
         cost = f"{m['prior_ms_per_sample']:.1f} prior, {m['recovery_ms_per_sample']:.1f} recovery"
         console.print(f"{m['label']}: {m['ms_per_sample']:.1f} ms per sample ({cost}), {m['mean_tokens']:.1f} tokens")

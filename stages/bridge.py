@@ -18,12 +18,13 @@ from dihal.artifacts import files
 from dihal.artifacts import hidden_states as hs
 from dihal.artifacts.errors import DihalError
 from dihal.artifacts.store import Artifact, ArtifactStore
+from dihal.stages.condition import check_condition_prior, condition_prior
 from dihal.stages.configs import BridgeConfig, part_hash
 from dihal.stages.diffusion import flow, trainer
 from dihal.stages.diffusion.denoiser import Denoiser, DenoiserConfig
 from dihal.stages.diffusion.normalizer import Normalizer
-from dihal.stages.diffusion.trainer import distributed
 from dihal.stages.runtime import plotting
+from dihal.stages.runtime.dist import distributed
 from dihal.stages.runtime.progress import NullProgress, Progress
 
 STAGE = "bridge"
@@ -36,100 +37,13 @@ def covered_start(group) -> int:
     return 1 if first.size and (first == first[0]).all() else 0
 
 
-# -- the bridge at use time -----------------------------------------------------------------------
-class Bridge:
-    """A trained bridge: h_0 sequence -> sampled h_l sequence (raw units, position 0 exact)."""
-
-    def __init__(self, net: Denoiser, norm: Normalizer, layer: int, start: int, prediction: str):
-        self.net, self.norm, self.layer, self.start, self.prediction = net.eval(), norm, layer, start, prediction
-
-    @property
-    def device(self) -> torch.device:
-        return next(self.net.parameters()).device
-
-    @staticmethod
-    def load(art: Artifact, device: str = "cpu", weights: str = "ema") -> Bridge:
-        meta = json.loads(art.file("bridge.json").read_text())
-        net = Denoiser(DenoiserConfig(**meta["denoiser"]))
-        net.load_state_dict(
-            files.load_tensors(
-                art.file(f"weights_{weights}.safetensors" if weights == "ema" else "weights.safetensors")
-            )
-        )
-        norm = Normalizer(**files.load_tensors(art.file("stats.safetensors")))
-        return Bridge(net.to(device), norm.to(device), meta["layer"], meta["start"], meta["prediction"])
-
-    def cached_sampler(self, steps: int, batch: int) -> CachedSampler:
-        return CachedSampler(self, steps, batch)
-
-    def noise(self, batch: int, length: int, generator: torch.Generator) -> torch.Tensor:
-        """Noise for the covered positions, drawn once per position."""
-        return torch.randn(batch, length - self.start, self.net.cfg.dim, generator=generator).to(self.device)
-
-    @torch.no_grad()
-    def sample_condition(self, c: torch.Tensor, steps: int, noise: torch.Tensor) -> torch.Tensor:
-        """c: (B, T', D) normalized conditions at positions 1..T' (a prior's sample) -> (B, T'+1, D)
-        raw layer-l states, position 0 the stored start-token state."""
-        y = flow.sample(lambda x, t, i: self.net(x, t, c), noise[:, : c.shape[1]], steps, self.prediction)
-        return self._assemble(y, c.shape[0])
-
-    @torch.no_grad()
-    def sample(self, h0: torch.Tensor, steps: int, noise: torch.Tensor) -> torch.Tensor:
-        """h0: (B, T, D) raw layer-0 states -> (B, T, D) raw layer-l states."""
-        c = self.norm.c(h0[:, self.start :].float())
-        y = flow.sample(lambda x, t, i: self.net(x, t, c), noise[:, : c.shape[1]], steps, self.prediction)
-        return self._assemble(y, h0.shape[0])
-
-    def _assemble(self, y: torch.Tensor, batch: int) -> torch.Tensor:
-        h = self.norm.unnormalize(y)
-        if self.start == 1:
-            h = torch.cat([self.norm.pos0.expand(batch, 1, -1), h], dim=1)
-        return h
-
-
-class CachedSampler:
-    """Incremental bridge sampling for generation: each new position runs the denoiser once per
-    Euler step against that step's key/value cache of earlier positions; nothing is recomputed."""
-
-    def __init__(self, bridge: Bridge, steps: int, batch: int):
-        self.bridge, self.steps, self.batch = bridge, steps, batch
-        self.caches = [bridge.net.new_caches() for _ in range(steps)]
-        self.done = 0  # covered positions already sampled
-        self.started = False  # position 0 (the stored start-token state) emitted
-
-    @torch.no_grad()
-    def extend(self, h0_new: torch.Tensor, noise_new: torch.Tensor) -> torch.Tensor:
-        """h0_new: (B, n, D) layer-0 states of the next n positions (absolute positions continue)."""
-        b = self.bridge
-        first = None
-        if not self.started:  # an unprompted prefix is the start token alone: done stays 0 after it
-            self.started = True
-            if b.start == 1:
-                first, h0_new = h0_new[:, :1], h0_new[:, 1:]
-        out = []
-        if h0_new.shape[1]:
-            c = b.norm.c(h0_new.float())
-            start = self.done
-            y = flow.sample(
-                lambda x, t, i: b.net(x, t, c, start, self.caches[i]),
-                noise_new[:, : c.shape[1]],
-                self.steps,
-                b.prediction,
-            )
-            self.done += c.shape[1]
-            out.append(b.norm.unnormalize(y))
-        if first is not None:
-            out.insert(0, b.norm.pos0.expand(h0_new.shape[0], 1, -1))
-        return torch.cat(out, dim=1)
-
-
 # -- training ------------------------------------------------------------------------------------
 class BridgeTask:
     """The bridge as a task of the shared training loop (stages/diffusion/trainer.py): reads
     (h_0, h_l) for training sequences from the Zarr store, never the whole split."""
 
     def __init__(self, group, cfg: BridgeConfig, norm: Normalizer, start: int, prior=None):
-        """prior: a trained stages.prior.Prior whose estimates corrupt c (--condition-noise prior:T)."""
+        """prior: a trained stages.parts.prior.Prior whose estimates corrupt c (--condition-noise prior:T)."""
         self.group, self.cfg, self.norm, self.start, self.prior = group, cfg, norm, start, prior
         self.on_device = norm.to(cfg.device)  # the loss normalizes where it trains
         self.train_seqs = hs.split_indices(group, "train")
@@ -244,29 +158,6 @@ def train(cfg: BridgeConfig, group, art: Artifact, progress: Progress, prior_art
 # -- the stage ----------------------------------------------------------------------------------
 def config_dict(cfg: BridgeConfig) -> dict:
     return part_hash(cfg)
-
-
-def condition_prior(prior_art: Artifact | None, cfg):
-    """The loaded prior of --condition-noise prior:T (on the training device), else None."""
-    if cfg.condition_from != "prior":
-        return None
-    from dihal.stages.prior import Prior
-
-    device = cfg.device if cfg.device != "auto" else "cpu"
-    return Prior.load(prior_art, device)
-
-
-def check_condition_prior(cfg, extract: Artifact, prior_art: Artifact | None) -> dict[str, str]:
-    """The parents a part gains from its condition: {} for sigma:S, {"prior": id} for prior:T."""
-    if cfg.condition_from != "prior":
-        if prior_art is not None:
-            raise DihalError("--prior is for --condition-noise prior:T; leave it out with sigma:S")
-        return {}
-    if prior_art is None:
-        raise DihalError("--condition-noise prior:T needs --prior ID (a `dihal train-prior --layer 0` artifact)")
-    if prior_art.manifest.get("parents", {}).get("extract") != extract.id or prior_art.config.get("layer") != 0:
-        raise DihalError(f"prior {prior_art.id} is not a prior over layer 0 of extract {extract.id}; train one on it")
-    return {"prior": prior_art.id}
 
 
 def run(

@@ -32,9 +32,9 @@ from dihal.stages import bridge as bridge_stage
 from dihal.stages import decoder as decoder_stage
 from dihal.stages import evaluate as eval_stage
 from dihal.stages import generate as gen_stage
+from dihal.stages import generate_parallel, registry
 from dihal.stages import latent as latent_stage
 from dihal.stages import prior as prior_stage
-from dihal.stages import registry
 from dihal.stages import score as score_stage
 from dihal.stages.configs import (
     PROTOCOLS,
@@ -196,7 +196,8 @@ def generate_rows(cfg, parts, store, loaded, seed, l_star, worst, progress, back
             **common,
         )
         part = parts[row.part.label(layers)] if row.part is not None else None
-        art = gen_stage.run_parallel(gcfg, parts[row.prior.label(layers)], store, loaded, part, progress=progress)
+        prior = parts[row.prior.label(layers)]
+        art = generate_parallel.run_parallel(gcfg, prior, store, loaded, part, progress=progress)
         out.append(({k: v for k, v in g.items() if k != "row"} | {"kind": "curve" if row.curve else "point"}, art))
     reference = parts[registry.AR_REFERENCE_BRIDGE.label(layers)]
     for t in cfg.temperatures:

@@ -21,8 +21,8 @@ from dihal.stages import bridge as bridge_stage
 from dihal.stages import evaluate as eval_stage
 from dihal.stages import generate as gen_stage
 from dihal.stages.configs import CONFIRM_NAMED, ConfirmConfig
-from dihal.stages.diffusion import trainer
 from dihal.stages.lineage import origin
+from dihal.stages.runtime import dist
 from dihal.stages.runtime.progress import NullProgress, Progress
 
 STAGE = "confirm"
@@ -82,7 +82,7 @@ def run(
                 bcfg = bridge_stage.BridgeConfig.for_run(
                     cfg.protocol, cfg.overrides, seed=seed, device=cfg.device, dtype=cfg.dtype, layer=layer
                 )
-                with trainer.local():
+                with dist.local():
                     bridge_art = bridge_stage.run(bcfg, extract, store, progress=progress)
                 row = {"label": label, "layer": layer, "seed": seed}
                 row.update(measure(cfg, bridge_art, seed, seq_len, store, model, evaluators, progress))

@@ -24,14 +24,15 @@ from dihal.artifacts import files
 from dihal.artifacts import hidden_states as hs
 from dihal.artifacts.errors import DihalError
 from dihal.artifacts.store import Artifact, ArtifactStore
+from dihal.stages.condition import check_condition_prior, condition_prior
 from dihal.stages.configs import DECODER_DEPTH, DecoderTrainConfig, part_hash
 from dihal.stages.diffusion import trainer
 from dihal.stages.diffusion.cross_decoder import VAL_BATCH, CrossDecoder, DecoderConfig, teacher_forced
 from dihal.stages.diffusion.flow import corrupt
 from dihal.stages.diffusion.normalizer import Normalizer
-from dihal.stages.diffusion.trainer import distributed
-from dihal.stages.lm import decoding
+from dihal.stages.parts.decoder import frozen_table
 from dihal.stages.runtime import plotting
+from dihal.stages.runtime.dist import distributed
 from dihal.stages.runtime.progress import NullProgress, Progress
 
 STAGE = "decoder"
@@ -46,7 +47,7 @@ def hashed(cfg: DecoderTrainConfig) -> dict:
 
 class DecoderTask:
     def __init__(self, group, cfg: DecoderTrainConfig, norm: Normalizer, prior=None):
-        """prior: a trained stages.prior.Prior whose estimates corrupt e (--condition-noise prior:T)."""
+        """prior: a trained stages.parts.prior.Prior whose estimates corrupt e (--condition-noise prior:T)."""
         self.group, self.cfg, self.norm, self.prior = group, cfg, norm, prior
         self.on_device = norm.to(cfg.device)  # the prior's estimates are normalized where it trains
         self.train_seqs = hs.split_indices(group, "train")
@@ -97,7 +98,7 @@ def unigram_entropy(ids: np.ndarray) -> float:
 
 
 def train(cfg: DecoderTrainConfig, group, art: Artifact, table: torch.Tensor, progress: Progress, prior=None) -> dict:
-    """table: the backbone's raw (V, D) embedding table (stages/recover.py's embedding_table)."""
+    """table: the backbone's raw (V, D) embedding table (stages/lm/vocab.py embedding_table)."""
     rank, _ = distributed()
     norm = Normalizer.fit(group, 0, 0, hs.split_indices(group, "train"), 1)
     task = DecoderTask(group, cfg, norm, prior)
@@ -145,8 +146,6 @@ def run(
 ) -> Artifact:
     """prior: the layer-0 prior of --condition-noise prior:T; loaded: the backbone, when the caller holds it
     (its embedding table is read from it), else it is read once on the run's device and dtype."""
-    from dihal.stages.bridge import check_condition_prior, condition_prior
-
     progress = progress or NullProgress()
     group = hs.open_with_layers(extract, (0,))
     config, parents = hashed(cfg), {"extract": extract.id, **check_condition_prior(cfg, extract, prior)}
@@ -158,38 +157,3 @@ def run(
         return train(cfg, group, art, table, report, condition_prior(prior, cfg))
 
     return trainer.write_trained(store, STAGE, config, parents, extract, cfg, train_fn, force=force, progress=progress)
-
-
-def frozen_table(extract: Artifact, cfg, loaded=None) -> torch.Tensor:
-    """The backbone's raw (V, D) embedding table, frozen: from `loaded`, else from the backbone read
-    once on the run's device in its training precision (what generation reads it from, too)."""
-    from dihal.stages.lineage import backbone_for
-    from dihal.stages.recover import embedding_table
-
-    loaded = loaded or backbone_for(extract, cfg.device, cfg.precision)
-    return embedding_table(loaded.model)
-
-
-class Decoder:
-    """A trained decoder at use time: normalized conditions (B, T', D) -> tokens (B, T')."""
-
-    def __init__(self, net: CrossDecoder, start: int, seq_len: int):
-        self.net, self.start, self.seq_len = net.eval(), start, seq_len
-
-    @staticmethod
-    def load(art: Artifact, table: torch.Tensor, device: str = "cpu") -> Decoder:
-        """table: the backbone's raw (V, D) embedding table, which the weights do not hold."""
-        meta = json.loads(art.file("decoder.json").read_text())
-        norm = Normalizer(**files.load_tensors(art.file("stats.safetensors")))
-        net = CrossDecoder(DecoderConfig(**meta["decoder"]), norm.c(table.float().cpu()))
-        net.load_state_dict(files.load_tensors(art.file("weights_ema.safetensors")))
-        return Decoder(net.to(device), meta["start_token"], meta["seq_len"])
-
-    def tokens(self, e: torch.Tensor, temperature: float = 0.0, top_p: float = 1.0, gens=None) -> torch.Tensor:
-        """Token i of sample b drawn with gens[b] (temperature 0: argmax)."""
-        if temperature == 0:
-            return self.net.greedy(e, self.start)
-        pick = lambda logits, i: torch.stack(  # noqa: E731
-            [decoding.sample(row, temperature, top_p, gen=g) for row, g in zip(logits, gens)]
-        )
-        return self.net.decode(e, self.start, pick)

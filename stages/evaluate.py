@@ -12,12 +12,12 @@ import torch
 from dihal.artifacts import hidden_states as hs
 from dihal.artifacts.errors import DihalError
 from dihal.artifacts.store import Artifact, ArtifactStore
-from dihal.stages.bridge import Bridge
 from dihal.stages.configs import FidelityConfig, SamplesConfig
 from dihal.stages.fidelity import evaluate_fidelity
 from dihal.stages.lineage import backbone_for, origin, same_model, trained_on
 from dihal.stages.lm.hybrid import lm_logits
 from dihal.stages.lm.models import LoadedModel, load_model
+from dihal.stages.parts.bridge import Bridge
 from dihal.stages.text.data import DataConfig, check, pack, start_token
 
 STAGE = "evaluate"

@@ -14,8 +14,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from dihal.stages.bridge import Bridge
 from dihal.stages.lm.hybrid import lm_logits, original_forward, suffix_hidden, suffix_model
+from dihal.stages.parts.bridge import Bridge
 
 
 @dataclass

@@ -18,29 +18,12 @@ from __future__ import annotations
 
 import torch
 
-from dihal.stages.bridge import Bridge
 from dihal.stages.lm import decoding
-from dihal.stages.lm.capture import hidden_states
 from dihal.stages.lm.hybrid import lm_logits, suffix_hidden, suffix_model
-from dihal.stages.prior import nearest
-
-
-@torch.no_grad()
-def embedding_table(model, batch: int = 4096) -> torch.Tensor:
-    """(V, D) layer-0 state of every vocabulary entry (the embedding with any model-specific scaling,
-    as the extract stores it), read through the same hook as extraction."""
-    vocab = model.config.vocab_size
-    device = next(model.parameters()).device
-    rows = [
-        hidden_states(model, torch.arange(s, min(s + batch, vocab), device=device)[:, None], [0])[0][:, 0]
-        for s in range(0, vocab, batch)
-    ]
-    return torch.cat(rows).float()
-
-
-def rounding(e: torch.Tensor, table: torch.Tensor, mu: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
-    """e normalized (B, T', D), table the raw (V, D) embeddings -> (B, T') cosine-nearest token ids."""
-    return nearest(e * sigma + mu, table)
+from dihal.stages.lm.vocab import rounding
+from dihal.stages.parts.autoencoder import Autoencoder
+from dihal.stages.parts.bridge import Bridge
+from dihal.stages.parts.decoder import Decoder
 
 
 def generators(seed: int, first: int, count: int, salt: int) -> list[torch.Generator]:
@@ -100,8 +83,6 @@ class Rounding:
 
 class DecoderRecovery:
     def __init__(self, loaded, prior, part, cfg, table):
-        from dihal.stages.decoder import Decoder
-
         self.decoder, self.cfg = Decoder.load(part, table(), cfg.device), cfg
 
     def tokens(self, block: torch.Tensor, first: int) -> torch.Tensor:
@@ -131,8 +112,6 @@ class LatentRecovery:
     """The LD4LG-style row: the prior's normalized latents, de-normalized, read by the autoencoder's decoder."""
 
     def __init__(self, loaded, prior, part, cfg, table):
-        from dihal.stages.latent import Autoencoder
-
         self.autoencoder, self.prior, self.cfg = Autoencoder(part, table(), cfg.device), prior, cfg
 
     def tokens(self, block: torch.Tensor, first: int) -> torch.Tensor:

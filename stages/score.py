@@ -332,14 +332,16 @@ class Embeddings:
     ROWS = 8192
     PENALTIES = tuple(10.0 ** (k / 4) for k in range(-16, 9))  # 1e-4 .. 1e2, x held-in rows
 
-    def __init__(self, window: np.ndarray, seed: int, draw: int, device: str = "cpu", rule: str = "kfold"):
+    def __init__(
+        self, window: np.ndarray, seed: int, draw: int, device: str = "cpu", rule: str = "kfold", widths=(1, WINDOW)
+    ):
         n = window.shape[0]
         order = draw_rng(seed, draw).permutation(n)
         n_test = max(1, int(round(self.HELD_OUT * n)))
         self.test, self.train = (torch.from_numpy(np.sort(i)).to(device) for i in (order[:n_test], order[n_test:]))
         self.rule = rule
         x = torch.from_numpy(window).to(device, torch.float64)
-        features = {w: self._features(x[:, :w].reshape(n, -1)) for w in (1, self.WINDOW)}
+        features = {w: self._features(x[:, :w].reshape(n, -1)) for w in widths}
         if rule == "gcv":
             self.bases = {w: self._gcv_basis(f) for w, f in features.items()}
             return
@@ -618,7 +620,7 @@ def run(
     cfg: ScoreConfig, extract: Artifact, store: ArtifactStore, *, force: bool = False, progress: Progress | None = None
 ) -> Artifact:
     progress = progress or NullProgress()
-    keep_freed_memory()  # first, before zarr or a progress bar start threads; see stages/allocator.py
+    keep_freed_memory()  # first, before zarr or a progress bar start threads; see stages/runtime/allocator.py
     group = hs.open_group(extract.path / "hidden.zarr")
     num_blocks = int(group.attrs["num_blocks"])
     layers = parse_candidates(cfg.candidates, hs.stored_layers(group), num_blocks)

@@ -26,7 +26,6 @@ from dihal.stages import evaluate as eval_stage
 from dihal.stages import registry
 from dihal.stages import score as score_stage
 from dihal.stages.configs import NORMALIZATIONS, ScoreConfig, SweepConfig
-from dihal.stages.diffusion import trainer
 from dihal.stages.runtime import bootstrap, dist, plotting
 from dihal.stages.runtime.progress import NullProgress, Progress
 
@@ -62,13 +61,13 @@ def run(
         cfg.protocol, cfg.overrides, seed=seed, device=cfg.device, dtype=cfg.dtype, layer=layer
     )
     jobs = [(layer, seed) for layer in cfg.layers for seed in cfg.seeds]
-    rank, world = trainer.distributed()
+    rank, world = dist.distributed()
     if world > 1:  # under torchrun: rank r trains bridges r, r + W, ... each on its own; rank 0 sums up
-        with trainer.local():
+        with dist.local():
             for layer, seed in jobs[rank::world]:
                 progress.log(f"rank {rank}, layer {layer}, seed {seed}: bridge under protocol {cfg.protocol}")
                 bridge_stage.run(bridge_cfg(layer, seed), extract, store, progress=progress if rank == 0 else None)
-        trainer.barrier()
+        dist.barrier()
         if rank != 0:
             return None
     variant_scores = normalize_variants(score_art, extract, store, progress)  # cheap next to the bridges
@@ -76,7 +75,7 @@ def run(
     runs = []
     for layer, seed in jobs:
         progress.log(f"layer {layer}, seed {seed}: bridge under protocol {cfg.protocol}")
-        with trainer.local():
+        with dist.local():
             bridge_art = bridge_stage.run(bridge_cfg(layer, seed), extract, store, progress=progress)
         fcfg = eval_stage.FidelityConfig(
             sample_steps=(cfg.sample_steps,), limit=cfg.eval_limit, seed=seed, device=cfg.device, dtype=cfg.dtype

@@ -115,9 +115,9 @@ def test_fidelity_beyond_the_training_text_on_a_dataset_and_on_the_backbones_sam
 
     from dihal.stages import bridge as bstage
     from dihal.stages import evaluate as ev
-    from dihal.stages.bridge import Bridge
     from dihal.stages.fidelity import evaluate_fidelity
     from dihal.stages.lm.models import load_model
+    from dihal.stages.parts.bridge import Bridge
     from dihal.stages.text.data import DataConfig, pack
 
     ex = ["extract", "--model", str(tiny_dirs["llama"]), "--max-sequences", "24", "--seq-len", "12", "--layers", "0,2"]

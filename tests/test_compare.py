@@ -16,7 +16,11 @@ from dihal.stages.diffusion import flow
 from dihal.stages.diffusion.denoiser import Denoiser, DenoiserConfig
 from dihal.stages.diffusion.draws import ItemDraws
 from dihal.stages.diffusion.normalizer import Normalizer
-from dihal.stages.prior import Prior, PriorTask, nearest
+from dihal.stages.lm.vocab import embedding_table, nearest, rounding
+from dihal.stages.parts.autoencoder import Autoencoder, latents_of
+from dihal.stages.parts.decoder import Decoder
+from dihal.stages.parts.prior import Prior
+from dihal.stages.prior import PriorTask
 from tests.conftest import ROOT as REPO
 from tests.conftest import build_tiny, invoke
 
@@ -117,7 +121,6 @@ def test_nearest_is_the_highest_cosine_by_brute_force():
 def test_cosine_rounding_recovers_shrunk_embeddings_where_l2_collapses_to_hubs():
     """An x0-predictor at high noise emits about 0.1 e. By L2 (the old rule, in the normalized space)
     those land on the few small-norm rows; by cosine on the raw table each returns its own token."""
-    from dihal.stages import recover
 
     gen = torch.Generator().manual_seed(3)
     table = torch.randn(400, 16, generator=gen) * torch.rand(400, 1, generator=gen).mul(3).add(0.2)
@@ -125,23 +128,22 @@ def test_cosine_rounding_recovers_shrunk_embeddings_where_l2_collapses_to_hubs()
     mu, sigma = table.mean(0), table.std(0)
     ids = torch.randint(0, 400, (8, 25), generator=gen)
     shrunk = (0.1 * table[ids] - mu) / sigma  # what rounding receives: normalized
-    assert torch.equal(recover.rounding(shrunk, table, mu, sigma), ids)
+    assert torch.equal(rounding(shrunk, table, mu, sigma), ids)
     table_n = (table - mu) / sigma
     by_l2 = ((shrunk[..., None, :] - table_n) ** 2).sum(-1).argmin(-1)
     assert (by_l2 == ids).float().mean() < 0.2 and by_l2.unique().numel() < ids.unique().numel() / 3
 
 
 def test_rounding_clean_embeddings_recovers_the_tokens_exactly():
-    from dihal.stages import recover
 
     model, _ = build_tiny("gemma3")  # Gemma scales its embeddings by sqrt(d): the table must too
-    table = recover.embedding_table(model, batch=50)
+    table = embedding_table(model, batch=50)
     ids = torch.randint(3, model.config.vocab_size, (4, 15), generator=torch.Generator().manual_seed(1))
     from dihal.stages.lm.capture import hidden_states
 
     h0 = hidden_states(model, ids, [0])[0]
     mu, sigma = h0.reshape(-1, h0.shape[-1]).mean(0), h0.reshape(-1, h0.shape[-1]).std(0)
-    assert torch.equal(recover.rounding((h0 - mu) / sigma, table, mu, sigma), ids)
+    assert torch.equal(rounding((h0 - mu) / sigma, table, mu, sigma), ids)
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
@@ -161,7 +163,6 @@ def test_hidden_recovery_with_the_true_states_gives_the_original_greedy_tokens(k
 
 def test_decoder_learns_the_toy_set_to_99_percent(tiny_dirs, root):
     from dihal.stages import decoder as dec
-    from dihal.stages import recover
 
     assert (
         invoke(
@@ -200,8 +201,8 @@ def test_decoder_learns_the_toy_set_to_99_percent(tiny_dirs, root):
     norm = Normalizer(**__import__("dihal.artifacts.files", fromlist=["x"]).load_tensors(art.file("stats.safetensors")))
     e = norm.c(torch.from_numpy(hs.read_sequences(group, 0, train)[:, 1:].astype(np.float32)))
     ids = torch.from_numpy(np.asarray(group["input_ids"].oindex[train])[:, 1:].astype(np.int64))
-    table = recover.embedding_table(__import__("transformers").AutoModelForCausalLM.from_pretrained(tiny_dirs["llama"]))
-    tokens = dec.Decoder.load(art, table).tokens(e)
+    table = embedding_table(__import__("transformers").AutoModelForCausalLM.from_pretrained(tiny_dirs["llama"]))
+    tokens = Decoder.load(art, table).tokens(e)
     assert (tokens == ids).float().mean() >= 0.99
 
 
@@ -302,12 +303,12 @@ def test_rows_that_share_a_prior_and_seed_share_its_samples(parts, root):
         "--device",
         "cpu",
     ]
-    from dihal.stages import generate as gen_stage
+    from dihal.stages import generate_parallel
 
     runs = {"rounding": [], "decoder": ["--decoder", parts["decoder"].id], "hidden": ["--bridge", parts["bridge"].id]}
     digests, reused = {}, []
     store = ArtifactStore(root)
-    gen_stage._PRIOR_SAMPLES.clear()
+    generate_parallel._PRIOR_SAMPLES.clear()
     for recovery, extra in runs.items():
         res = invoke(*common, "--recovery", recovery, *extra)
         assert res.exit_code == 0, res.output
@@ -319,7 +320,7 @@ def test_rows_that_share_a_prior_and_seed_share_its_samples(parts, root):
     assert len(set(digests.values())) == 1
     assert reused == [False, True, True]  # the prior was integrated once, for the first row
     kept = art.file("samples.jsonl").read_text()
-    gen_stage._PRIOR_SAMPLES.clear()  # integrated afresh, the hidden row's samples and tokens are the same
+    generate_parallel._PRIOR_SAMPLES.clear()  # integrated afresh, the hidden row's samples and tokens are the same
     assert invoke(*common, "--recovery", "hidden", *runs["hidden"], "--force").exit_code == 0
     again = store.resolve("latest", "generate")
     assert not again.manifest["metrics"]["prior_samples_reused"]
@@ -376,7 +377,7 @@ def test_ld4lg_autoencoder_reconstructs_through_its_latents_and_its_prior_feeds_
 
     from dihal.artifacts import files
     from dihal.artifacts import hidden_states as hs
-    from dihal.stages import latent, recover
+    from dihal.stages import latent
 
     ok = lambda res: res.exit_code == 0 or pytest.fail(res.output)  # noqa: E731
     ok(
@@ -403,10 +404,10 @@ def test_ld4lg_autoencoder_reconstructs_through_its_latents_and_its_prior_feeds_
     group = hs.open_group(ex.path / "hidden.zarr")
     train = hs.split_indices(group, "train")
     ids = torch.from_numpy(np.asarray(group["input_ids"].oindex[train])[:, 1:].astype(np.int64))
-    z = latent.latents_of(ae, "train")
+    z = latents_of(ae, "train")
     assert z.shape == (len(train), 4, 16)
     model = transformers.AutoModelForCausalLM.from_pretrained(tiny_dirs["llama"])
-    tokens = latent.Autoencoder(ae, recover.embedding_table(model)).tokens(z)
+    tokens = Autoencoder(ae, embedding_table(model)).tokens(z)
     assert (tokens == ids).float().mean() >= 0.95
     m = ae.manifest["metrics"]
     assert 0 <= m["reconstruction_accuracy"] <= 1 and m["encoder_layer"] == max(hs.stored_layers(group))

@@ -84,8 +84,8 @@ def tiny_trained_bridge(tiny_dirs, tmp_path_factory):
 
 @pytest.mark.parametrize("prompt", ["The", ""])  # "": the start token alone, as in unprompted generation
 def test_cached_and_uncached_generation_agree_and_are_deterministic(tiny_trained_bridge, tiny_dirs, prompt):
-    from dihal.stages.bridge import Bridge
     from dihal.stages.lm.models import load_model
+    from dihal.stages.parts.bridge import Bridge
 
     store, art = tiny_trained_bridge
     loaded = load_model(str(tiny_dirs["llama"]), "cpu", "float32")

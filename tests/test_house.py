@@ -222,7 +222,7 @@ PARENT = {"extract": "0123456789ab"}
 
 
 def test_artifact_ids_do_not_move():
-    """Ids computed before the configs moved into dihal/stages/configs.py (the landed main)."""
+    """Ids computed before the configs moved into stages/configs.py (the landed main)."""
     from dihal.stages.extract import artifact_id_for
 
     data = C.DataConfig(dataset="/data/corpus.txt", seq_len=32)

@@ -1,4 +1,4 @@
-"""One training loop for every trained part (the bridge today; the prior and decoder next).
+"""One training loop for every trained part: the bridge, the prior, the decoder and the autoencoder.
 
 The loop knows nothing of bridges. A stage hands it a Task:
 
@@ -55,7 +55,7 @@ from dihal.stages.configs import LoopConfig
 from dihal.stages.diffusion import draws
 from dihal.stages.diffusion.draws import Draws
 from dihal.stages.runtime import clock
-from dihal.stages.runtime.dist import barrier, distributed, local  # noqa: F401  (stages use trainer.local())
+from dihal.stages.runtime.dist import barrier, distributed
 from dihal.stages.runtime.progress import Progress
 
 

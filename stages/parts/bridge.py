@@ -1,0 +1,101 @@
+"""A trained bridge at use time (docs/method.md section 2): an h_0 sequence to a sampled h_l sequence,
+whole (sample, sample_condition) or position by position with one key/value cache per Euler step
+(CachedSampler, the AR hybrid's)."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from dihal.artifacts import files
+from dihal.artifacts.store import Artifact
+from dihal.stages.diffusion import flow
+from dihal.stages.diffusion.denoiser import Denoiser, DenoiserConfig
+from dihal.stages.diffusion.normalizer import Normalizer
+
+
+class Bridge:
+    """A trained bridge: h_0 sequence -> sampled h_l sequence (raw units, position 0 exact)."""
+
+    def __init__(self, net: Denoiser, norm: Normalizer, layer: int, start: int, prediction: str):
+        self.net, self.norm, self.layer, self.start, self.prediction = net.eval(), norm, layer, start, prediction
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.net.parameters()).device
+
+    @staticmethod
+    def load(art: Artifact, device: str = "cpu", weights: str = "ema") -> Bridge:
+        meta = json.loads(art.file("bridge.json").read_text())
+        net = Denoiser(DenoiserConfig(**meta["denoiser"]))
+        net.load_state_dict(
+            files.load_tensors(
+                art.file(f"weights_{weights}.safetensors" if weights == "ema" else "weights.safetensors")
+            )
+        )
+        norm = Normalizer(**files.load_tensors(art.file("stats.safetensors")))
+        return Bridge(net.to(device), norm.to(device), meta["layer"], meta["start"], meta["prediction"])
+
+    def cached_sampler(self, steps: int, batch: int) -> CachedSampler:
+        return CachedSampler(self, steps, batch)
+
+    def noise(self, batch: int, length: int, generator: torch.Generator) -> torch.Tensor:
+        """Noise for the covered positions, drawn once per position."""
+        return torch.randn(batch, length - self.start, self.net.cfg.dim, generator=generator).to(self.device)
+
+    @torch.no_grad()
+    def sample_condition(self, c: torch.Tensor, steps: int, noise: torch.Tensor) -> torch.Tensor:
+        """c: (B, T', D) normalized conditions at positions 1..T' (a prior's sample) -> (B, T'+1, D)
+        raw layer-l states, position 0 the stored start-token state."""
+        y = flow.sample(lambda x, t, i: self.net(x, t, c), noise[:, : c.shape[1]], steps, self.prediction)
+        return self._assemble(y, c.shape[0])
+
+    @torch.no_grad()
+    def sample(self, h0: torch.Tensor, steps: int, noise: torch.Tensor) -> torch.Tensor:
+        """h0: (B, T, D) raw layer-0 states -> (B, T, D) raw layer-l states."""
+        c = self.norm.c(h0[:, self.start :].float())
+        y = flow.sample(lambda x, t, i: self.net(x, t, c), noise[:, : c.shape[1]], steps, self.prediction)
+        return self._assemble(y, h0.shape[0])
+
+    def _assemble(self, y: torch.Tensor, batch: int) -> torch.Tensor:
+        h = self.norm.unnormalize(y)
+        if self.start == 1:
+            h = torch.cat([self.norm.pos0.expand(batch, 1, -1), h], dim=1)
+        return h
+
+
+class CachedSampler:
+    """Incremental bridge sampling for generation: each new position runs the denoiser once per
+    Euler step against that step's key/value cache of earlier positions; nothing is recomputed."""
+
+    def __init__(self, bridge: Bridge, steps: int, batch: int):
+        self.bridge, self.steps, self.batch = bridge, steps, batch
+        self.caches = [bridge.net.new_caches() for _ in range(steps)]
+        self.done = 0  # covered positions already sampled
+        self.started = False  # position 0 (the stored start-token state) emitted
+
+    @torch.no_grad()
+    def extend(self, h0_new: torch.Tensor, noise_new: torch.Tensor) -> torch.Tensor:
+        """h0_new: (B, n, D) layer-0 states of the next n positions (absolute positions continue)."""
+        b = self.bridge
+        first = None
+        if not self.started:  # an unprompted prefix is the start token alone: done stays 0 after it
+            self.started = True
+            if b.start == 1:
+                first, h0_new = h0_new[:, :1], h0_new[:, 1:]
+        out = []
+        if h0_new.shape[1]:
+            c = b.norm.c(h0_new.float())
+            start = self.done
+            y = flow.sample(
+                lambda x, t, i: b.net(x, t, c, start, self.caches[i]),
+                noise_new[:, : c.shape[1]],
+                self.steps,
+                b.prediction,
+            )
+            self.done += c.shape[1]
+            out.append(b.norm.unnormalize(y))
+        if first is not None:
+            out.insert(0, b.norm.pos0.expand(h0_new.shape[0], 1, -1))
+        return torch.cat(out, dim=1)
