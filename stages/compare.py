@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
@@ -29,10 +29,10 @@ from dihal.artifacts import hidden_states as hs
 from dihal.artifacts.errors import DihalError
 from dihal.artifacts.store import Artifact, ArtifactStore
 from dihal.stages import bridge as bridge_stage
+from dihal.stages import compare_stats, generate_parallel, registry
 from dihal.stages import decoder as decoder_stage
 from dihal.stages import evaluate as eval_stage
 from dihal.stages import generate as gen_stage
-from dihal.stages import generate_parallel, registry
 from dihal.stages import latent as latent_stage
 from dihal.stages import prior as prior_stage
 from dihal.stages import score as score_stage
@@ -46,14 +46,12 @@ from dihal.stages.configs import (
     PriorConfig,
 )
 from dihal.stages.lineage import origin
-from dihal.stages.runtime import bootstrap, plotting
+from dihal.stages.runtime import plotting
 from dihal.stages.runtime.progress import NullProgress, Progress
-from dihal.stages.text.text_metrics import text_metrics, token_entropy
+from dihal.stages.text.text_metrics import token_entropy
 
 STAGE = "compare"
 REVISION = 4  # 2: its AR rows' unprompted generation was fixed; 3: section 5 revision 2; 4: diversity per seed
-EVALUATORS = ("evaluator", "backbone")  # the primary one first: the backbone scores its own choices
-DEGENERATE = 0.9  # a row whose entropy is below 0.9 x the held-out text's at every temperature
 
 
 def layers_from_score(score_art: Artifact, cfg: CompareConfig) -> tuple[int, int]:
@@ -219,7 +217,6 @@ def held_out_texts(extract: Artifact, loaded, n: int) -> tuple[list[str], list[l
 AR_NAMES = {"hybrid": "AR hybrid (l*)", "original": "original (AR)"}
 # the tables' names of what a recovery read (GenerateConfig.source); "null" alone reads back as NaN in pandas
 SOURCE_NAMES = {"prior": "trained prior", "oracle": "oracle prior", "null": "null prior"}
-CONTROLS = ("oracle prior", "null prior")
 
 
 def scored_samples(art: Artifact, ev, store: ArtifactStore, cfg: CompareConfig) -> pd.DataFrame:
@@ -285,184 +282,6 @@ def held_out_samples(texts: list[str], ids: list[list[int]], evaluators: dict) -
     return frame
 
 
-# -- statistics -------------------------------------------------------------------------------------------------
-def gen_ppl(group: pd.DataFrame, ev: str) -> float:
-    scored = group[group[f"n_{ev}"] > 0]
-    return float(np.exp(scored[f"nll_{ev}"].sum() / scored[f"n_{ev}"].sum())) if len(scored) else float("nan")
-
-
-def metrics_of(group: pd.DataFrame) -> dict:
-    """The section-5 metrics of one row, source, temperature (and seed) from its samples."""
-    scored = {ev: group[group[f"n_{ev}"] > 0] for ev in EVALUATORS}
-    out = {
-        **{f"gen_ppl_token_{ev}": gen_ppl(group, ev) for ev in EVALUATORS},
-        **{f"gen_ppl_median_{ev}": float(np.median(np.exp(g[f"nll_{ev}"] / g[f"n_{ev}"]))) if len(g) else np.nan
-           for ev, g in scored.items()},
-        "token_entropy": float(group["token_entropy"].mean()),
-        **text_means(group),
-        "n_samples": len(group),
-        "mean_tokens": float(group["n_tokens"].mean()),
-    }  # fmt: skip
-    out.pop("unigram_entropy"), out.pop("mean_words")
-    if "ms_per_sample" in group and group["ms_per_sample"].notna().any():
-        out["ms_per_sample"] = float(group["ms_per_sample"].mean())
-    return out
-
-
-def text_means(group: pd.DataFrame) -> dict:
-    """Section 3's text metrics (diversity, distinct-n) of each seed's N samples, averaged over seeds:
-    pooling seeds would count more text (distinct-n falls with it), and the held-out text, the same
-    for every seed, would count each n-gram once per seed."""
-    per_seed = [text_metrics(g["text"].tolist()) for _, g in group.groupby("seed")]
-    return {k: float(np.mean([m[k] for m in per_seed])) for k in per_seed[0]}
-
-
-def diversity(group: pd.DataFrame) -> float:
-    return text_means(group)["diversity"]
-
-
-def curve_at(points: list[tuple[float, float]], h: float) -> float:
-    """points (entropy, value), value interpolated linearly in entropy at h; NaN outside their span."""
-    points = sorted(p for p in points if np.isfinite(p[0]) and np.isfinite(p[1]))
-    if not points or not points[0][0] - 1e-9 <= h <= points[-1][0] + 1e-9:
-        return float("nan")
-    ent, val = zip(*points)
-    return float(np.interp(h, ent, val)) if len(points) > 1 else float(val[0])
-
-
-def log_ppl_at(samples: pd.DataFrame, ev: str, h: float, kind: str) -> float:
-    """A row's log Gen.PPL at entropy h (a curve), or at its own entropy (a point: h is ignored)."""
-    by_t = [
-        (float(g["token_entropy"].mean()), np.log(gen_ppl(g, ev)))
-        for _, g in samples.groupby("temperature", dropna=False)
-    ]
-    return by_t[0][1] if kind == "point" else curve_at(by_t, h)
-
-
-def resample(samples: pd.DataFrame, rng) -> pd.DataFrame:
-    """Seeds with replacement, then sample indices with replacement within each seed; the same indices
-    at every temperature (a sample i of every temperature shares its prior noise)."""
-    seeds = samples["seed"].unique()
-    parts = []
-    for s in rng.choice(seeds, len(seeds)):
-        one = samples[samples["seed"] == s]
-        n = one["index"].max() + 1
-        picks = pd.DataFrame({"index": rng.integers(0, n, n)})
-        parts.append(picks.merge(one, on="index", how="left"))
-    return pd.concat(parts, ignore_index=True)
-
-
-def headline(samples: pd.DataFrame, kind: str, h_ref: float, rng, resamples: int) -> dict:
-    """Gen.PPL under each evaluator at the held-out entropy (curve) or at its point, with intervals."""
-    out = {}
-    draws = [resample(samples, rng) for _ in range(resamples)]
-    for ev in EVALUATORS:
-        point = float(np.exp(log_ppl_at(samples, ev, h_ref, kind)))
-        ci = bootstrap.interval(point, [float(np.exp(log_ppl_at(d, ev, h_ref, kind))) for d in draws])
-        out |= {f"headline_{ev}": point, f"headline_{ev}_lo": ci["lo"], f"headline_{ev}_hi": ci["hi"]}
-    return out
-
-
-def status(samples: pd.DataFrame, kind: str, h_ref: float, value: float) -> str:
-    entropies = samples.groupby("temperature", dropna=False)["token_entropy"].mean()
-    if (entropies < DEGENERATE * h_ref).all():
-        return "degenerate"
-    return "not reached" if kind == "curve" and not np.isfinite(value) else "ok"
-
-
-def verdict(samples: pd.DataFrame, ours: str, baseline: str, ev: str, h_ref: float) -> dict:
-    """DiHAL's Gen.PPL and diversity interpolated at each of the baseline's entropies, against its own."""
-    mine, theirs = samples[samples.row == ours], samples[samples.row == baseline]
-    my_curve = [(m["token_entropy"], np.log(m[f"gen_ppl_token_{ev}"]), m["diversity"])
-                for m in (metrics_of(g) for _, g in mine.groupby("temperature"))]  # fmt: skip
-    points = []
-    for t, g in theirs.groupby("temperature", dropna=False):
-        m = metrics_of(g)
-        at = curve_at([(e, v) for e, v, _ in my_curve], m["token_entropy"])
-        div = curve_at([(e, d) for e, _, d in my_curve], m["token_entropy"])
-        points.append({"temperature": None if pd.isna(t) else float(t), "entropy": m["token_entropy"],
-                       "baseline_gen_ppl": m[f"gen_ppl_token_{ev}"], "dihal_gen_ppl": float(np.exp(at)),
-                       "baseline_diversity": m["diversity"], "dihal_diversity": div})  # fmt: skip
-    reached = [p for p in points if np.isfinite(p["dihal_gen_ppl"])]
-    wins = [p["dihal_gen_ppl"] < p["baseline_gen_ppl"] for p in reached]
-    if status(theirs, "curve", h_ref, 0.0) == "degenerate":
-        outcome = "baseline degenerate"
-    elif status(mine, "curve", h_ref, 0.0) == "degenerate":
-        outcome = "DiHAL degenerate"
-    elif not reached:
-        outcome = "not comparable (entropies not reached)"
-    else:
-        outcome = "DiHAL better" if all(wins) else "baseline better" if not any(wins) else "mixed"
-    return {"baseline": baseline, "outcome": outcome, "points": points}
-
-
-def claim(verdicts: list[dict]) -> str:
-    """Claim 3 at one budget: holds if DiHAL beats every comparable baseline at its entropies."""
-    comparable = [v for v in verdicts if v["outcome"] in ("DiHAL better", "baseline better", "mixed")]
-    if any(v["outcome"] == "DiHAL degenerate" for v in verdicts):
-        return "does not hold (DiHAL degenerate)"
-    if not comparable:
-        return "not testable (no comparable baseline)"
-    won = sum(v["outcome"] == "DiHAL better" for v in comparable)
-    return "holds" if won == len(comparable) else "does not hold" if won == 0 else "partly"
-
-
-def summarize(samples: pd.DataFrame, h_ref: float, seed: int) -> tuple[pd.DataFrame, pd.DataFrame]:
-    """(the per row, source, temperature and seed lines; each row's headline per budget)."""
-    keys = ["budget", "row", "kind", "source", "temperature"]
-    lines = [{**dict(zip(keys + ["seed"], k)), **metrics_of(g)}
-             for k, g in samples.groupby(keys + ["seed"], sort=False, dropna=False)]  # fmt: skip
-    rng, heads = np.random.default_rng([seed, 5]), []
-    for (budget, row, kind), g in samples[samples.source.isin(["trained prior", "data"])].groupby(
-        ["budget", "row", "kind"], sort=False
-    ):
-        head = headline(g, kind, h_ref, rng, bootstrap_resamples(len(g)))
-        t1 = g[g.temperature == g.temperature.max()] if kind == "curve" else g
-        heads.append({"budget": budget, "row": row, "kind": kind, **head,
-                      "status": status(g, kind, h_ref, head["headline_evaluator"]),
-                      "entropy_at_top_t": float(t1["token_entropy"].mean()),
-                      "diversity_at_top_t": diversity(t1),
-                      "seeds": int(g["seed"].nunique())})  # fmt: skip
-    return pd.DataFrame(lines), pd.DataFrame(heads)
-
-
-def mauve_available() -> str | None:
-    """The installed mauve-text's version (`pip install dihal[mauve]`), or None."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        import mauve  # noqa: F401
-    except ImportError:
-        return None
-    try:
-        return f"mauve-text {version('mauve-text')}"
-    except PackageNotFoundError:
-        return "mauve (version unknown)"
-
-
-def mauve_scores(samples: pd.DataFrame, evaluator, held_out: np.ndarray, top_t: float, seed: int) -> pd.DataFrame:
-    """MAUVE of every trained-prior row at the grid's top temperature (and of every point row) against
-    the held-out text, on the primary evaluator's features; one line per budget, row and seed. Empty
-    without mauve-text."""
-    if mauve_available() is None:
-        return pd.DataFrame(columns=["budget", "row", "seed", "mauve"])
-    import mauve
-
-    picked = samples[
-        (samples.source == "trained prior") & (samples.temperature.isna() | (samples.temperature == top_t))
-    ]
-    out = []
-    for (budget, row, s), g in picked.groupby(["budget", "row", "seed"], sort=False):
-        p = eval_stage.last_token_features(evaluator, g["text"].tolist())
-        score = mauve.compute_mauve(p_features=p, q_features=held_out, seed=seed, verbose=False).mauve
-        out.append({"budget": budget, "row": row, "seed": s, "mauve": float(score)})
-    return pd.DataFrame(out)
-
-
-def bootstrap_resamples(n: int) -> int:
-    return 200 if n > 2000 else 400
-
-
 def plot(samples: pd.DataFrame, lines: pd.DataFrame, h_ref: float, path, title: str) -> None:
     """Gen.PPL against entropy under each evaluator (a line per curve row, a marker per point row, the
     held-out entropy dashed) and diversity against primary Gen.PPL at the grid's top temperature."""
@@ -473,7 +292,7 @@ def plot(samples: pd.DataFrame, lines: pd.DataFrame, h_ref: float, path, title: 
         .mean(numeric_only=True)
         .reset_index()
     )
-    for ax, ev in zip(axes[:2], EVALUATORS):
+    for ax, ev in zip(axes[:2], compare_stats.EVALUATORS):
         for (row, kind), g in mean.groupby(["row", "kind"], sort=False):
             g = g.sort_values("token_entropy")
             style = dict(marker="o") if kind == "curve" else dict(marker="s", linestyle="none", markersize=8)
@@ -495,18 +314,19 @@ def plot(samples: pd.DataFrame, lines: pd.DataFrame, h_ref: float, path, title: 
     plotting.save(fig, axes[2], path, title)
 
 
-def run(
-    cfg: CompareConfig,
-    extract: Artifact,
-    score_art: Artifact,
-    store: ArtifactStore,
-    load_model,
-    *,
-    force: bool = False,
-    progress: Progress | None = None,
-) -> Artifact:
-    """load_model(spec) -> LoadedModel, called only when there is work to do."""
-    progress = progress or NullProgress()
+@dataclass(frozen=True)
+class Plan:
+    """What check() settles before anything runs."""
+
+    l_star: int
+    worst: int
+    backbone: str  # the extract's model spec
+    short: str  # its name in the rows' labels
+    primary: str  # the primary evaluator
+
+
+def check(cfg: CompareConfig, extract: Artifact, score_art: Artifact) -> Plan:
+    """Every way the comparison's inputs disagree, one line each, before any model loads."""
     if score_art.manifest.get("parents", {}).get("extract") != extract.id:
         raise DihalError(f"score {score_art.id} was not made from extract {extract.id}; pass its own --score")
     if "dihal-oracle" in cfg.rows + cfg.controls and cfg.oracle is None:
@@ -515,7 +335,6 @@ def run(
     needed = {0, l_star, worst} | ({cfg.oracle} if cfg.oracle else set())
     hs.open_with_layers(extract, needed, ": compare needs layers 0, l*, argmin S (and the oracle)")
     backbone = extract.config["model"]
-    short = Path(backbone).name
     primary = eval_stage.second_evaluator(cfg.evaluator, backbone)
     if primary == backbone:
         raise DihalError(f"--evaluator {primary} is the backbone; the primary evaluator must be another model")
@@ -526,81 +345,98 @@ def run(
             f"the oracle controls read {cfg.num_samples} held-out sequences but extract {extract.id} has {n_val}; "
             "use a smaller --num-samples, a larger --val-fraction, or --controls ''"
         )
-    config = {**asdict(cfg), "l_star": l_star, "worst": worst, "evaluator": primary, "revision": REVISION}
+    return Plan(l_star, worst, backbone, Path(backbone).name, primary)
+
+
+def collect(cfg: CompareConfig, plan: Plan, extract: Artifact, store: ArtifactStore, load_model, progress) -> dict:
+    """Train every part per budget and seed, generate every row, score every sample under both
+    evaluators: {samples (one line per sample, the held-out text's too), parts, texts, h_ref, evaluators}."""
+    loaded = load_model(plan.backbone)
+    evaluators = {"evaluator": load_model(plan.primary), "backbone": loaded}
+    texts, ids = held_out_texts(extract, loaded, cfg.num_samples)
+    real = held_out_samples(texts, ids, evaluators)
+    frames, parts_table = [], []
+    for k in cfg.budgets:
+        for seed in cfg.seeds:
+            parts = train_parts(cfg, extract, store, seed, plan.l_star, plan.worst, k, progress, loaded)
+            parts_table += [{"budget": k, "seed": seed, **part_row(n, a, loaded.model)} for n, a in parts.items()]
+            gens = generate_rows(cfg, parts, store, loaded, seed, plan.l_star, plan.worst, progress, plan.short)
+            frames.append(sample_table(gens, evaluators, store, cfg, k, seed, progress))
+            frames.append(real.assign(budget=k, seed=seed))
+    return {
+        "samples": pd.concat(frames, ignore_index=True),
+        "parts": pd.DataFrame(parts_table),
+        "texts": texts,
+        "h_ref": float(real["token_entropy"].mean()),
+        "evaluators": evaluators,
+    }
+
+
+def write(art: Artifact, cfg: CompareConfig, plan: Plan, got: dict, stats: dict, ours: str, seconds: float) -> None:
+    """The tables (CSV), compare.json, a plot per budget, and the manifest's metrics."""
+    lines, heads, controls, parts = stats["lines"], stats["heads"], stats["controls"], got["parts"]
+    lines.to_csv(art.file("compare.csv"), index=False)
+    heads.to_csv(art.file("summary.csv"), index=False)
+    controls.to_csv(art.file("controls.csv"), index=False)
+    parts.to_csv(art.file("parts.csv"), index=False)
+    got["samples"].drop(columns=["text"]).to_csv(art.file("samples.csv"), index=False)
+    control_means = controls.groupby(["budget", "row", "source"], sort=False)[
+        ["gen_ppl_token_evaluator", "gen_ppl_token_backbone", "token_entropy", "diversity"]
+    ].mean()  # over seeds
+    result = {
+        "l_star": plan.l_star,
+        "argmin_S": plan.worst,
+        "oracle": cfg.oracle,
+        "evaluators": {"backbone": plan.backbone, "evaluator": plan.primary},
+        "held_out_entropy": got["h_ref"],
+        "mauve": compare_stats.mauve_available() or "not installed (pip install dihal[mauve])",
+        "temperatures": list(cfg.temperatures),
+        "budgets": list(cfg.budgets),
+        "seeds": list(cfg.seeds),
+        "ours": ours,
+        "summary": heads.to_dict("records"),
+        "verdicts": stats["verdicts"],
+        "parts": parts.to_dict("records"),
+        "controls": control_means.reset_index().to_dict("records"),
+        "wall_seconds": seconds,
+    }
+    art.file("compare.json").write_text(json.dumps(result, indent=2, default=float))
+    samples = got["samples"]
+    for k in cfg.budgets:
+        title = f"section 5 at {k}x the protocol's steps; seeds {list(cfg.seeds)}"
+        path = art.file(f"compare_x{k}.png")
+        plot(samples[samples.budget == k], lines[lines.budget == k], got["h_ref"], path, title)
+    big = ("summary", "parts", "verdicts", "controls")
+    art.manifest["metrics"] = {k: v for k, v in result.items() if k not in big}
+    art.manifest["metrics"]["claim_3"] = {str(v["budget"]): v["claim_3"] for v in stats["verdicts"]}
+
+
+def run(
+    cfg: CompareConfig,
+    extract: Artifact,
+    score_art: Artifact,
+    store: ArtifactStore,
+    load_model,
+    *,
+    force: bool = False,
+    progress: Progress | None = None,
+) -> Artifact:
+    """check -> collect -> analyse -> write. load_model(spec) -> LoadedModel, called only when there is work."""
+    progress = progress or NullProgress()
+    plan = check(cfg, extract, score_art)
+    config = {**asdict(cfg), "l_star": plan.l_star, "worst": plan.worst, "evaluator": plan.primary}
+    config["revision"] = REVISION
     parents = {"extract": extract.id, "score": score_art.id}
     if cached := store.cached(STAGE, config, parents, force=force):
         return cached
-    with store.writing(
-        STAGE, config, parents, force=force, device=cfg.device, extra={"model": extract.manifest.get("model")}
-    ) as art:
-        clock = time.time()
-        loaded = load_model(backbone)
-        evaluators = {"evaluator": load_model(primary), "backbone": loaded}
-        texts, ids = held_out_texts(extract, loaded, cfg.num_samples)
-        real = held_out_samples(texts, ids, evaluators)
-        h_ref = float(real["token_entropy"].mean())
-        frames, parts_table = [], []
-        for k in cfg.budgets:
-            for seed in cfg.seeds:
-                parts = train_parts(cfg, extract, store, seed, l_star, worst, k, progress, loaded)
-                parts_table += [{"budget": k, "seed": seed, **part_row(n, a, loaded.model)} for n, a in parts.items()]
-                gens = generate_rows(cfg, parts, store, loaded, seed, l_star, worst, progress, short)
-                frames.append(sample_table(gens, evaluators, store, cfg, k, seed, progress))
-                frames.append(real.assign(budget=k, seed=seed))
-        samples = pd.concat(frames, ignore_index=True)
-        lines, heads = summarize(samples, h_ref, cfg.seeds[0])
-        top_t = max(cfg.temperatures)
-        held_features = eval_stage.last_token_features(evaluators["evaluator"], texts) if mauve_available() else None
-        scores = mauve_scores(samples, evaluators["evaluator"], held_features, top_t, cfg.seeds[0])
-        at_top = lines.source.eq("trained prior") & (lines.temperature.isna() | lines.temperature.eq(top_t))
-        lines = lines.merge(scores, on=["budget", "row", "seed"], how="left")
-        lines.loc[~at_top.to_numpy(), "mauve"] = np.nan
-        per_row = scores.groupby(["budget", "row"])["mauve"].mean() if len(scores) else {}
-        heads["mauve_at_top_t"] = [per_row.get((b, r), np.nan) for b, r in zip(heads.budget, heads.row)]
-        named = layer_names(l_star, worst, cfg.oracle, short)
+    extra = {"model": extract.manifest.get("model")}
+    with store.writing(STAGE, config, parents, force=force, device=cfg.device, extra=extra) as art:
+        start = time.time()
+        got = collect(cfg, plan, extract, store, load_model, progress)
+        named = layer_names(plan.l_star, plan.worst, cfg.oracle, plan.short)
         ours = next(r.label(named) for r in active_rows(cfg) if r.ours)
         baselines = [r.label(named) for r in active_rows(cfg) if r.baseline]
-        verdicts = []
-        for k in cfg.budgets:
-            one = samples[(samples.budget == k) & (samples.source == "trained prior")]
-            vs = [verdict(one, ours, b, "evaluator", h_ref) for b in baselines]
-            verdicts.append({"budget": k, "claim_3": claim(vs), "baselines": vs})
-        controlled = lines[lines.source.isin(CONTROLS)]["row"].unique()
-        top = lines.temperature.isna() | (lines.temperature == max(cfg.temperatures))  # where the controls ran
-        controls = lines[lines.row.isin(controlled) & (lines.source.isin(CONTROLS) | top)]
-        parts_df = pd.DataFrame(parts_table)
-        lines.to_csv(art.file("compare.csv"), index=False)
-        heads.to_csv(art.file("summary.csv"), index=False)
-        controls.to_csv(art.file("controls.csv"), index=False)
-        parts_df.to_csv(art.file("parts.csv"), index=False)
-        samples.drop(columns=["text"]).to_csv(art.file("samples.csv"), index=False)
-        result = {
-            "l_star": l_star,
-            "argmin_S": worst,
-            "oracle": cfg.oracle,
-            "evaluators": {"backbone": backbone, "evaluator": primary},
-            "held_out_entropy": h_ref,
-            "mauve": mauve_available() or "not installed (pip install dihal[mauve])",
-            "temperatures": list(cfg.temperatures),
-            "budgets": list(cfg.budgets),
-            "seeds": list(cfg.seeds),
-            "ours": ours,
-            "summary": heads.to_dict("records"),
-            "verdicts": verdicts,
-            "parts": parts_df.to_dict("records"),
-            "controls": controls.groupby(["budget", "row", "source"], sort=False)[
-                ["gen_ppl_token_evaluator", "gen_ppl_token_backbone", "token_entropy", "diversity"]
-            ]
-            .mean()
-            .reset_index()
-            .to_dict("records"),  # mean over seeds
-            "wall_seconds": time.time() - clock,
-        }
-        art.file("compare.json").write_text(json.dumps(result, indent=2, default=float))
-        for k in cfg.budgets:
-            title = f"section 5 at {k}x the protocol's steps; seeds {list(cfg.seeds)}"
-            plot(samples[samples.budget == k], lines[lines.budget == k], h_ref, art.file(f"compare_x{k}.png"), title)
-        big = ("summary", "parts", "verdicts", "controls")
-        art.manifest["metrics"] = {k: v for k, v in result.items() if k not in big}
-        art.manifest["metrics"]["claim_3"] = {str(v["budget"]): v["claim_3"] for v in verdicts}
+        evaluator = got["evaluators"]["evaluator"]
+        stats = compare_stats.analyse(got["samples"], got["h_ref"], cfg, ours, baselines, evaluator, got["texts"])
+        write(art, cfg, plan, got, stats, ours, time.time() - start)
     return art

@@ -514,7 +514,7 @@ COMPARE = [
 def test_compare_end_to_end_writes_curves_controls_budgets_and_the_verdict(tiny_dirs, root):
     import pandas as pd
 
-    from dihal.stages import compare as stage
+    from dihal.stages import compare_stats as stats
 
     args = [*COMPARE, "--model", str(tiny_dirs["llama"]), "--evaluator", str(tiny_dirs["qwen3"])]
     res = invoke(*args)
@@ -574,7 +574,7 @@ def test_compare_end_to_end_writes_curves_controls_budgets_and_the_verdict(tiny_
     assert (ok.headline_evaluator <= ok.headline_evaluator_hi).all()
     sed = samples[(samples.row == "SED") & (samples.budget == 1) & (samples.source == "trained prior")]
     sed_head = summary[(summary.row == "SED") & (summary.budget == 1)].iloc[0]
-    assert sed_head.headline_evaluator == pytest.approx(stage.gen_ppl(sed, "evaluator"), rel=1e-9)
+    assert sed_head.headline_evaluator == pytest.approx(stats.gen_ppl(sed, "evaluator"), rel=1e-9)
     assert set(summary.status) <= {"ok", "not reached", "degenerate"}
     # the budgets: each part at 3 and 6 steps, the decoder's table frozen and counted
     for k, steps in ((1, 3), (2, 6)):
@@ -738,7 +738,7 @@ def test_mauve_scores_each_rows_top_temperature_against_held_out_features(monkey
 
     import pandas as pd
 
-    from dihal.stages import compare as stage
+    from dihal.stages import compare_stats as stats
 
     rows = []
     for budget in (1, 5):
@@ -770,7 +770,7 @@ def test_mauve_scores_each_rows_top_temperature_against_held_out_features(monkey
     )
     samples = pd.DataFrame(rows)
     monkeypatch.setitem(sys.modules, "mauve", None)  # not installed
-    assert stage.mauve_available() is None and stage.mauve_scores(samples, None, None, 1.0, 0).empty
+    assert stats.mauve_available() is None and stats.mauve_scores(samples, None, None, 1.0, 0).empty
     seen = []
 
     def compute_mauve(p_features, q_features, seed, verbose):
@@ -779,9 +779,9 @@ def test_mauve_scores_each_rows_top_temperature_against_held_out_features(monkey
 
     monkeypatch.setitem(sys.modules, "mauve", types.SimpleNamespace(compute_mauve=compute_mauve))
     features = lambda ev, texts: np.array([[float(len(t))] for t in texts])  # noqa: E731
-    monkeypatch.setattr(stage.eval_stage, "last_token_features", features)
+    monkeypatch.setattr(stats.eval_stage, "last_token_features", features)
     held = np.zeros((3, 1))
-    out = stage.mauve_scores(samples, None, held, 1.0, 0)
+    out = stats.mauve_scores(samples, None, held, 1.0, 0)
     assert len(out) == 2 * 2 * 2 and set(out.row) == {"CoDAR", "SED"}  # budgets x seeds x rows, no control
     for _, r in out.iterrows():
         texts = samples[
@@ -800,7 +800,7 @@ def test_diversity_is_per_seed_so_the_same_held_out_text_twice_keeps_its_diversi
     twice and its diversity would fall by a factor near 8 (0.728 -> 0.091 on smollm2's run)."""
     import pandas as pd
 
-    from dihal.stages import compare as stage
+    from dihal.stages import compare_stats as stats
     from dihal.stages.text import text_metrics as tm
 
     texts = ["the cat sat on the mat today", "a dog ran in the park at noon", "we read the old book again"]
@@ -828,10 +828,10 @@ def test_diversity_is_per_seed_so_the_same_held_out_text_twice_keeps_its_diversi
     samples = pd.DataFrame(rows)
     one_seed = tm.diversity(texts)
     assert one_seed > 0.9 and tm.diversity(texts + texts) < one_seed / 4  # what pooling did
-    _, heads = stage.summarize(samples, 1.9, 0)
+    _, heads = stats.summarize(samples, 1.9, 0)
     assert heads.loc[0, "diversity_at_top_t"] == pytest.approx(one_seed)
     other = samples.assign(row="B", source="trained prior", text=samples.text.str.upper() + " x")
-    v = stage.verdict(pd.concat([other.assign(row="A", temperature=1.0), other]), "A", "B", "evaluator", 1.9)
+    v = stats.verdict(pd.concat([other.assign(row="A", temperature=1.0), other]), "A", "B", "evaluator", 1.9)
     assert v["points"][0]["baseline_diversity"] == pytest.approx(tm.diversity(other.text[:3].tolist()))
 
 

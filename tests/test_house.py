@@ -458,3 +458,43 @@ def test_every_stage_names_a_command_that_exists():
     )
     assert {importlib.import_module(f"dihal.stages.{m}").STAGE for m in stages} == set(COMMANDS)
     assert set(COMMANDS.values()) <= set(_commands())
+
+
+# -- the docs ---------------------------------------------------------------------------------------------
+def _markdown() -> list[Path]:
+    return [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+
+
+def test_every_relative_link_in_the_docs_resolves():
+    """A link to a file (and to a heading, where it names one) finds it; web links are not followed."""
+    import re
+
+    def anchors(path: Path) -> set[str]:
+        heads = [m.group(1) for m in re.finditer(r"^#+ (.+)$", path.read_text(), re.M)]
+        return {re.sub(r"[^\w\- ]", "", h.lower()).strip().replace(" ", "-") for h in heads}
+
+    broken = []
+    for page in _markdown():
+        text = re.sub(r"```.*?```", "", page.read_text(), flags=re.S)  # code blocks hold no links
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            if re.match(r"[a-z]+://|mailto:", target):
+                continue
+            path, _, anchor = target.partition("#")
+            file = (page.parent / path).resolve() if path else page
+            if not file.exists() or (anchor and file.suffix == ".md" and anchor not in anchors(file)):
+                broken.append(f"{page.relative_to(ROOT)}: {target}")
+    assert not broken, broken
+    assert len((ROOT / "README.md").read_text().splitlines()) <= 250
+
+
+def test_the_cli_reference_is_generated_from_the_app(tmp_path):
+    """docs/cli.md is `typer dihal.cli.main utils docs`'s output; rerun it after changing an option."""
+    import typer.cli
+
+    out = tmp_path / "cli.md"
+    runner = __import__("typer.testing", fromlist=["CliRunner"]).CliRunner()
+    res = runner.invoke(typer.cli.app, ["dihal.cli.main", "utils", "docs", "--name", "dihal", "--output", str(out)])
+    assert res.exit_code == 0, res.output
+    assert out.read_text() == (ROOT / "docs" / "cli.md").read_text(), (
+        "docs/cli.md is stale: typer dihal.cli.main utils docs --name dihal --output docs/cli.md"
+    )

@@ -1,0 +1,223 @@
+"""The statistics of `dihal compare` (docs/method.md section 5), on the table of every generated sample
+(one line per sample: budget, seed, row, source, temperature, text, its scores under both evaluators).
+
+    metrics_of   a row's section-5 metrics: Gen.PPL (token-weighted and median) under both evaluators,
+                 entropy, diversity and distinct-n (per seed, averaged), length
+    headline     a curve row's Gen.PPL interpolated at the held-out text's entropy, a point row's own,
+                 each with a bootstrap interval over seeds and samples that contains it
+    verdict      claim 3 per baseline: DiHAL's curve at the baseline's entropies against the baseline
+    analyse      all of it for one comparison: the per-row lines, the headlines, the verdicts, the controls
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+
+from dihal.stages import evaluate as eval_stage
+from dihal.stages.runtime import bootstrap
+from dihal.stages.text.text_metrics import text_metrics
+
+EVALUATORS = ("evaluator", "backbone")  # the primary one first: the backbone scores its own choices
+DEGENERATE = 0.9  # a row whose entropy is below 0.9 x the held-out text's at every temperature
+CONTROLS = ("oracle prior", "null prior")
+
+
+def gen_ppl(group: pd.DataFrame, ev: str) -> float:
+    scored = group[group[f"n_{ev}"] > 0]
+    return float(np.exp(scored[f"nll_{ev}"].sum() / scored[f"n_{ev}"].sum())) if len(scored) else float("nan")
+
+
+def metrics_of(group: pd.DataFrame) -> dict:
+    """The section-5 metrics of one row, source, temperature (and seed) from its samples."""
+    scored = {ev: group[group[f"n_{ev}"] > 0] for ev in EVALUATORS}
+    out = {
+        **{f"gen_ppl_token_{ev}": gen_ppl(group, ev) for ev in EVALUATORS},
+        **{f"gen_ppl_median_{ev}": float(np.median(np.exp(g[f"nll_{ev}"] / g[f"n_{ev}"]))) if len(g) else np.nan
+           for ev, g in scored.items()},
+        "token_entropy": float(group["token_entropy"].mean()),
+        **text_means(group),
+        "n_samples": len(group),
+        "mean_tokens": float(group["n_tokens"].mean()),
+    }  # fmt: skip
+    out.pop("unigram_entropy"), out.pop("mean_words")
+    if "ms_per_sample" in group and group["ms_per_sample"].notna().any():
+        out["ms_per_sample"] = float(group["ms_per_sample"].mean())
+    return out
+
+
+def text_means(group: pd.DataFrame) -> dict:
+    """Section 3's text metrics (diversity, distinct-n) of each seed's N samples, averaged over seeds:
+    pooling seeds would count more text (distinct-n falls with it), and the held-out text, the same
+    for every seed, would count each n-gram once per seed."""
+    per_seed = [text_metrics(g["text"].tolist()) for _, g in group.groupby("seed")]
+    return {k: float(np.mean([m[k] for m in per_seed])) for k in per_seed[0]}
+
+
+def diversity(group: pd.DataFrame) -> float:
+    return text_means(group)["diversity"]
+
+
+def curve_at(points: list[tuple[float, float]], h: float) -> float:
+    """points (entropy, value), value interpolated linearly in entropy at h; NaN outside their span."""
+    points = sorted(p for p in points if np.isfinite(p[0]) and np.isfinite(p[1]))
+    if not points or not points[0][0] - 1e-9 <= h <= points[-1][0] + 1e-9:
+        return float("nan")
+    ent, val = zip(*points)
+    return float(np.interp(h, ent, val)) if len(points) > 1 else float(val[0])
+
+
+def log_ppl_at(samples: pd.DataFrame, ev: str, h: float, kind: str) -> float:
+    """A row's log Gen.PPL at entropy h (a curve), or at its own entropy (a point: h is ignored)."""
+    by_t = [
+        (float(g["token_entropy"].mean()), np.log(gen_ppl(g, ev)))
+        for _, g in samples.groupby("temperature", dropna=False)
+    ]
+    return by_t[0][1] if kind == "point" else curve_at(by_t, h)
+
+
+def resample(samples: pd.DataFrame, rng) -> pd.DataFrame:
+    """Seeds with replacement, then sample indices with replacement within each seed; the same indices
+    at every temperature (a sample i of every temperature shares its prior noise)."""
+    seeds = samples["seed"].unique()
+    parts = []
+    for s in rng.choice(seeds, len(seeds)):
+        one = samples[samples["seed"] == s]
+        n = one["index"].max() + 1
+        picks = pd.DataFrame({"index": rng.integers(0, n, n)})
+        parts.append(picks.merge(one, on="index", how="left"))
+    return pd.concat(parts, ignore_index=True)
+
+
+def headline(samples: pd.DataFrame, kind: str, h_ref: float, rng, resamples: int) -> dict:
+    """Gen.PPL under each evaluator at the held-out entropy (curve) or at its point, with intervals."""
+    out = {}
+    draws = [resample(samples, rng) for _ in range(resamples)]
+    for ev in EVALUATORS:
+        point = float(np.exp(log_ppl_at(samples, ev, h_ref, kind)))
+        ci = bootstrap.interval(point, [float(np.exp(log_ppl_at(d, ev, h_ref, kind))) for d in draws])
+        out |= {f"headline_{ev}": point, f"headline_{ev}_lo": ci["lo"], f"headline_{ev}_hi": ci["hi"]}
+    return out
+
+
+def status(samples: pd.DataFrame, kind: str, h_ref: float, value: float) -> str:
+    entropies = samples.groupby("temperature", dropna=False)["token_entropy"].mean()
+    if (entropies < DEGENERATE * h_ref).all():
+        return "degenerate"
+    return "not reached" if kind == "curve" and not np.isfinite(value) else "ok"
+
+
+def verdict(samples: pd.DataFrame, ours: str, baseline: str, ev: str, h_ref: float) -> dict:
+    """DiHAL's Gen.PPL and diversity interpolated at each of the baseline's entropies, against its own."""
+    mine, theirs = samples[samples.row == ours], samples[samples.row == baseline]
+    my_curve = [(m["token_entropy"], np.log(m[f"gen_ppl_token_{ev}"]), m["diversity"])
+                for m in (metrics_of(g) for _, g in mine.groupby("temperature"))]  # fmt: skip
+    points = []
+    for t, g in theirs.groupby("temperature", dropna=False):
+        m = metrics_of(g)
+        at = curve_at([(e, v) for e, v, _ in my_curve], m["token_entropy"])
+        div = curve_at([(e, d) for e, _, d in my_curve], m["token_entropy"])
+        points.append({"temperature": None if pd.isna(t) else float(t), "entropy": m["token_entropy"],
+                       "baseline_gen_ppl": m[f"gen_ppl_token_{ev}"], "dihal_gen_ppl": float(np.exp(at)),
+                       "baseline_diversity": m["diversity"], "dihal_diversity": div})  # fmt: skip
+    reached = [p for p in points if np.isfinite(p["dihal_gen_ppl"])]
+    wins = [p["dihal_gen_ppl"] < p["baseline_gen_ppl"] for p in reached]
+    if status(theirs, "curve", h_ref, 0.0) == "degenerate":
+        outcome = "baseline degenerate"
+    elif status(mine, "curve", h_ref, 0.0) == "degenerate":
+        outcome = "DiHAL degenerate"
+    elif not reached:
+        outcome = "not comparable (entropies not reached)"
+    else:
+        outcome = "DiHAL better" if all(wins) else "baseline better" if not any(wins) else "mixed"
+    return {"baseline": baseline, "outcome": outcome, "points": points}
+
+
+def claim(verdicts: list[dict]) -> str:
+    """Claim 3 at one budget: holds if DiHAL beats every comparable baseline at its entropies."""
+    comparable = [v for v in verdicts if v["outcome"] in ("DiHAL better", "baseline better", "mixed")]
+    if any(v["outcome"] == "DiHAL degenerate" for v in verdicts):
+        return "does not hold (DiHAL degenerate)"
+    if not comparable:
+        return "not testable (no comparable baseline)"
+    won = sum(v["outcome"] == "DiHAL better" for v in comparable)
+    return "holds" if won == len(comparable) else "does not hold" if won == 0 else "partly"
+
+
+def summarize(samples: pd.DataFrame, h_ref: float, seed: int) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """(the per row, source, temperature and seed lines; each row's headline per budget)."""
+    keys = ["budget", "row", "kind", "source", "temperature"]
+    lines = [{**dict(zip(keys + ["seed"], k)), **metrics_of(g)}
+             for k, g in samples.groupby(keys + ["seed"], sort=False, dropna=False)]  # fmt: skip
+    rng, heads = np.random.default_rng([seed, 5]), []
+    for (budget, row, kind), g in samples[samples.source.isin(["trained prior", "data"])].groupby(
+        ["budget", "row", "kind"], sort=False
+    ):
+        head = headline(g, kind, h_ref, rng, bootstrap_resamples(len(g)))
+        t1 = g[g.temperature == g.temperature.max()] if kind == "curve" else g
+        heads.append({"budget": budget, "row": row, "kind": kind, **head,
+                      "status": status(g, kind, h_ref, head["headline_evaluator"]),
+                      "entropy_at_top_t": float(t1["token_entropy"].mean()),
+                      "diversity_at_top_t": diversity(t1),
+                      "seeds": int(g["seed"].nunique())})  # fmt: skip
+    return pd.DataFrame(lines), pd.DataFrame(heads)
+
+
+def mauve_available() -> str | None:
+    """The installed mauve-text's version (`pip install dihal[mauve]`), or None."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        import mauve  # noqa: F401
+    except ImportError:
+        return None
+    try:
+        return f"mauve-text {version('mauve-text')}"
+    except PackageNotFoundError:
+        return "mauve (version unknown)"
+
+
+def mauve_scores(samples: pd.DataFrame, evaluator, held_out: np.ndarray, top_t: float, seed: int) -> pd.DataFrame:
+    """MAUVE of every trained-prior row at the grid's top temperature (and of every point row) against
+    the held-out text, on the primary evaluator's features; one line per budget, row and seed. Empty
+    without mauve-text."""
+    if mauve_available() is None:
+        return pd.DataFrame(columns=["budget", "row", "seed", "mauve"])
+    import mauve
+
+    picked = samples[
+        (samples.source == "trained prior") & (samples.temperature.isna() | (samples.temperature == top_t))
+    ]
+    out = []
+    for (budget, row, s), g in picked.groupby(["budget", "row", "seed"], sort=False):
+        p = eval_stage.last_token_features(evaluator, g["text"].tolist())
+        score = mauve.compute_mauve(p_features=p, q_features=held_out, seed=seed, verbose=False).mauve
+        out.append({"budget": budget, "row": row, "seed": s, "mauve": float(score)})
+    return pd.DataFrame(out)
+
+
+def bootstrap_resamples(n: int) -> int:
+    return 200 if n > 2000 else 400
+
+
+def analyse(samples: pd.DataFrame, h_ref: float, cfg, ours: str, baselines: list[str], evaluator, texts) -> dict:
+    """The per-row lines (with MAUVE at the top temperature where mauve-text is installed), the headlines,
+    claim 3's verdict per budget, and the controls' lines."""
+    lines, heads = summarize(samples, h_ref, cfg.seeds[0])
+    top_t = max(cfg.temperatures)
+    held_features = eval_stage.last_token_features(evaluator, texts) if mauve_available() else None
+    scores = mauve_scores(samples, evaluator, held_features, top_t, cfg.seeds[0])
+    at_top = lines.source.eq("trained prior") & (lines.temperature.isna() | lines.temperature.eq(top_t))
+    lines = lines.merge(scores, on=["budget", "row", "seed"], how="left")
+    lines.loc[~at_top.to_numpy(), "mauve"] = np.nan
+    per_row = scores.groupby(["budget", "row"])["mauve"].mean() if len(scores) else {}
+    heads["mauve_at_top_t"] = [per_row.get((b, r), np.nan) for b, r in zip(heads.budget, heads.row)]
+    verdicts = []
+    for k in cfg.budgets:
+        one = samples[(samples.budget == k) & (samples.source == "trained prior")]
+        vs = [verdict(one, ours, b, "evaluator", h_ref) for b in baselines]
+        verdicts.append({"budget": k, "claim_3": claim(vs), "baselines": vs})
+    controlled = lines[lines.source.isin(CONTROLS)]["row"].unique()
+    top = lines.temperature.isna() | (lines.temperature == top_t)  # where the controls ran
+    controls = lines[lines.row.isin(controlled) & (lines.source.isin(CONTROLS) | top)]
+    return {"lines": lines, "heads": heads, "verdicts": verdicts, "controls": controls}
