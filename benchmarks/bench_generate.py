@@ -50,7 +50,7 @@ def main() -> None:
             best = min(best, t.seconds)
         return 1000 * best / NEW_TOKENS
 
-    g = lambda: torch.Generator().manual_seed(0)  # noqa: E731
+    g = lambda: torch.Generator().manual_seed(0)
     result = {
         "backbone_loop_ms": per_token_ms(lambda: gen.generate_original(loaded, prefix, cfg, g())),
         "backbone_hf_generate_ms": per_token_ms(

@@ -54,10 +54,17 @@ def compare(
     """Diffusion-LM, SED, CoDAR and DiHAL from one prior at a matched budget, with references (section 5)."""
     device, dtype = o.device_and_dtype(device, dtype, dry_run)
     condition_from, noise = parse_condition(condition_noise)
-    cfg = o.build(CompareConfig, {**locals(), "condition_noise": noise}, seeds=o.seeds(seeds), overrides=recipe,
-                  condition_from=condition_from, rows=o.comma_list(rows),
-                  controls=o.comma_list(controls), temperatures=o.numbers(temperatures, "--temperatures"),
-                  budgets=o.numbers(budgets, "--budgets", int))  # fmt: skip
+    cfg = o.build(
+        CompareConfig,
+        {**locals(), "condition_noise": noise},
+        seeds=o.seeds(seeds),
+        overrides=recipe,
+        condition_from=condition_from,
+        rows=o.comma_list(rows),
+        controls=o.comma_list(controls),
+        temperatures=o.numbers(temperatures, "--temperatures"),
+        budgets=o.numbers(budgets, "--budgets", int),
+    )
     if (
         evaluator is not None
         and not extract
@@ -86,7 +93,7 @@ def compare(
     score_art = (
         store.resolve(score, "score") if score else score_stage.run(scfg, parent, store, progress=make_progress())
     )
-    load = lambda spec: load_model(spec, device, dtype, trust_remote_code=trust_remote_code)  # noqa: E731
+    load = lambda spec: load_model(spec, device, dtype, trust_remote_code=trust_remote_code)
     art = stage.run(cfg, parent, score_art, store, load, force=force, progress=make_progress())
     for out in compare_tables(json.loads(art.file("compare.json").read_text())):
         console.print(out)
@@ -119,7 +126,7 @@ def confirm(
     store = ArtifactStore(root)
     sweep_art = store.resolve(sweep, "sweep")
     extract = store.resolve(sweep_art.manifest["parents"]["extract"], "extract")
-    load = lambda spec: load_model(spec, device, dtype, trust_remote_code=trust_remote_code)  # noqa: E731
+    load = lambda spec: load_model(spec, device, dtype, trust_remote_code=trust_remote_code)
     art = stage.run(cfg, sweep_art, extract, store, load, force=force, progress=make_progress())
     rows = json.loads(art.file("confirm.json").read_text())["rows"]
     for out in confirm_tables(rows, Path(art.manifest["metrics"]["evaluator"]).name, protocol, seeds):

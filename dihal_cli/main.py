@@ -85,7 +85,7 @@ def callback(
     _: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="Show the version."),
     cache_dir: str | None = typer.Option(
         None, "--cache-dir", help="Converted models (default $DIHAL_CACHE, else ~/.cache/dihal)."
-    ),  # fmt: skip
+    ),
     log_every: float = typer.Option(
         LOG_EVERY["seconds"], "--log-every", help="Seconds between log lines (0: every step)."
     ),

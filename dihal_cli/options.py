@@ -99,8 +99,9 @@ def recipe_options(batch_flag: str = "--batch-size", exclude: tuple[str, ...] = 
             flag = batch_flag if name == "batch_size" else flag
             param = "train_" + name if name == "batch_size" and batch_flag != "--batch-size" else name
             option = typer.Option(None, flag, help=text, rich_help_panel="Recipe (default: the protocol's)")
-            added.append((name, inspect.Parameter(param, inspect.Parameter.KEYWORD_ONLY, default=option,
-                                                  annotation=kind | None)))  # fmt: skip
+            added.append(
+                (name, inspect.Parameter(param, inspect.Parameter.KEYWORD_ONLY, default=option, annotation=kind | None))
+            )
 
         @functools.wraps(fn)
         def command(**kwargs):

@@ -149,7 +149,7 @@ def sweep_tables(per_layer: list[dict], variants: list[dict], metrics: dict, pro
         *columns(per_layer, SWEEP),
     )
     lo, hi = m["shallow_window"]
-    interval = lambda r: "-" if r["rho_lo"] != r["rho_lo"] else f"{r['rho_lo']:.2f}..{r['rho_hi']:.2f}"  # noqa: E731
+    interval = lambda r: "-" if r["rho_lo"] != r["rho_lo"] else f"{r['rho_lo']:.2f}..{r['rho_hi']:.2f}"
     rows = [
         [r["variant"], three(r["rho"]), interval(r)]
         + [three(r[c]) for c in ("rho_shallow", "kendall_tau", "partial_rho_given_depth")]
@@ -201,14 +201,23 @@ def compare_tables(result: dict) -> list[Table]:
         k = v["budget"]
         rows = [r for r in result["summary"] if r["budget"] == k]
         head = f"{k}x, l*={result['l_star']}: Gen.PPL under {ev} [95%] at H {result['held_out_entropy']:.2f}"
-        mauve = lambda r: short(r["mauve_at_top_t"]) if r.get("mauve_at_top_t") is not None else "-"  # noqa: E731
-        cells = [[r["row"][:20], ci(r, "headline_evaluator"), f"{r['entropy_at_top_t']:.2f}",
-                  f"{r['diversity_at_top_t']:.2f}", mauve(r), r["status"]] for r in rows]  # fmt: skip
+        mauve = lambda r: short(r["mauve_at_top_t"]) if r.get("mauve_at_top_t") is not None else "-"
+        cells = [
+            [
+                r["row"][:20],
+                ci(r, "headline_evaluator"),
+                f"{r['entropy_at_top_t']:.2f}",
+                f"{r['diversity_at_top_t']:.2f}",
+                mauve(r),
+                r["status"],
+            ]
+            for r in rows
+        ]
         out.append(table(head, ["row", "Gen.PPL", "H", "div", "MAUVE", "status"], cells))
         ctrl = {(c["row"], c["source"]): c for c in result.get("controls", []) if c["budget"] == k}
         names = list(dict.fromkeys(row for row, _ in ctrl))
         sources = ("trained prior", "oracle prior", "null prior")
-        cell = lambda c: "-" if c is None else f"{short(c['gen_ppl_token_evaluator'])} / {c['token_entropy']:.2f}"  # noqa: E731
+        cell = lambda c: "-" if c is None else f"{short(c['gen_ppl_token_evaluator'])} / {c['token_entropy']:.2f}"
         if names:
             out.append(
                 table(
@@ -232,7 +241,7 @@ def compare_tables(result: dict) -> list[Table]:
                         part_note(p),
                     ]
                     for p in parts
-                ],  # fmt: skip
+                ],
             )
         )
         out.append(

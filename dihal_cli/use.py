@@ -81,7 +81,7 @@ def generate(
             raise DihalError("give one of --bridge (hidden), --decoder (decoder), --autoencoder (latent)")
         prior_art = store.resolve(prior, "prior")
         part = next((store.resolve(ref, stage) for stage, ref in given.items()), None)
-        load = lambda: backbone_for(prior_art, device, dtype, trust_remote_code)  # noqa: E731
+        load = lambda: backbone_for(prior_art, device, dtype, trust_remote_code)
         from dihal.stages import generate_parallel
 
         art = generate_parallel.run_parallel(cfg, prior_art, store, load, part, force=force, progress=make_progress())
@@ -93,11 +93,11 @@ def generate(
             raise DihalError("--baseline original-only samples the backbone alone; give --model, not --bridge")
         from dihal.stages.lm.models import load_model
 
-        load = lambda: load_model(model, device, dtype, None, trust_remote_code)  # noqa: E731
+        load = lambda: load_model(model, device, dtype, None, trust_remote_code)
         art = stage.run(cfg, None, store, load, force=force, progress=make_progress())
     else:
         bridge_art = store.resolve(bridge or "latest", "bridge")
-        load = lambda: backbone_for(bridge_art, device, dtype, trust_remote_code)  # noqa: E731
+        load = lambda: backbone_for(bridge_art, device, dtype, trust_remote_code)
         art = stage.run(cfg, bridge_art, store, load, force=force, progress=make_progress())
     if mode == "ar":
         for name, m in art.manifest["metrics"].items():
@@ -112,7 +112,7 @@ def generate(
 def evaluate(
     bridge: str | None = typer.Option(None, "--bridge", help="Bridge artifact: fidelity, teacher forced."),
     samples: str | None = typer.Option(None, "--samples", help="Generate artifact: Gen.PPL, diversity (with --bridge: "
-                                       "fidelity on it)."),  # fmt: skip
+                                       "fidelity on it)."),
     sample_steps: str = o.opt(FidelityConfig, "sample_steps", help="Bridge Euler steps to compare (fidelity)."),
     limit: int = o.opt(FidelityConfig, "limit", help="Held-out sequences (fidelity) or samples to score."),
     dataset: str | None = o.opt(FidelityConfig, "dataset", help="Fidelity on this dataset spec instead (--bridge)."),
@@ -144,8 +144,15 @@ def evaluate(
     if bridge is not None:
         on = store.resolve(samples, "generate") if samples else None
         other = store.resolve(extract, "extract") if extract else None
-        art = stage.run_fidelity(cfg, store.resolve(bridge, "bridge"), store, force=force,
-                                 trust_remote_code=trust_remote_code, samples=on, held_out=other)  # fmt: skip
+        art = stage.run_fidelity(
+            cfg,
+            store.resolve(bridge, "bridge"),
+            store,
+            force=force,
+            trust_remote_code=trust_remote_code,
+            samples=on,
+            held_out=other,
+        )
         m = art.manifest["metrics"]
         rows, title, shown = (
             m["fidelity"],
@@ -153,8 +160,9 @@ def evaluate(
             FIDELITY,
         )
     else:
-        art = stage.run_samples(cfg, store.resolve(samples, "generate"), store, force=force,
-                                trust_remote_code=trust_remote_code)  # fmt: skip
+        art = stage.run_samples(
+            cfg, store.resolve(samples, "generate"), store, force=force, trust_remote_code=trust_remote_code
+        )
         rows, title, shown = art.manifest["metrics"]["rows"], "generation quality", SAMPLES
     if as_json:
         return print_json({"id": art.id, "path": str(art.path), "results": rows})

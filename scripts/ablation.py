@@ -31,16 +31,20 @@ def rows(root: str) -> list[str]:
         for r in result["summary"]:
             if r["budget"] == 1 and (r["row"] == "CoDAR" or r["row"] == result["ours"]):
                 value = cell(r)
-                out.append(f"| {noise} | {seeds} | {r['row']} | {value} | {r['entropy_at_top_t']:.3f} | "
-                           f"{r['diversity_at_top_t']:.3f} | {r['status']} | {art.id} |")  # fmt: skip
+                out.append(
+                    f"| {noise} | {seeds} | {r['row']} | {value} | {r['entropy_at_top_t']:.3f} | "
+                    f"{r['diversity_at_top_t']:.3f} | {r['status']} | {art.id} |"
+                )
     return sorted(set(out))
 
 
 def main() -> None:
     if len(sys.argv) < 2:
         sys.exit("usage: python scripts/ablation.py ROOT [out.md]")
-    head = ["| condition | seeds | row | Gen.PPL at held-out H [95%] | H, top t | diversity | status | compare |",
-            "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    head = [
+        "| condition | seeds | row | Gen.PPL at held-out H [95%] | H, top t | diversity | status | compare |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     text = "\n".join(head + rows(sys.argv[1])) + "\n"
     print(text)
     if len(sys.argv) > 2:

@@ -203,8 +203,10 @@ def main(root: str, earlier: Path | None = None) -> None:
         for spec in [e.config["data"]["dataset"], *e.config["data"].get("also", [])]
         if spec.startswith("generate:")
     }
-    lines += [f"own samples {a.id}: {a.config['num_samples']} at seed {a.config['seed']}, {minutes(a):.1f} min"
-              for a in samples.values()]  # fmt: skip
+    lines += [
+        f"own samples {a.id}: {a.config['num_samples']} at seed {a.config['seed']}, {minutes(a):.1f} min"
+        for a in samples.values()
+    ]
     text = "\n".join(lines)
     (Path(root) / "own_text.md").write_text(text + "\n")
     print(text)

@@ -76,9 +76,10 @@ def rows_for(store: ArtifactStore) -> list[tuple[str, str]]:
         m = bridge.manifest["metrics"]
         rows.append((f"bridge layer {bridge.config['layer']} ({m['steps']} steps) val loss", f"{m['val_loss']:.4f}"))
         evaluations = [
-            a for a in store.all("evaluate")
+            a
+            for a in store.all("evaluate")
             if a.complete and a.config.get("kind") == "fidelity" and a.manifest["parents"].get("bridge") == bridge.id
-        ]  # fmt: skip
+        ]
         for art in evaluations:  # one row per text the bridge was measured on, at 8 Euler steps (or the most)
             m = art.manifest["metrics"]
             r = next((r for r in m["fidelity"] if r["steps"] == 8), m["fidelity"][-1])

@@ -176,5 +176,5 @@ def run(
     config, parents = config_dict(cfg), {"extract": extract.id, **check_condition_prior(cfg, extract, prior)}
     if cached := store.cached(STAGE, config, parents, force=force):
         return cached
-    train_fn = lambda art, report: train(cfg, group, art, report, prior)  # noqa: E731
+    train_fn = lambda art, report: train(cfg, group, art, report, prior)
     return trainer.write_trained(store, STAGE, config, parents, extract, cfg, train_fn, force=force, progress=progress)

@@ -125,8 +125,14 @@ def part_configs(cfg: CompareConfig, seed: int, l_star: int, worst: int, k: int 
 
     def build(spec) -> tuple:
         if isinstance(spec, registry.PriorPart):
-            pcfg = PriorConfig.for_run(cfg.protocol, overrides, layer=layers[spec.layer],
-                                       self_condition=spec.self_condition, latent=spec.latent, **common)  # fmt: skip
+            pcfg = PriorConfig.for_run(
+                cfg.protocol,
+                overrides,
+                layer=layers[spec.layer],
+                self_condition=spec.self_condition,
+                latent=spec.latent,
+                **common,
+            )
             return prior_stage.run, pcfg
         if isinstance(spec, registry.AutoencoderPart):  # its decoder and resampler have fixed depths
             acfg = AutoencoderConfig.for_run(
@@ -222,8 +228,9 @@ SOURCE_NAMES = {"prior": "trained prior", "oracle": "oracle prior", "null": "nul
 def scored_samples(art: Artifact, ev, store: ArtifactStore, cfg: CompareConfig) -> pd.DataFrame:
     """Per sample of a generate artifact: NLL and scored tokens under one evaluator (cached as an
     evaluate artifact; one made before it kept per-sample scores is remade)."""
-    scfg = eval_stage.SamplesConfig(evaluator=ev.identity["name"], limit=cfg.num_samples, device=cfg.device,
-                                    dtype=cfg.dtype)  # fmt: skip
+    scfg = eval_stage.SamplesConfig(
+        evaluator=ev.identity["name"], limit=cfg.num_samples, device=cfg.device, dtype=cfg.dtype
+    )
     res = eval_stage.run_samples(scfg, art, store, loaded=ev)
     if not res.file("per_sample.csv").exists():
         res = eval_stage.run_samples(scfg, art, store, loaded=ev, force=True)
@@ -243,8 +250,10 @@ def sample_table(gens, evaluators: dict, store, cfg, budget: int, seed: int, pro
     """One line per generated sample of one budget and seed, scored under both evaluators."""
     frames = []
     for i, (what, art) in enumerate(gens):
-        progress.log(f"budget x{budget}, seed {seed}: scoring {i + 1}/{len(gens)}: {what['label']}, "
-                     f"{what['source']}, t={what['temperature']}")  # fmt: skip
+        progress.log(
+            f"budget x{budget}, seed {seed}: scoring {i + 1}/{len(gens)}: {what['label']}, "
+            f"{what['source']}, t={what['temperature']}"
+        )
         scores = {name: scored_samples(art, ev, store, cfg) for name, ev in evaluators.items()}
         for model, samples in texts_of(art).items():
             row = AR_NAMES.get(model, what["label"]) if what["label"] == "AR references" else what["label"]
@@ -273,9 +282,18 @@ def sample_table(gens, evaluators: dict, store, cfg, budget: int, seed: int, pro
 
 def held_out_samples(texts: list[str], ids: list[list[int]], evaluators: dict) -> pd.DataFrame:
     """The held-out text of the same length, scored like a row (the same for every budget and seed)."""
-    frame = pd.DataFrame({"row": "held-out text", "kind": "point", "source": "data", "temperature": np.nan,
-                          "index": range(len(texts)), "text": texts, "n_tokens": [len(i) for i in ids],
-                          "token_entropy": [token_entropy([i]) if i else np.nan for i in ids]})  # fmt: skip
+    frame = pd.DataFrame(
+        {
+            "row": "held-out text",
+            "kind": "point",
+            "source": "data",
+            "temperature": np.nan,
+            "index": range(len(texts)),
+            "text": texts,
+            "n_tokens": [len(i) for i in ids],
+            "token_entropy": [token_entropy([i]) if i else np.nan for i in ids],
+        }
+    )
     for name, ev in evaluators.items():
         nlls = eval_stage.sample_nlls(ev, [""] * len(texts), texts)
         frame[f"nll_{name}"], frame[f"n_{name}"] = [n for n, _ in nlls], [c for _, c in nlls]

@@ -33,13 +33,15 @@ def metrics_of(group: pd.DataFrame) -> dict:
     scored = {ev: group[group[f"n_{ev}"] > 0] for ev in EVALUATORS}
     out = {
         **{f"gen_ppl_token_{ev}": gen_ppl(group, ev) for ev in EVALUATORS},
-        **{f"gen_ppl_median_{ev}": float(np.median(np.exp(g[f"nll_{ev}"] / g[f"n_{ev}"]))) if len(g) else np.nan
-           for ev, g in scored.items()},
+        **{
+            f"gen_ppl_median_{ev}": float(np.median(np.exp(g[f"nll_{ev}"] / g[f"n_{ev}"]))) if len(g) else np.nan
+            for ev, g in scored.items()
+        },
         "token_entropy": float(group["token_entropy"].mean()),
         **text_means(group),
         "n_samples": len(group),
         "mean_tokens": float(group["n_tokens"].mean()),
-    }  # fmt: skip
+    }
     out.pop("unigram_entropy"), out.pop("mean_words")
     if "ms_per_sample" in group and group["ms_per_sample"].notna().any():
         out["ms_per_sample"] = float(group["ms_per_sample"].mean())
@@ -110,16 +112,25 @@ def status(samples: pd.DataFrame, kind: str, h_ref: float, value: float) -> str:
 def verdict(samples: pd.DataFrame, ours: str, baseline: str, ev: str, h_ref: float) -> dict:
     """DiHAL's Gen.PPL and diversity interpolated at each of the baseline's entropies, against its own."""
     mine, theirs = samples[samples.row == ours], samples[samples.row == baseline]
-    my_curve = [(m["token_entropy"], np.log(m[f"gen_ppl_token_{ev}"]), m["diversity"])
-                for m in (metrics_of(g) for _, g in mine.groupby("temperature"))]  # fmt: skip
+    my_curve = [
+        (m["token_entropy"], np.log(m[f"gen_ppl_token_{ev}"]), m["diversity"])
+        for m in (metrics_of(g) for _, g in mine.groupby("temperature"))
+    ]
     points = []
     for t, g in theirs.groupby("temperature", dropna=False):
         m = metrics_of(g)
         at = curve_at([(e, v) for e, v, _ in my_curve], m["token_entropy"])
         div = curve_at([(e, d) for e, _, d in my_curve], m["token_entropy"])
-        points.append({"temperature": None if pd.isna(t) else float(t), "entropy": m["token_entropy"],
-                       "baseline_gen_ppl": m[f"gen_ppl_token_{ev}"], "dihal_gen_ppl": float(np.exp(at)),
-                       "baseline_diversity": m["diversity"], "dihal_diversity": div})  # fmt: skip
+        points.append(
+            {
+                "temperature": None if pd.isna(t) else float(t),
+                "entropy": m["token_entropy"],
+                "baseline_gen_ppl": m[f"gen_ppl_token_{ev}"],
+                "dihal_gen_ppl": float(np.exp(at)),
+                "baseline_diversity": m["diversity"],
+                "dihal_diversity": div,
+            }
+        )
     reached = [p for p in points if np.isfinite(p["dihal_gen_ppl"])]
     wins = [p["dihal_gen_ppl"] < p["baseline_gen_ppl"] for p in reached]
     if status(theirs, "curve", h_ref, 0.0) == "degenerate":
@@ -147,19 +158,28 @@ def claim(verdicts: list[dict]) -> str:
 def summarize(samples: pd.DataFrame, h_ref: float, seed: int) -> tuple[pd.DataFrame, pd.DataFrame]:
     """(the per row, source, temperature and seed lines; each row's headline per budget)."""
     keys = ["budget", "row", "kind", "source", "temperature"]
-    lines = [{**dict(zip(keys + ["seed"], k)), **metrics_of(g)}
-             for k, g in samples.groupby(keys + ["seed"], sort=False, dropna=False)]  # fmt: skip
+    lines = [
+        {**dict(zip(keys + ["seed"], k)), **metrics_of(g)}
+        for k, g in samples.groupby(keys + ["seed"], sort=False, dropna=False)
+    ]
     rng, heads = np.random.default_rng([seed, 5]), []
     for (budget, row, kind), g in samples[samples.source.isin(["trained prior", "data"])].groupby(
         ["budget", "row", "kind"], sort=False
     ):
         head = headline(g, kind, h_ref, rng, bootstrap_resamples(len(g)))
         t1 = g[g.temperature == g.temperature.max()] if kind == "curve" else g
-        heads.append({"budget": budget, "row": row, "kind": kind, **head,
-                      "status": status(g, kind, h_ref, head["headline_evaluator"]),
-                      "entropy_at_top_t": float(t1["token_entropy"].mean()),
-                      "diversity_at_top_t": diversity(t1),
-                      "seeds": int(g["seed"].nunique())})  # fmt: skip
+        heads.append(
+            {
+                "budget": budget,
+                "row": row,
+                "kind": kind,
+                **head,
+                "status": status(g, kind, h_ref, head["headline_evaluator"]),
+                "entropy_at_top_t": float(t1["token_entropy"].mean()),
+                "diversity_at_top_t": diversity(t1),
+                "seeds": int(g["seed"].nunique()),
+            }
+        )
     return pd.DataFrame(lines), pd.DataFrame(heads)
 
 

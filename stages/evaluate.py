@@ -200,8 +200,16 @@ def sample_nlls(
         # the scored positions of the whole batch through the head at once, HEAD_ROWS at a time (O(rows x V))
         rows = torch.cat([hidden[r, len(fulls[i]) - n_new[i] - 1 : len(fulls[i]) - 1] for r, i in enumerate(chosen)])
         target = torch.tensor([t for i in chosen for t in fulls[i][len(fulls[i]) - n_new[i] :]], device=rows.device)
-        nll = torch.cat([_token_nll(model, rows[a : a + HEAD_ROWS], target[a : a + HEAD_ROWS])
-                         for a in range(0, len(rows), HEAD_ROWS)]).double().cpu()  # fmt: skip
+        nll = (
+            torch.cat(
+                [
+                    _token_nll(model, rows[a : a + HEAD_ROWS], target[a : a + HEAD_ROWS])
+                    for a in range(0, len(rows), HEAD_ROWS)
+                ]
+            )
+            .double()
+            .cpu()
+        )
         for i, part in zip(chosen, nll.split([n_new[i] for i in chosen])):
             out[i] = (float(part.sum()), n_new[i])
     return out
@@ -259,10 +267,16 @@ def run_samples(
             texts = [s["text"] for s in samples]
             nlls = sample_nlls(loaded, [s["prompt"] for s in samples], texts, cfg.batch_size)
             per_sample += [
-                {"model": s["model"], "index": i, "nll": nll, "n_scored": n, "n_tokens": s["n_tokens"],
-                 "token_entropy": token_entropy([s["token_ids"]]) if s["token_ids"] else float("nan")}
+                {
+                    "model": s["model"],
+                    "index": i,
+                    "nll": nll,
+                    "n_scored": n,
+                    "n_tokens": s["n_tokens"],
+                    "token_entropy": token_entropy([s["token_ids"]]) if s["token_ids"] else float("nan"),
+                }
                 for i, (s, (nll, n)) in enumerate(zip(samples, nlls))
-            ]  # fmt: skip
+            ]
             rows.append(
                 {
                     "model": samples[0]["model"],

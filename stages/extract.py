@@ -309,7 +309,7 @@ def resolve_sources(cfg: ExtractConfig, store: ArtifactStore) -> ExtractConfig:
     """cfg with each generate:<ref> (an id prefix, latest) written with the artifact's full id."""
     if not any(data_mod.is_generated(s) for s in cfg.data.sources):
         return cfg
-    full = lambda s: data_mod.GENERATED + store.resolve(s.removeprefix(data_mod.GENERATED), "generate").id  # noqa: E731
+    full = lambda s: data_mod.GENERATED + store.resolve(s.removeprefix(data_mod.GENERATED), "generate").id
     specs = [full(s) if data_mod.is_generated(s) else s for s in cfg.data.sources]
     return replace(cfg, data=replace(cfg.data, dataset=specs[0], also=tuple(specs[1:])))
 

@@ -106,6 +106,6 @@ def evaluate_fidelity(
         for steps in steps_list:
             h_hat = bridge.sample(states[0], steps, noise)
             hidden_h = suffix_hidden(suffix, h_hat)
-            head = lambda x: lm_logits(model, x)  # noqa: E731
+            head = lambda x: lm_logits(model, x)
             totals[steps].add(h_hat.float(), states[bridge.layer], mu, head, hidden_h, hidden_o, ids, rows)
     return totals

@@ -231,7 +231,7 @@ def run(
 
 def timing(rows: list[dict]) -> dict[str, float]:
     """Mean cost and length of one model's samples."""
-    mean = lambda key: sum(r[key] for r in rows) / len(rows)  # noqa: E731
+    mean = lambda key: sum(r[key] for r in rows) / len(rows)
     return {
         "ms_per_token": mean("ms_per_token"),
         "ms_per_sample": mean("ms_per_sample"),

@@ -60,12 +60,13 @@ class Resampler(nn.Module):
                     "n2": nn.LayerNorm(width),
                     "self": Attention(width, heads, causal=False),
                     "n3": nn.LayerNorm(width),
-                    "mlp": nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(approximate="tanh"),
-                                         nn.Linear(4 * width, width)),
+                    "mlp": nn.Sequential(
+                        nn.Linear(width, 4 * width), nn.GELU(approximate="tanh"), nn.Linear(4 * width, width)
+                    ),
                 }
             )
             for _ in range(RESAMPLER_DEPTH)
-        )  # fmt: skip
+        )
         self.out = nn.Sequential(nn.LayerNorm(width), nn.Linear(width, latent_dim))
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
@@ -85,8 +86,15 @@ class AutoencoderNet(nn.Module):
         super().__init__()
         self.resampler = Resampler(dim, cfg.width, cfg.heads, cfg.latents, cfg.latent_dim, length)
         vocab, width = (int(n) for n in table.shape)
-        dcfg = DecoderConfig(vocab=vocab, dim=width, width=cfg.width, depth=DECODER_DEPTH, heads=cfg.heads,
-                             max_len=length, memory_dim=cfg.latent_dim)  # fmt: skip
+        dcfg = DecoderConfig(
+            vocab=vocab,
+            dim=width,
+            width=cfg.width,
+            depth=DECODER_DEPTH,
+            heads=cfg.heads,
+            max_len=length,
+            memory_dim=cfg.latent_dim,
+        )
         self.decoder = CrossDecoder(dcfg, table)
 
     def forward(self, ids_in: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
@@ -162,10 +170,17 @@ def train(cfg: AutoencoderConfig, group, art: Artifact, table: torch.Tensor, pro
     log = result.pop("log")
     ce, accuracy = task.scores(net)
     if rank == 0:
-        meta = {"layer": layer, "dim": int(norm.mu_y.shape[0]), "seq_len": length + 1, "latents": cfg.latents,
-                "latent_dim": cfg.latent_dim, "width": cfg.width, "heads": cfg.heads,
-                "start_token": int(np.asarray(group["input_ids"][:1, 0])[0]),
-                "decoder": asdict(net.decoder.cfg)}  # fmt: skip
+        meta = {
+            "layer": layer,
+            "dim": int(norm.mu_y.shape[0]),
+            "seq_len": length + 1,
+            "latents": cfg.latents,
+            "latent_dim": cfg.latent_dim,
+            "width": cfg.width,
+            "heads": cfg.heads,
+            "start_token": int(np.asarray(group["input_ids"][:1, 0])[0]),
+            "decoder": asdict(net.decoder.cfg),
+        }
         art.file("autoencoder.json").write_text(json.dumps(meta, indent=2))
         files.save_tensors(art.file("stats.safetensors"), norm.tensors())
         splits = {s: encode(net, task, hs.split_indices(group, s)) for s in ("train", "validation")}
@@ -198,5 +213,5 @@ def run(
     config, parents = asdict(cfg), {"extract": extract.id}
     if cached := store.cached(STAGE, config, parents, force=force):
         return cached
-    train_fn = lambda art, report: train(cfg, group, art, frozen_table(extract, cfg, loaded), report)  # noqa: E731
+    train_fn = lambda art, report: train(cfg, group, art, frozen_table(extract, cfg, loaded), report)
     return trainer.write_trained(store, STAGE, config, parents, extract, cfg, train_fn, force=force, progress=progress)

@@ -157,6 +157,6 @@ def run(
     progress: Progress | None = None,
 ) -> tuple[ExtractConfig, Artifact]:
     """Make (or reuse) the backbone's own samples: the extract config that draws on them, and them."""
-    load = lambda: load_model(ecfg.model, ecfg.device, ecfg.dtype, ecfg.revision, ecfg.trust_remote_code)  # noqa: E731
+    load = lambda: load_model(ecfg.model, ecfg.device, ecfg.dtype, ecfg.revision, ecfg.trust_remote_code)
     art = generate.run(samples_config(cfg, ecfg), None, store, load, force=force, progress=progress)
     return with_samples(ecfg, cfg, art.id), art

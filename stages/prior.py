@@ -192,5 +192,5 @@ def run(
     config, parents = part_hash(cfg), {"extract": extract.id, **({"autoencoder": latents.id} if latents else {})}
     if cached := store.cached(STAGE, config, parents, force=force):
         return cached
-    train_fn = lambda art, report: train(cfg, group, art, report, latents)  # noqa: E731
+    train_fn = lambda art, report: train(cfg, group, art, report, latents)
     return trainer.write_trained(store, STAGE, config, parents, extract, cfg, train_fn, force=force, progress=progress)

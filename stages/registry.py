@@ -175,7 +175,7 @@ ROWS: tuple[Row, ...] = (
         "latent",
         AutoencoderPart(),
         baseline=True,
-    ),  # fmt: skip
+    ),
     Row("dihal", "DiHAL (l*={l})", PriorPart(), "hidden", BridgePart("l_star"), ours=True),
     Row("dihal-worst", "DiHAL (argmin S={l})", PriorPart(), "hidden", BridgePart("worst")),
     Row("dihal-direct", "DiHAL-direct (l*={l})", PriorPart("l_star"), "hidden"),

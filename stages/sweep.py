@@ -57,7 +57,7 @@ def run(
     missing = [layer for layer in cfg.layers if layer not in scores.index]
     if missing:
         raise DihalError(f"layer {missing[0]} is not a candidate of score {score_art.id}; sweep its candidates only")
-    bridge_cfg = lambda layer, seed: bridge_stage.BridgeConfig.for_run(  # noqa: E731
+    bridge_cfg = lambda layer, seed: bridge_stage.BridgeConfig.for_run(
         cfg.protocol, cfg.overrides, seed=seed, device=cfg.device, dtype=cfg.dtype, layer=layer
     )
     jobs = [(layer, seed) for layer in cfg.layers for seed in cfg.seeds]

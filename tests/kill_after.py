@@ -27,7 +27,7 @@ def main() -> None:
             if done["n"] == after:
                 os.kill(os.getpid(), signal.SIGKILL)
 
-    ui.make_progress = lambda: KillingProgress()  # noqa: E731
+    ui.make_progress = lambda: KillingProgress()
     import dihal.cli.main as cli
 
     cli.make_progress = ui.make_progress

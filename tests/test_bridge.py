@@ -33,14 +33,15 @@ def _train_toy(y_fn, c_fn, dim, length, steps=400, prediction="x0", width=64, se
     return net.eval()
 
 
+@pytest.mark.slow
 def test_flow_matching_learns_a_2d_gaussian():
     """Tolerance: mean within 0.1 per coordinate, covariance entries within 0.25 (a short
     training run and Euler steps shrink the spread somewhat; a broken loss or sampler is off
     by far more)."""
     mean = torch.tensor([2.0, -1.0])
     chol = torch.linalg.cholesky(torch.tensor([[1.0, 0.5], [0.5, 0.8]]))
-    zeros = lambda b, g: torch.zeros(b, 1, 2)  # noqa: E731 - no condition
-    target = lambda c, g: (mean + torch.randn(c.shape[0], 2, generator=g) @ chol.T)[:, None]  # noqa: E731
+    zeros = lambda b, g: torch.zeros(b, 1, 2)  # no condition
+    target = lambda c, g: (mean + torch.randn(c.shape[0], 2, generator=g) @ chol.T)[:, None]
     net = _train_toy(target, zeros, dim=2, length=1, steps=600)
     with torch.no_grad():
         noise = torch.randn(4000, 1, 2, generator=torch.Generator().manual_seed(9))
@@ -51,10 +52,11 @@ def test_flow_matching_learns_a_2d_gaussian():
     assert torch.allclose(cov, chol @ chol.T, atol=0.25), cov
 
 
+@pytest.mark.slow
 def test_conditional_toy_with_deterministic_map_is_reconstructed():
     w = torch.randn(6, 6, generator=torch.Generator().manual_seed(3)) / 6**0.5
-    cond = lambda b, g: torch.randn(b, 8, 6, generator=g)  # noqa: E731
-    target = lambda c, g: torch.tanh(c @ w) * 1.5  # noqa: E731
+    cond = lambda b, g: torch.randn(b, 8, 6, generator=g)
+    target = lambda c, g: torch.tanh(c @ w) * 1.5
     net = _train_toy(target, cond, dim=6, length=8, steps=400, batch=64)
     c = cond(256, torch.Generator().manual_seed(11))
     y = target(c, None)
@@ -114,6 +116,7 @@ def tiny_bridge_extract(tiny_dirs, root):
 TINY = ["--protocol", "sweep-tiny", "--width", "32", "--depth", "2", "--heads", "4", "--batch-size", "8"]
 
 
+@pytest.mark.slow
 def test_train_bridge_writes_weights_metrics_plot(tiny_bridge_extract):
     from dihal.artifacts import files
 
@@ -150,6 +153,7 @@ def test_train_bridge_writes_weights_metrics_plot(tiny_bridge_extract):
         assert 0 <= r["top1_agreement"] <= 1 and -1 <= r["cosine"] <= 1 and r["kl"] >= 0 and r["ppl_original"] > 1
 
 
+@pytest.mark.slow
 def test_resume_after_kill_gives_identical_weights(tiny_bridge_extract, tmp_path):
     from dihal.artifacts import files
 
@@ -223,6 +227,7 @@ def test_trained_parts_name_the_layer_their_extract_lacks(tiny_dirs, root):
     assert not ArtifactStore(root).all("bridge") and not ArtifactStore(root).all("prior")
 
 
+@pytest.mark.slow
 def test_sweep_over_tiny_model_writes_table_rho_plot(tiny_dirs, root):
     import json
 

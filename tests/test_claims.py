@@ -14,21 +14,49 @@ from tests.conftest import invoke
 SMALL = ["--width", "16", "--depth", "1", "--device", "cpu"]
 
 
+@pytest.mark.slow
 def test_confirm_trains_the_sweeps_layers_per_seed_and_scores_them(tiny_dirs, root):
     ex = ["extract", "--model", str(tiny_dirs["llama"]), "--max-sequences", "24", "--seq-len", "12"]
     assert invoke(*ex, "--val-fraction", "0.25", "--device", "cpu").exit_code == 0
     sweep = invoke(
-        "sweep", "--extract", "latest", "--layers", "1,2,3", "--tokens", "100", "--train-steps", "3",
-        "--batch-size", "4", "--eval-limit", "2", *SMALL,
-    )  # fmt: skip
+        "sweep",
+        "--extract",
+        "latest",
+        "--layers",
+        "1,2,3",
+        "--tokens",
+        "100",
+        "--train-steps",
+        "3",
+        "--batch-size",
+        "4",
+        "--eval-limit",
+        "2",
+        *SMALL,
+    )
     assert sweep.exit_code == 0, sweep.output
     store = ArtifactStore(root)
     summary = store.resolve("latest", "sweep").manifest["metrics"]
     res = invoke(
-        "confirm", "--protocol", "sweep-tiny", "--train-steps", "4", "--train-batch", "4", "--seeds", "0,1",
-        "--num-samples", "3", "--eval-limit", "2", "--sample-steps", "2", "--evaluator", str(tiny_dirs["qwen3"]),
+        "confirm",
+        "--protocol",
+        "sweep-tiny",
+        "--train-steps",
+        "4",
+        "--train-batch",
+        "4",
+        "--seeds",
+        "0,1",
+        "--num-samples",
+        "3",
+        "--eval-limit",
+        "2",
+        "--sample-steps",
+        "2",
+        "--evaluator",
+        str(tiny_dirs["qwen3"]),
         *SMALL,
-    )  # fmt: skip
+    )
     assert res.exit_code == 0, res.output
     assert "claim 4" in res.output and "…" not in res.output  # the tables' cells are whole at 80 columns
     art = store.resolve("latest", "confirm")
@@ -107,6 +135,7 @@ def test_confirm_without_a_sweep_names_the_command(root):
     assert res.exit_code == 2 and "run `dihal sweep` first" in res.output, res.output
 
 
+@pytest.mark.slow
 def test_fidelity_beyond_the_training_text_on_a_dataset_and_on_the_backbones_samples(tiny_dirs, root, tmp_path):
     """evaluate --bridge --dataset packs the other corpus as the extract packs its own and measures the
     same numbers as a direct computation; --bridge --samples measures on the original model's samples;
@@ -128,9 +157,19 @@ def test_fidelity_beyond_the_training_text_on_a_dataset_and_on_the_backbones_sam
     other = tmp_path / "other.txt"
     other.write_text("\n\n".join(f"Zebra {i} quietly counts {i * 7} stones by the river." for i in range(60)))
     res = invoke(
-        "evaluate", "--bridge", bridge_art.id, "--dataset", str(other), "--limit", "4", "--sample-steps", "1,2",
-        "--json", "--device", "cpu",
-    )  # fmt: skip
+        "evaluate",
+        "--bridge",
+        bridge_art.id,
+        "--dataset",
+        str(other),
+        "--limit",
+        "4",
+        "--sample-steps",
+        "1,2",
+        "--json",
+        "--device",
+        "cpu",
+    )
     assert res.exit_code == 0, res.output
     art = store.resolve(json.loads(res.output)["id"], "evaluate")
     m = art.manifest["metrics"]
@@ -148,9 +187,18 @@ def test_fidelity_beyond_the_training_text_on_a_dataset_and_on_the_backbones_sam
     ] == list(range(1, 12))
     # the backbone's own samples
     gen = invoke(
-        "generate", "--bridge", bridge_art.id, "--num-samples", "3", "--max-new-tokens", "11", "--baseline",
-        "original", "--device", "cpu",
-    )  # fmt: skip
+        "generate",
+        "--bridge",
+        bridge_art.id,
+        "--num-samples",
+        "3",
+        "--max-new-tokens",
+        "11",
+        "--baseline",
+        "original",
+        "--device",
+        "cpu",
+    )
     assert gen.exit_code == 0, gen.output
     gen_art = store.resolve("latest", "generate")
     res = invoke("evaluate", "--bridge", bridge_art.id, "--samples", gen_art.id, "--sample-steps", "2", "--json")

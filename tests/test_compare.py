@@ -59,6 +59,7 @@ def _toy_prior(self_condition: bool, steps: int = 500):
     return Prior(net.eval(), norm, 0, self_condition, 4), losses
 
 
+@pytest.mark.slow
 def test_prior_samples_land_on_the_toy_sequences_and_its_loss_falls():
     """Tolerance: 90% of samples within 0.5 (L2, whole sequence) of a template, the spread of the
     mixture being 2; the x0 loss of the last 50 steps at most half that of the first 50."""
@@ -71,6 +72,7 @@ def test_prior_samples_land_on_the_toy_sequences_and_its_loss_falls():
     assert hits.min() > 50  # every mode is found, none dropped
 
 
+@pytest.mark.slow
 def test_self_conditioning_feeds_the_previous_estimate_and_clamping_lands_on_the_table():
     prior, _ = _toy_prior(True, steps=300)
     x, t = torch.randn(5, 3, 2), torch.full((5,), 0.7)
@@ -90,12 +92,13 @@ def test_self_conditioning_feeds_the_previous_estimate_and_clamping_lands_on_the
     assert not (best_cosine(free) > 1 - 1e-5).all()
 
 
+@pytest.mark.slow
 def test_prior_conditions_are_the_priors_own_estimates_from_noise_up_to_t():
     """prior:T: from t near 0 the toy prior gives its data back; from t up to 1 its estimates stray
     further (it must guess the template); the draws repeat with the generators' seeds."""
     prior, _ = _toy_prior(False, steps=300)
     raw = TEMPLATES[[0, 1, 2, 0, 1, 2]]
-    gens = lambda: ItemDraws(0, 0, np.arange(6))  # noqa: E731
+    gens = lambda: ItemDraws(0, 0, np.arange(6))
     near = prior.corrupt(raw, 1e-3, gens())
     far = prior.corrupt(raw, 1.0, gens())
     assert (near - raw).abs().max() < 0.3
@@ -161,6 +164,7 @@ def test_hidden_recovery_with_the_true_states_gives_the_original_greedy_tokens(k
     assert torch.equal(tokens, greedy)
 
 
+@pytest.mark.slow
 def test_decoder_learns_the_toy_set_to_99_percent(tiny_dirs, root):
     from dihal.stages import decoder as dec
 
@@ -223,7 +227,7 @@ def test_condition_noise_corrupts_per_sequence_within_sigma_max():
 def parts(tiny_dirs, root, tmp_path):
     """A tiny llama extract, a prior over h_0, a noisy-condition bridge at layer 2, a decoder."""
     small = ["--train-steps", "3", "--width", "16", "--batch-size", "4"]
-    ok = lambda res: res.exit_code == 0 or pytest.fail(res.output)  # noqa: E731
+    ok = lambda res: res.exit_code == 0 or pytest.fail(res.output)
     ok(
         invoke(
             "extract",
@@ -285,6 +289,7 @@ def test_too_few_held_out_sequences_for_the_oracle_fail_before_the_model_loads(p
     )
 
 
+@pytest.mark.slow
 def test_rows_that_share_a_prior_and_seed_share_its_samples(parts, root):
     common = [
         "generate",
@@ -369,6 +374,7 @@ def test_parts_trained_on_the_priors_estimates_record_it_and_refuse_bad_specs(pa
         assert needle in res.output, (spec, res.output)
 
 
+@pytest.mark.slow
 def test_ld4lg_autoencoder_reconstructs_through_its_latents_and_its_prior_feeds_the_decoder(tiny_dirs, root):
     """The resampler + frozen-table decoder learns the toy train set through 4 x 16 latents; the prior
     over those latents trains on them; generate reads them (prior, oracle, null); a wrong pairing is
@@ -379,7 +385,7 @@ def test_ld4lg_autoencoder_reconstructs_through_its_latents_and_its_prior_feeds_
     from dihal.artifacts import hidden_states as hs
     from dihal.stages import latent
 
-    ok = lambda res: res.exit_code == 0 or pytest.fail(res.output)  # noqa: E731
+    ok = lambda res: res.exit_code == 0 or pytest.fail(res.output)
     ok(
         invoke(
             "extract",
@@ -426,6 +432,7 @@ def test_ld4lg_autoencoder_reconstructs_through_its_latents_and_its_prior_feeds_
     assert res.exit_code == 2 and "use --recovery latent --autoencoder ID" in res.output
 
 
+@pytest.mark.slow
 def test_bad_parallel_requests_are_one_line(parts, tiny_dirs, root):
     def refused(res, needle):
         assert res.exit_code == 2 and "Traceback" not in res.output, res.output
@@ -511,6 +518,7 @@ COMPARE = [
 ]
 
 
+@pytest.mark.slow
 def test_compare_end_to_end_writes_curves_controls_budgets_and_the_verdict(tiny_dirs, root):
     import pandas as pd
 
@@ -644,6 +652,7 @@ def _samples(art) -> list[list[int]]:
     return [json.loads(line)["token_ids"] for line in art.file("samples.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.slow
 def test_every_distribution_row_honours_the_decoding_and_a_seed_repeats_it(parts, root):
     """CoDAR's decoder and DiHAL's upper blocks: sampled (t = 1) differs from argmax (t = 0), the same
     seed gives the same tokens again, and each artifact records the decoding it used. Rounding has
@@ -679,6 +688,7 @@ def test_every_distribution_row_honours_the_decoding_and_a_seed_repeats_it(parts
     assert store.resolve("latest", "generate").manifest["decoding"] == {"rule": "cosine rounding (deterministic)"}
 
 
+@pytest.mark.slow
 def test_the_controls_read_the_real_states_or_the_bare_noise(parts, root):
     """Oracle prior: rounding the held-out real h_0 gives back the held-out tokens exactly. Null prior:
     the recovery reads the prior's initial noise (zero steps), which differs from its samples."""
@@ -709,6 +719,7 @@ def gen_stage_truncate(ids, eos):
     return truncate_at_eos(ids, eos)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("quick", ["0", "1"])
 def test_reproduce_compare_dry_run_passes_with_the_revision_2_grid(quick, tmp_path):
     import os
@@ -778,7 +789,7 @@ def test_mauve_scores_each_rows_top_temperature_against_held_out_features(monkey
         return types.SimpleNamespace(mauve=float(p_features.sum()))
 
     monkeypatch.setitem(sys.modules, "mauve", types.SimpleNamespace(compute_mauve=compute_mauve))
-    features = lambda ev, texts: np.array([[float(len(t))] for t in texts])  # noqa: E731
+    features = lambda ev, texts: np.array([[float(len(t))] for t in texts])
     monkeypatch.setattr(stats.eval_stage, "last_token_features", features)
     held = np.zeros((3, 1))
     out = stats.mauve_scores(samples, None, held, 1.0, 0)

@@ -105,6 +105,7 @@ def _store_arrays(path):
     return {name: np.asarray(group[name][:]) for name in names}
 
 
+@pytest.mark.slow
 def test_killed_extraction_resumes_to_identical_store(tiny_dirs, tmp_path):
     args = (
         "extract",
@@ -135,6 +136,7 @@ def test_killed_extraction_resumes_to_identical_store(tiny_dirs, tmp_path):
     assert _only_artifact(tmp_path / "a").complete
 
 
+@pytest.mark.slow
 def test_two_processes_shard_to_the_same_store(tiny_dirs, tmp_path):
     import subprocess
     import sys

@@ -47,6 +47,7 @@ class OracleBridge:
         return History()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["llama", "gemma3"])
 @pytest.mark.parametrize("cache", [True, False])
 def test_oracle_bridge_greedy_hybrid_equals_original(kind, cache):
@@ -82,6 +83,7 @@ def tiny_trained_bridge(tiny_dirs, tmp_path_factory):
     return store, art
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("prompt", ["The", ""])  # "": the start token alone, as in unprompted generation
 def test_cached_and_uncached_generation_agree_and_are_deterministic(tiny_trained_bridge, tiny_dirs, prompt):
     from dihal.stages.lm.models import load_model

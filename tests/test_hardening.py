@@ -322,6 +322,7 @@ def test_a_second_identical_extract_refuses_while_the_first_writes(tiny_dirs, ro
 
 
 # -- what a piped log and an 80-column terminal show ------------------------------------------------------
+@pytest.mark.slow
 def test_piped_training_prints_plain_progress_lines(tiny_dirs, root):
     assert (
         invoke(*_extract(tiny_dirs, "--layers", "0,2", "--max-sequences", "12", "--val-fraction", "0.25")).exit_code
@@ -365,6 +366,7 @@ def test_progress_counts_read_as_english(unit, count, shown):
     assert plural(unit, count) == shown
 
 
+@pytest.mark.slow
 def test_tables_fit_80_columns_with_whole_numbers(tiny_dirs, root):
     assert invoke(*_extract(tiny_dirs, "--max-sequences", "12")).exit_code == 0
     res = run_cli("score", "--tokens", "60", "--k", "5", "--pairs", "100", env={"COLUMNS": "80"})
@@ -454,6 +456,7 @@ class CustomForCausalLM(LlamaForCausalLM):
 """
 
 
+@pytest.mark.slow
 def test_model_code_runs_only_with_trust_remote_code(tiny_dirs, tmp_path):
     import shutil
 

@@ -422,6 +422,7 @@ def test_every_command_default_path_dry_run(path, root):
     assert "dry run" in res.output or "estimated size" in res.output
 
 
+@pytest.mark.slow
 def test_sweep_without_layers_sweeps_every_candidate(tiny_dirs, root):
     args = ["sweep", "--model", str(tiny_dirs["llama"]), "--max-sequences", "24", "--seq-len", "16"]
     args += ["--train-steps", "3", "--width", "16", "--depth", "1", "--heads", "2", "--batch-size", "4"]

@@ -73,6 +73,7 @@ def test_a_generate_artifact_as_a_dataset_keeps_its_token_ids(tiny_dirs, root):
     assert (split == 1).any() and (split == 0).sum() >= 18
 
 
+@pytest.mark.slow
 def test_a_mix_draws_the_stated_shares(tiny_dirs, root):
     gen_id = _own_samples(tiny_dirs["llama"], "--max-new-tokens", "120", "--num-samples", "48")
     art = _extract(
@@ -319,6 +320,7 @@ BRIDGE = [
 ]
 
 
+@pytest.mark.slow
 def test_own_text_trains_the_bridge_on_the_backbones_own_samples_at_its_share(tiny_dirs, root):
     model = ["--model", str(tiny_dirs["llama"]), "--max-sequences", "40"]
     own = ["--own-text", "0.5", "--own-samples", "48"]

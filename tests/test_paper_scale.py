@@ -18,13 +18,14 @@ from tests.conftest import invoke, run_cli, torchrun
 TINY = ["--protocol", "sweep-tiny", "--width", "16", "--depth", "1", "--heads", "2", "--batch-size", "4"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind, start_kind", [("llama", "bos"), ("qwen3", "<|endoftext|>")])
 def test_whole_chain_through_the_cli_excludes_position_0(kind, start_kind, tiny_dirs, root):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model_dir = str(tiny_dirs[kind])
     tok = AutoTokenizer.from_pretrained(model_dir)
-    ok = lambda res: res.exit_code == 0 or pytest.fail(res.output)  # noqa: E731
+    ok = lambda res: res.exit_code == 0 or pytest.fail(res.output)
     ok(
         invoke(
             "extract",
@@ -287,6 +288,7 @@ def _bridge_args(root) -> list[str]:
     return ["train-bridge", "--layer", "2", "--extract", "latest", *TINY_PART, "--root", str(root)]
 
 
+@pytest.mark.slow
 def test_two_ranks_train_the_same_bridge_as_one_process(tiny_dirs, tmp_path):
     """Tolerance: per-step training loss within 1e-4 relative and EMA weights within 1e-5; the only
     difference is the order in which gloo sums the two ranks' gradients. Rank 1's device is cpu:1
@@ -313,6 +315,7 @@ def test_two_ranks_train_the_same_bridge_as_one_process(tiny_dirs, tmp_path):
         torch.testing.assert_close(wb[name], wa[name], atol=1e-5, rtol=1e-4)
 
 
+@pytest.mark.slow
 def test_every_stage_under_torchrun_writes_one_artifact_with_one_id(tiny_dirs, tmp_path):
     """extract, train-prior and train-decoder on two ranks whose devices are cpu:0 and cpu:1 (as
     cuda:0 and cuda:1 on a GPU node): each makes exactly one complete artifact, whose config names
@@ -349,6 +352,7 @@ def test_every_stage_under_torchrun_writes_one_artifact_with_one_id(tiny_dirs, t
         assert [r["step"] for r in files.read_jsonl(made[0].file("metrics.jsonl"))] == list(range(1, 9))
 
 
+@pytest.mark.slow
 def test_bfloat16_autocast_trains_on_cpu(tiny_dirs, root):
     assert (
         invoke(
@@ -389,6 +393,7 @@ def test_bfloat16_autocast_trains_on_cpu(tiny_dirs, root):
     assert all(w.dtype == torch.float32 for w in weights.values())  # autocast: the weights stay float32
 
 
+@pytest.mark.slow
 def test_sweep_scores_every_candidate_and_refuses_a_foreign_score(tiny_dirs, root):
     ex_args = [
         "extract",
@@ -454,6 +459,7 @@ def test_sweep_scores_every_candidate_and_refuses_a_foreign_score(tiny_dirs, roo
     assert res.exit_code == 2 and f"score {score.id} was made from extract {first.id}" in res.output
 
 
+@pytest.mark.slow
 def test_a_sweep_under_torchrun_shards_layers_over_ranks(tiny_dirs, tmp_path):
     """Each (layer, seed) bridge is trained once, by one rank, and rank 0 finds the others' in the
     store: with rank 1 on cpu:1, its bridges must have the ids rank 0 looks for."""
@@ -501,6 +507,7 @@ def test_a_sweep_under_torchrun_shards_layers_over_ranks(tiny_dirs, tmp_path):
     assert sweep.complete and sweep.manifest["metrics"]["layers"] == [1, 2]
 
 
+@pytest.mark.slow
 def test_a_killed_data_parallel_run_resumes_to_the_uninterrupted_weights(tiny_dirs, tmp_path):
     """Rank 0 is SIGKILLed after 6 of 8 steps (8 steps checkpoint every step: at least five a run);
     torchrun takes rank 1 down. The same command resumes both ranks at step 6 (a rank that started
@@ -560,6 +567,7 @@ def test_a_missing_gpu_index_is_one_line(monkeypatch):
         models.resolve_device("cuda")
 
 
+@pytest.mark.slow
 def test_decoder_validation_memory_is_bounded_whatever_the_vocabulary(tmp_path):
     """The old validation built (64, 63, V) float32 logits at once (33 GB at the paper protocol's 512 x
     127 x 128,256). Measured as peak RSS in a fresh process at V = 65,536 (benchmarks/

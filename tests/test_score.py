@@ -180,6 +180,7 @@ def tiny_extract(tiny_dirs, root):
     return root
 
 
+@pytest.mark.slow
 def test_score_cli_writes_table_positions_plot(tiny_extract):
     res = invoke("score", "--tokens", "300", "--k", "10", "--pairs", "500", "--json")
     assert res.exit_code == 0, res.output
@@ -234,6 +235,7 @@ def test_score_cli_writes_table_positions_plot(tiny_extract):
         (["--normalize", "bogus"], "unknown --normalize"),
     ],
 )
+@pytest.mark.slow
 def test_score_bad_input(tiny_extract, args, needle):
     res = invoke("score", *args)
     assert res.exit_code == 2 and needle in res.output, res.output
@@ -336,6 +338,7 @@ def test_stability_on_hand_made_draws():
     assert (out.loc[3, "rank_min"], out.loc[3, "rank_max"]) == (1, 3)
 
 
+@pytest.mark.slow
 def test_score_bootstrap_and_robust_through_the_cli(tiny_extract):
     from dihal.artifacts import hidden_states as hs
     from dihal.artifacts.store import ArtifactStore
@@ -477,6 +480,7 @@ def _hindsight(emb, y, width: int = 1) -> float:
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("seed", [0, 1])
 def test_kfold_does_not_reward_memorising_repeated_tokens_where_gcv_did(seed):
     """GCV approximates leave-one-out, which never leaves a repeated token out: it takes the grid's smallest
@@ -491,6 +495,7 @@ def test_kfold_does_not_reward_memorising_repeated_tokens_where_gcv_did(seed):
     assert new["r2"] > _hindsight(emb, y) - 0.05 and new["r2"] > 0.5
 
 
+@pytest.mark.slow
 def test_more_features_than_held_in_rows_give_a_finite_value_inside_the_grid():
     """D = 1024 features (1025 with the intercept) for 640 held-in rows of 800: the dual basis; the value is
     finite and in [-1, 1], and the rule picks neither end of its grid."""

@@ -62,6 +62,7 @@ def test_an_extract_without_pos0_still_loads(tmp_path):
     assert hs.read_sequences(old16, 0, np.arange(3)).dtype == np.float16
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["llama", "gemma3"])
 def test_the_plan_estimate_is_within_10_percent_of_the_bytes_written(kind, tiny_dirs, root):
     from dihal.stages import extract as stage

@@ -68,8 +68,8 @@ class Normalizer:
                     f"layer {layer} of this extract holds non-finite states (a float16 backbone past its range); "
                     "extract it again with --dtype bfloat16 or float32"
                 )
-        as_t = lambda a: torch.from_numpy(np.asarray(a)).float()  # noqa: E731
-        floor = lambda s: np.maximum(s, 1e-6)  # noqa: E731
+        as_t = lambda a: torch.from_numpy(np.asarray(a)).float()
+        floor = lambda s: np.maximum(s, 1e-6)
         return Normalizer(
             as_t(y.mean), as_t(floor(y.std())), as_t(c.mean), as_t(floor(c.std())), as_t(pos0 / max(len(seqs), 1))
         )

@@ -36,5 +36,9 @@ def describe(temperature: float | None, top_p: float, top_k: int = 0) -> dict:
     """What a row's manifest records as the decoding it actually used."""
     if temperature is None:
         return {"rule": "cosine rounding (deterministic)"}
-    return {"rule": "argmax" if temperature == 0 else "sampled, float64", "temperature": temperature,
-            "top_p": top_p, "top_k": top_k}  # fmt: skip
+    return {
+        "rule": "argmax" if temperature == 0 else "sampled, float64",
+        "temperature": temperature,
+        "top_p": top_p,
+        "top_k": top_k,
+    }

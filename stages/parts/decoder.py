@@ -43,7 +43,7 @@ class Decoder:
         """Token i of sample b drawn with gens[b] (temperature 0: argmax)."""
         if temperature == 0:
             return self.net.greedy(e, self.start)
-        pick = lambda logits, i: torch.stack(  # noqa: E731
+        pick = lambda logits, i: torch.stack(
             [decoding.sample(row, temperature, top_p, gen=g) for row, g in zip(logits, gens)]
         )
         return self.net.decode(e, self.start, pick)
