@@ -1,8 +1,11 @@
 """What dihal's own proxies (r2_token, r2_context) add to `dihal score`, in one run.
 
 All layers of smollm2-135m (an extract of 256 sequences x 64 tokens, with its pool), n = 4096
-positions, the paper's proxies and the spectrum statistics. Each configuration is timed REPEATS
-times, alternating, on the same extract; the median ratio is the figure (issue 22 allows +50%).
+positions, the paper's proxies and the spectrum statistics. Three configurations, each timed REPEATS
+times, alternating, on the same extract: without r2_token and r2_context; with them under the rule
+before (--r2-penalty gcv, at the geometry's positions); with them under today's (kfold, 5 folds on
+max(--tokens, 8192) positions of their own, issue 37). The median ratios are the figures (issue 22
+allowed +50% for the proxies).
 
     python benchmarks/bench_proxies.py      # writes benchmarks/results/proxies.json
 """
@@ -33,17 +36,27 @@ def main() -> None:
     cfg = ScoreConfig()
     every = dict(registry.PROXIES)
     without = {k: p for k, p in every.items() if not p.embeddings}
-    times: dict[str, list[float]] = {"without r2": [], "with r2": []}
+    ways = {
+        "without r2": (without, cfg),
+        "gcv (before)": (every, ScoreConfig(r2_penalty="gcv")),
+        "kfold (after)": (every, cfg),
+    }
+    times: dict[str, list[float]] = {name: [] for name in ways}
+    tables = {}
     for _ in range(REPEATS):
-        for name, proxies in (("without r2", without), ("with r2", every)):
+        for name, (proxies, way) in ways.items():
             registry.PROXIES.clear()
             registry.PROXIES.update(proxies)
             start = time.perf_counter()
-            table, _, _, _ = sc.score_layers(group, cfg, layers, NullProgress())
+            tables[name], _, _ = sc.score_layers(group, way, layers, NullProgress())
             times[name].append(time.perf_counter() - start)
     registry.PROXIES.clear()
     registry.PROXIES.update(every)
-    base, added = statistics.median(times["without r2"]), statistics.median(times["with r2"])
+    median = {name: statistics.median(t) for name, t in times.items()}
+    r2 = {
+        name: tables[name].set_index("layer")["r2_token"].round(4).to_dict()
+        for name in ("gcv (before)", "kfold (after)")
+    }
     save(
         "proxies",
         {
@@ -51,8 +64,11 @@ def main() -> None:
             "layers": len(layers),
             "tokens": cfg.tokens,
             "seconds": {k: [round(t, 2) for t in v] for k, v in times.items()},
-            "median_ratio_with_to_without": round(added / base, 3),
-            "r2": table.set_index("layer")[["r2_token", "r2_context"]].round(4).to_dict(),
+            "median_seconds": {k: round(v, 2) for k, v in median.items()},
+            "median_ratio_gcv_to_without": round(median["gcv (before)"] / median["without r2"], 3),
+            "median_ratio_kfold_to_without": round(median["kfold (after)"] / median["without r2"], 3),
+            "median_ratio_kfold_to_gcv": round(median["kfold (after)"] / median["gcv (before)"], 3),
+            "r2_token": r2,
         },
     )
 

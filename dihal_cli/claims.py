@@ -30,12 +30,16 @@ def compare(
     protocol: str = o.opt(CompareConfig, "protocol"),
     seeds: str = o.opt(CompareConfig, "seeds", help="Comma list; each part is trained per seed."),
     num_samples: int = o.opt(CompareConfig, "num_samples", help="Samples per row and seed."),
-    prior_steps: int = o.opt(CompareConfig, "prior_steps"), sample_steps: int = o.opt(CompareConfig, "sample_steps"),
+    prior_steps: int = o.opt(CompareConfig, "prior_steps"),
+    sample_steps: int = o.opt(CompareConfig, "sample_steps"),
     condition_noise: str = typer.Option(
-        o.condition_default(CompareConfig), "--condition-noise",
-        help="How the decoder and bridges see their conditions: prior:T or sigma:S."),
-    evaluator: str | None = o.opt(CompareConfig, "evaluator", help="Primary evaluator, not the backbone (default: "
-                                  "the other builtin)."),
+        o.condition_default(CompareConfig),
+        "--condition-noise",
+        help="How the decoder and bridges see their conditions: prior:T or sigma:S.",
+    ),
+    evaluator: str | None = o.opt(
+        CompareConfig, "evaluator", help="Primary evaluator, not the backbone (default: the other builtin)."
+    ),
     temperatures: str = o.opt(CompareConfig, "temperatures", help="Decoding grid of every curve row (0 = argmax)."),
     top_p: float = o.opt(CompareConfig, "top_p"),
     rows: str = o.opt(CompareConfig, "rows", help="Row keys (default all): " + ", ".join(ROW_KEYS) + "."),
@@ -45,12 +49,21 @@ def compare(
     score: str | None = typer.Option(None, "--score", help="Score of that extract (omitted: score now)."),
     tokens: int = o.opt(ScoreConfig, "tokens", help="Score sample size when scoring now."),
     select: str = o.opt(ScoreConfig, "select", help="l* when scoring now: S (the paper's) or r2_token."),
-    model: str = o.Model, dataset: list[str] = o.Dataset, mix: str | None = o.Mix,
-    max_sequences: int | None = o.MaxSeq, seq_len: int = o.SeqLen,
-    store_dtype: str = o.StoreDtype, batch_size: int = o.opt(CompareConfig, "batch_size", help="Samples per batch."),
-    device: str = o.Device, dtype: str = o.Dtype, force: bool = o.Force, dry_run: bool = o.DryRun,
-    trust_remote_code: bool = o.Trust, root: str = o.Root, recipe: tuple = (),
-) -> None:  # fmt: skip
+    model: str = o.Model,
+    dataset: list[str] = o.Dataset,
+    mix: str | None = o.Mix,
+    max_sequences: int | None = o.MaxSeq,
+    seq_len: int = o.SeqLen,
+    store_dtype: str = o.StoreDtype,
+    batch_size: int = o.opt(CompareConfig, "batch_size", help="Samples per batch."),
+    device: str = o.Device,
+    dtype: str = o.Dtype,
+    force: bool = o.Force,
+    dry_run: bool = o.DryRun,
+    trust_remote_code: bool = o.Trust,
+    root: str = o.Root,
+    recipe: tuple = (),
+) -> None:
     """Diffusion-LM, SED, CoDAR and DiHAL from one prior at a matched budget, with references (section 5)."""
     device, dtype = o.device_and_dtype(device, dtype, dry_run)
     condition_from, noise = parse_condition(condition_noise)
@@ -112,9 +125,14 @@ def confirm(
     num_samples: int = o.opt(ConfirmConfig, "num_samples", help="AR hybrid samples per layer and seed."),
     evaluator: str | None = o.opt(ConfirmConfig, "evaluator", help="Second evaluator (default: the other builtin)."),
     batch_size: int = o.opt(ConfirmConfig, "batch_size", help="Samples per generation batch."),
-    device: str = o.Device, dtype: str = o.Dtype, force: bool = o.Force, dry_run: bool = o.DryRun,
-    trust_remote_code: bool = o.Trust, root: str = o.Root, recipe: tuple = (),
-) -> None:  # fmt: skip
+    device: str = o.Device,
+    dtype: str = o.Dtype,
+    force: bool = o.Force,
+    dry_run: bool = o.DryRun,
+    trust_remote_code: bool = o.Trust,
+    root: str = o.Root,
+    recipe: tuple = (),
+) -> None:
     """Claim 4: l*, the oracle and the worst layer fully trained per seed; fidelity and generations."""
     device, dtype = o.device_and_dtype(device, dtype, dry_run)
     cfg = o.build(ConfirmConfig, locals(), at=o.comma_list(at), seeds=o.seeds(seeds), overrides=recipe)

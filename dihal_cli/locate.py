@@ -48,9 +48,14 @@ def extract(
     batch_size: int = o.opt(ExtractConfig, "batch_size", help="Sequences per forward pass and per Zarr chunk."),
     revision: str | None = o.opt(ExtractConfig, "revision"),
     score_pool: int = o.opt(ExtractConfig, "score_pool", help="Train positions kept apart for a fast score (0: none)."),
-    device: str = o.Device, dtype: str = o.Dtype, seed: int = o.Seed, force: bool = o.Force, dry_run: bool = o.DryRun,
-    trust_remote_code: bool = o.Trust, root: str = o.Root,
-) -> None:  # fmt: skip
+    device: str = o.Device,
+    dtype: str = o.Dtype,
+    seed: int = o.Seed,
+    force: bool = o.Force,
+    dry_run: bool = o.DryRun,
+    trust_remote_code: bool = o.Trust,
+    root: str = o.Root,
+) -> None:
     """Per-layer hidden states -> chunked Zarr (docs/method.md, layer convention)."""
     from dihal.stages import extract as stage
 
@@ -77,19 +82,25 @@ def score(
     extract: str = typer.Option("latest", "--extract", help="Extract artifact: id, unique prefix or 'latest'."),
     tokens: int = o.opt(ScoreConfig, "tokens", help="n sampled token positions (same for every layer)."),
     k: int = o.opt(ScoreConfig, "k", help="Neighbours per point for m_curv (self included)."),
-    eps_rel: float = o.opt(ScoreConfig, "eps_rel"), pairs: int = o.opt(ScoreConfig, "pairs", help="Pairs for m_mono."),
+    eps_rel: float = o.opt(ScoreConfig, "eps_rel"),
+    pairs: int = o.opt(ScoreConfig, "pairs", help="Pairs for m_mono."),
     normalize: str = o.opt(ScoreConfig, "normalize", help="none, rms or standardize."),
     exclude_positions: str = o.opt(ScoreConfig, "exclude_positions", help="Comma list; '' keeps all."),
     candidates: str | None = o.opt(ScoreConfig, "candidates", help="Layers to rank (default 1..L-1)."),
     split: str = o.opt(ScoreConfig, "split"),
     bootstrap: int = o.opt(ScoreConfig, "bootstrap", help="B more draws of positions: spread of S, how often l*."),
     outlier_mads: float | None = o.opt(ScoreConfig, "outlier_mads", help="Also robust proxies without outliers (5)."),
-    r2_penalty: str = o.opt(ScoreConfig, "r2_penalty", help="r2_token's ridge penalty: kfold (5-fold CV) or gcv "
-                            "(before)."),
+    r2_penalty: str = o.opt(
+        ScoreConfig, "r2_penalty", help="r2_token's ridge penalty: kfold (5-fold CV) or gcv (before)."
+    ),
     select: str = o.opt(ScoreConfig, "select", help="Which pick is l*: S (the paper's) or r2_token (dihal's)."),
-    seed: int = o.Seed, device: str = o.opt(ScoreConfig, "device"), force: bool = o.Force, dry_run: bool = o.DryRun,
-    as_json: bool = o.AsJson, root: str = o.Root,
-) -> None:  # fmt: skip
+    seed: int = o.Seed,
+    device: str = o.opt(ScoreConfig, "device"),
+    force: bool = o.Force,
+    dry_run: bool = o.DryRun,
+    as_json: bool = o.AsJson,
+    root: str = o.Root,
+) -> None:
     """Geometry proxies per layer -> ranked table, scores.json and a plot (docs/method.md, locate)."""
     device, _ = o.device_and_dtype(device, "float32", dry_run)
     cfg = o.build(ScoreConfig, locals())
@@ -118,18 +129,25 @@ def sweep(
     tokens: int = o.opt(ScoreConfig, "tokens", help="Score sample size when scoring now."),
     bootstrap: int = o.opt(ScoreConfig, "bootstrap", help="Score draws behind each rho interval (scoring now)."),
     outlier_mads: float | None = o.opt(ScoreConfig, "outlier_mads", help="Also the robust proxies (scoring now)."),
-    model: str = o.Model, dataset: list[str] = o.Dataset, mix: str | None = o.Mix,
-    max_sequences: int | None = o.MaxSeq, seq_len: int = o.SeqLen,
+    model: str = o.Model,
+    dataset: list[str] = o.Dataset,
+    mix: str | None = o.Mix,
+    max_sequences: int | None = o.MaxSeq,
+    seq_len: int = o.SeqLen,
     store_dtype: str = o.StoreDtype,
     sample_steps: int = o.opt(SweepConfig, "sample_steps", help="Bridge Euler steps for each layer's fidelity."),
     eval_limit: int = o.opt(SweepConfig, "eval_limit"),
     seeds: str = o.opt(SweepConfig, "seeds", help="A bridge per layer and seed, e.g. 0,1,2."),
     skip_init: str = o.opt(BridgeConfig, "skip_init", help="Every bridge's skip A: ridge or zero."),
-    device: str = o.Device, dtype: str = o.Dtype,
+    device: str = o.Device,
+    dtype: str = o.Dtype,
     seed: int = typer.Option(0, "--seed", help="Seed of the data split and the score's positions."),
-    force: bool = o.Force, dry_run: bool = o.DryRun, trust_remote_code: bool = o.Trust, root: str = o.Root,
+    force: bool = o.Force,
+    dry_run: bool = o.DryRun,
+    trust_remote_code: bool = o.Trust,
+    root: str = o.Root,
     recipe: tuple = (),
-) -> None:  # fmt: skip
+) -> None:
     """A bridge per layer under one protocol; Spearman rho between S and -validation loss."""
     from dihal.stages import extract as ex
     from dihal.stages import sweep as stage

@@ -59,21 +59,38 @@ def train_bridge(
     layer: int = typer.Option(..., "--layer", help="Replace embeddings + blocks 1..layer."),
     protocol: str = o.protocol_opt(BridgeConfig),
     extract: str | None = typer.Option(None, "--extract", help="Holds layers 0, --layer (omitted: extract now)."),
-    model: str = o.Model, dataset: list[str] = o.Dataset, mix: str | None = o.Mix,
-    max_sequences: int | None = o.MaxSeq, seq_len: int = o.SeqLen,
+    model: str = o.Model,
+    dataset: list[str] = o.Dataset,
+    mix: str | None = o.Mix,
+    max_sequences: int | None = o.MaxSeq,
+    seq_len: int = o.SeqLen,
     store_dtype: str = o.StoreDtype,
-    own_text: float = o.opt(OwnTextConfig, "own_text", help="Share of the extract's sequences that are the "
-                            "backbone's own unprompted samples (0: the corpus alone; README: 0.5 measured)."),
-    own_samples: str = typer.Option("auto", "--own-samples", help="--own-text: how many samples the backbone "
-                                    "writes; auto: enough for the share of --max-sequences (1024 without)."),
+    own_text: float = o.opt(
+        OwnTextConfig,
+        "own_text",
+        help="Share of the extract's sequences that are the "
+        "backbone's own unprompted samples (0: the corpus alone; README: 0.5 measured).",
+    ),
+    own_samples: str = typer.Option(
+        "auto",
+        "--own-samples",
+        help="--own-text: how many samples the backbone "
+        "writes; auto: enough for the share of --max-sequences (1024 without).",
+    ),
     own_seed: int = o.opt(OwnTextConfig, "own_seed", help="--own-text: their seed."),
     prediction: str = o.opt(BridgeConfig, "prediction", help="x0 or velocity."),
     skip_init: str = o.opt(BridgeConfig, "skip_init", help="ridge or zero."),
     condition_noise: str = typer.Option(o.condition_default(BridgeConfig), "--condition-noise", help=CONDITION_HELP),
     prior: str | None = typer.Option(None, "--prior", help="With prior:T, the layer-0 prior (dihal train-prior)."),
-    device: str = o.Device, dtype: str = o.Dtype, seed: int = o.Seed, force: bool = o.Force, dry_run: bool = o.DryRun,
-    trust_remote_code: bool = o.Trust, root: str = o.Root, recipe: tuple = (),
-) -> None:  # fmt: skip
+    device: str = o.Device,
+    dtype: str = o.Dtype,
+    seed: int = o.Seed,
+    force: bool = o.Force,
+    dry_run: bool = o.DryRun,
+    trust_remote_code: bool = o.Trust,
+    root: str = o.Root,
+    recipe: tuple = (),
+) -> None:
     """Train the conditional flow-matching bridge h_0 -> h_layer (docs/method.md, replace)."""
     device, dtype = o.device_and_dtype(device, dtype, dry_run)
     fixed = dict(layer=layer, prediction=prediction, skip_init=skip_init, **condition(condition_noise))
@@ -116,10 +133,16 @@ def train_prior(
     layer: int = o.opt(PriorConfig, "layer", help="0: normalized h_0 (the comparison's prior); l: h_l (DiHAL-direct)."),
     self_condition: bool = o.opt(PriorConfig, "self_condition", help="SED's self-conditioning."),
     latents: str | None = typer.Option(None, "--latents", help="Model this autoencoder's latents (LD4LG-style)."),
-    protocol: str = o.protocol_opt(PriorConfig), extract: str = ExtractRef,
-    device: str = o.Device, dtype: str = o.Dtype, seed: int = o.Seed, force: bool = o.Force, dry_run: bool = o.DryRun,
-    root: str = o.Root, recipe: tuple = (),
-) -> None:  # fmt: skip
+    protocol: str = o.protocol_opt(PriorConfig),
+    extract: str = ExtractRef,
+    device: str = o.Device,
+    dtype: str = o.Dtype,
+    seed: int = o.Seed,
+    force: bool = o.Force,
+    dry_run: bool = o.DryRun,
+    root: str = o.Root,
+    recipe: tuple = (),
+) -> None:
     """Sequence diffusion prior over normalized states, positions 1..T-1 (docs/method.md section 5)."""
     fixed = dict(layer=layer, self_condition=self_condition, latent=latents is not None)
     if (
@@ -138,13 +161,19 @@ def train_prior(
 @o.recipe_options(exclude=("depth",))
 def train_decoder(
     condition_noise: str = typer.Option(
-        o.condition_default(DecoderTrainConfig), "--condition-noise",
-        help=CONDITION_HELP),
+        o.condition_default(DecoderTrainConfig), "--condition-noise", help=CONDITION_HELP
+    ),
     prior: str | None = typer.Option(None, "--prior", help="With prior:T, the layer-0 prior (dihal train-prior)."),
-    protocol: str = o.protocol_opt(DecoderTrainConfig), extract: str = ExtractRef,
-    device: str = o.Device, dtype: str = o.Dtype, seed: int = o.Seed, force: bool = o.Force, dry_run: bool = o.DryRun,
-    root: str = o.Root, recipe: tuple = (),
-) -> None:  # fmt: skip
+    protocol: str = o.protocol_opt(DecoderTrainConfig),
+    extract: str = ExtractRef,
+    device: str = o.Device,
+    dtype: str = o.Dtype,
+    seed: int = o.Seed,
+    force: bool = o.Force,
+    dry_run: bool = o.DryRun,
+    root: str = o.Root,
+    recipe: tuple = (),
+) -> None:
     """CoDAR's recovery: a causal decoder cross-attending to normalized h_0 (docs/method.md section 5)."""
     if (
         art := train_from_extract(
@@ -162,10 +191,16 @@ def train_decoder(
 def train_autoencoder(
     latents: int = o.opt(AutoencoderConfig, "latents", help="K latent vectors per sequence."),
     latent_dim: int = o.opt(AutoencoderConfig, "latent_dim", help="Width d of each latent."),
-    protocol: str = o.protocol_opt(AutoencoderConfig), extract: str = ExtractRef,
-    device: str = o.Device, dtype: str = o.Dtype, seed: int = o.Seed, force: bool = o.Force, dry_run: bool = o.DryRun,
-    root: str = o.Root, recipe: tuple = (),
-) -> None:  # fmt: skip
+    protocol: str = o.protocol_opt(AutoencoderConfig),
+    extract: str = ExtractRef,
+    device: str = o.Device,
+    dtype: str = o.Dtype,
+    seed: int = o.Seed,
+    force: bool = o.Force,
+    dry_run: bool = o.DryRun,
+    root: str = o.Root,
+    recipe: tuple = (),
+) -> None:
     """LD4LG-style: resampler over the frozen backbone's last layer, decoded by CoDAR's decoder (section 5)."""
     fixed = dict(latents=latents, latent_dim=latent_dim)
     if (art := train_from_extract(AutoencoderConfig, "latent", locals(), "train-autoencoder", **fixed)) is None:

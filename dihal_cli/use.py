@@ -46,24 +46,35 @@ def generate(
     source: str = o.opt(GenerateConfig, "source", help="parallel: prior, null (its noise) or oracle (real states)."),
     prompt: list[str] = typer.Option([], "--prompt", help="A prompt (repeatable); none: start from the start token."),
     prompts_file: str | None = typer.Option(None, "--prompts-file", help="One prompt per line."),
-    prompts_from: str | None = o.opt(GenerateConfig, "prompts_from", help="A dataset: prompts are the first "
-                                     "--prompt-tokens tokens of --num-prompts of its train documents."),
+    prompts_from: str | None = o.opt(
+        GenerateConfig,
+        "prompts_from",
+        help="A dataset: prompts are the first --prompt-tokens tokens of --num-prompts of its train documents.",
+    ),
     prompt_tokens: int = o.opt(GenerateConfig, "prompt_tokens"),
     num_prompts: int = o.opt(GenerateConfig, "num_prompts"),
     num_samples: int = o.opt(GenerateConfig, "num_samples", help="Samples per prompt."),
     max_new_tokens: int = o.opt(GenerateConfig, "max_new_tokens"),
-    temperature: float | None = o.opt(GenerateConfig, "temperature", help="0 = argmax (default 1; none for "
-                                      "rounding)."), top_k: int = o.opt(GenerateConfig, "top_k"),
+    temperature: float | None = o.opt(GenerateConfig, "temperature", help="0 = argmax (default 1; none for rounding)."),
+    top_k: int = o.opt(GenerateConfig, "top_k"),
     top_p: float = o.opt(GenerateConfig, "top_p"),
     sample_steps: int = o.opt(GenerateConfig, "sample_steps", help="Bridge Euler steps per position."),
     batch_size: int = o.opt(GenerateConfig, "batch_size"),
-    baseline: str = o.opt(GenerateConfig, "baseline", help="original: also sample the unmodified backbone; "
-                          "original-only: it alone (--model, no bridge)."),
+    baseline: str = o.opt(
+        GenerateConfig,
+        "baseline",
+        help="original: also sample the unmodified backbone; original-only: it alone (--model, no bridge).",
+    ),
     model: str | None = o.opt(GenerateConfig, "model", help="--baseline original-only: the backbone."),
     no_cache: bool = typer.Option(False, "--no-cache", help="Recompute every position each step (reference path)."),
-    device: str = o.Device, dtype: str = o.Dtype, seed: int = o.Seed, force: bool = o.Force, dry_run: bool = o.DryRun,
-    trust_remote_code: bool = o.Trust, root: str = o.Root,
-) -> None:  # fmt: skip
+    device: str = o.Device,
+    dtype: str = o.Dtype,
+    seed: int = o.Seed,
+    force: bool = o.Force,
+    dry_run: bool = o.DryRun,
+    trust_remote_code: bool = o.Trust,
+    root: str = o.Root,
+) -> None:
     """Hybrid generation: bridge -> upper blocks -> LM head (docs/method.md, use)."""
     prompts = read_prompts(prompt, prompts_file)
     device, dtype = o.device_and_dtype(device, dtype, dry_run)
@@ -111,18 +122,28 @@ def generate(
 @o.command()
 def evaluate(
     bridge: str | None = typer.Option(None, "--bridge", help="Bridge artifact: fidelity, teacher forced."),
-    samples: str | None = typer.Option(None, "--samples", help="Generate artifact: Gen.PPL, diversity (with --bridge: "
-                                       "fidelity on it)."),
+    samples: str | None = typer.Option(
+        None, "--samples", help="Generate artifact: Gen.PPL, diversity (with --bridge: fidelity on it)."
+    ),
     sample_steps: str = o.opt(FidelityConfig, "sample_steps", help="Bridge Euler steps to compare (fidelity)."),
     limit: int = o.opt(FidelityConfig, "limit", help="Held-out sequences (fidelity) or samples to score."),
     dataset: str | None = o.opt(FidelityConfig, "dataset", help="Fidelity on this dataset spec instead (--bridge)."),
-    extract: str | None = typer.Option(None, "--extract", help="Fidelity on this extract's validation split instead "
-                                       "(the bridge's model and --seq-len)."),
+    extract: str | None = typer.Option(
+        None,
+        "--extract",
+        help="Fidelity on this extract's validation split instead (the bridge's model and --seq-len).",
+    ),
     evaluator: str | None = o.opt(SamplesConfig, "evaluator", help="Model for Gen.PPL (default: the backbone)."),
     batch_size: int = o.opt(FidelityConfig, "batch_size"),
-    device: str = o.Device, dtype: str = o.Dtype, seed: int = o.Seed, force: bool = o.Force, dry_run: bool = o.DryRun,
-    trust_remote_code: bool = o.Trust, as_json: bool = o.AsJson, root: str = o.Root,
-) -> None:  # fmt: skip
+    device: str = o.Device,
+    dtype: str = o.Dtype,
+    seed: int = o.Seed,
+    force: bool = o.Force,
+    dry_run: bool = o.DryRun,
+    trust_remote_code: bool = o.Trust,
+    as_json: bool = o.AsJson,
+    root: str = o.Root,
+) -> None:
     """Bridge fidelity (--bridge [--dataset | --samples]) or generation quality (--samples)."""
     for flag, given in (("--dataset", dataset), ("--extract", extract)):
         if given is not None and bridge is None:
