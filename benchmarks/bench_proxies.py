@@ -48,7 +48,7 @@ def main() -> None:
             registry.PROXIES.clear()
             registry.PROXIES.update(proxies)
             start = time.perf_counter()
-            tables[name], _, _ = sc.score_layers(group, way, layers, NullProgress())
+            tables[name], *_ = sc.score_layers(group, way, layers, NullProgress())
             times[name].append(time.perf_counter() - start)
     registry.PROXIES.clear()
     registry.PROXIES.update(every)

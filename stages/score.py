@@ -540,8 +540,9 @@ def uses_pool(group, cfg: ScoreConfig) -> bool:
 
 def score_layers(
     group, cfg: ScoreConfig, layers: list[int], progress: Progress
-) -> tuple[pd.DataFrame, np.ndarray, np.ndarray]:
-    """(the score's table, the bootstrap draws' long table or None, the sampled positions)."""
+) -> tuple[pd.DataFrame, pd.DataFrame | None, np.ndarray, np.ndarray]:
+    """(the score's table, the bootstrap draws' long table or None, the sampled positions' sequences and
+    token positions)."""
     exclude = excluded_positions(cfg.exclude_positions)
     draws = range(1 + cfg.bootstrap)
     # r2_token and r2_context at positions of their own; under gcv, the rule of before, at the geometry's (its ids)
