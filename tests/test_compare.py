@@ -4,6 +4,7 @@ and `dihal compare` end to end on a tiny model."""
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 
@@ -223,9 +224,26 @@ def test_condition_noise_corrupts_per_sequence_within_sigma_max():
 
 
 # -- through the CLI -----------------------------------------------------------------------------------------
+@pytest.fixture(scope="session")
+def parts_store(tiny_dirs, tmp_path_factory):
+    """A store with a tiny llama extract, a prior over h_0, a noisy-condition bridge at layer 2 and a
+    decoder, made once per session (per xdist worker); `parts` hands each test a copy of it."""
+    path = tmp_path_factory.mktemp("parts") / "runs"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("DIHAL_ROOT", str(path))
+        make_parts(tiny_dirs)
+    return path
+
+
 @pytest.fixture()
-def parts(tiny_dirs, root, tmp_path):
-    """A tiny llama extract, a prior over h_0, a noisy-condition bridge at layer 2, a decoder."""
+def parts(parts_store, root):
+    """The session's parts, copied into this test's store (tests write to it)."""
+    shutil.copytree(parts_store, root)
+    store = ArtifactStore(root)
+    return {k: store.resolve("latest", k) for k in ("extract", "prior", "bridge", "decoder")}
+
+
+def make_parts(tiny_dirs) -> None:
     small = ["--train-steps", "3", "--width", "16", "--batch-size", "4"]
     ok = lambda res: res.exit_code == 0 or pytest.fail(res.output)
     ok(
@@ -261,8 +279,6 @@ def parts(tiny_dirs, root, tmp_path):
         )
     )
     ok(invoke("train-decoder", *small, "--heads", "2"))
-    store = ArtifactStore(root)
-    return {k: store.resolve("latest", k) for k in ("extract", "prior", "bridge", "decoder")}
 
 
 def test_too_few_held_out_sequences_for_the_oracle_fail_before_the_model_loads(parts, root, monkeypatch):

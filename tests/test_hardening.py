@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import errno
 import json
+import shutil
 import subprocess
 
 import pytest
@@ -109,15 +110,23 @@ def test_empty_store_names_the_command_to_run(root):
 
 
 # -- a small chain shared by the store tests ----------------------------------------------------------
+@pytest.fixture(scope="session")
+def chain_store(tiny_dirs, tmp_path_factory):
+    """extract -> train-bridge (4 steps), made once per session (per xdist worker); `chain` copies it."""
+    path = tmp_path_factory.mktemp("chain") / "runs"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("DIHAL_ROOT", str(path))
+        args = _extract(tiny_dirs, "--layers", "0,2", "--max-sequences", "12", "--val-fraction", "0.25")
+        assert invoke(*args).exit_code == 0
+        res = invoke("train-bridge", "--layer", "2", "--extract", "latest", *TINY_BRIDGE, "--train-steps", "4")
+        assert res.exit_code == 0, res.output
+    return path
+
+
 @pytest.fixture()
-def chain(tiny_dirs, root):
-    """extract -> train-bridge (4 steps) in a fresh store; returns (store, extract, bridge)."""
-    assert (
-        invoke(*_extract(tiny_dirs, "--layers", "0,2", "--max-sequences", "12", "--val-fraction", "0.25")).exit_code
-        == 0
-    )
-    res = invoke("train-bridge", "--layer", "2", "--extract", "latest", *TINY_BRIDGE, "--train-steps", "4")
-    assert res.exit_code == 0, res.output
+def chain(chain_store, root):
+    """The session's chain copied into this test's fresh store; returns (store, extract, bridge)."""
+    shutil.copytree(chain_store, root)
     store = ArtifactStore(root)
     return store, store.resolve("latest", "extract"), store.resolve("latest", "bridge")
 
