@@ -223,6 +223,22 @@ def test_condition_noise_corrupts_per_sequence_within_sigma_max():
     assert torch.equal(flow.corrupt(c, 0.0, ItemDraws(0, 0, np.arange(200))), c)
 
 
+def ok(res) -> None:
+    """A CLI call that must succeed; its output is the failure message."""
+    if res.exit_code != 0:
+        pytest.fail(res.output)
+
+
+def tiny_extract(tiny_dirs) -> list[str]:
+    """The tiny llama extract the CLI tests below start from: 16 sequences of 12 tokens, a quarter held out."""
+    return ["extract", "--model", str(tiny_dirs["llama"]), "--max-sequences", "16", "--seq-len", "12"] + [
+        "--val-fraction",
+        "0.25",
+        "--device",
+        "cpu",
+    ]
+
+
 # -- through the CLI -----------------------------------------------------------------------------------------
 @pytest.fixture(scope="session")
 def parts_store(tiny_dirs, tmp_path_factory):
@@ -245,22 +261,7 @@ def parts(parts_store, root):
 
 def make_parts(tiny_dirs) -> None:
     small = ["--train-steps", "3", "--width", "16", "--batch-size", "4"]
-    ok = lambda res: res.exit_code == 0 or pytest.fail(res.output)
-    ok(
-        invoke(
-            "extract",
-            "--model",
-            str(tiny_dirs["llama"]),
-            "--max-sequences",
-            "16",
-            "--seq-len",
-            "12",
-            "--val-fraction",
-            "0.25",
-            "--device",
-            "cpu",
-        )
-    )
+    ok(invoke(*tiny_extract(tiny_dirs)))
     ok(invoke("train-prior", *small, "--depth", "1", "--heads", "2"))
     ok(
         invoke(
@@ -401,22 +402,7 @@ def test_ld4lg_autoencoder_reconstructs_through_its_latents_and_its_prior_feeds_
     from dihal.artifacts import hidden_states as hs
     from dihal.stages import latent
 
-    ok = lambda res: res.exit_code == 0 or pytest.fail(res.output)
-    ok(
-        invoke(
-            "extract",
-            "--model",
-            str(tiny_dirs["llama"]),
-            "--max-sequences",
-            "16",
-            "--seq-len",
-            "12",
-            "--val-fraction",
-            "0.25",
-            "--device",
-            "cpu",
-        )
-    )
+    ok(invoke(*tiny_extract(tiny_dirs)))
     store = ArtifactStore(root)
     ex = store.resolve("latest", "extract")
     cfg = latent.AutoencoderConfig.from_protocol(

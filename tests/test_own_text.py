@@ -255,6 +255,9 @@ def test_prompts_drawn_from_the_corpus_are_recorded_and_trained_on_as_read(tiny_
     assert res.exit_code == 2 and "not both" in res.output
 
 
+TINY_NET = "--train-steps 2 --width 16 --depth 1 --heads 2 --batch-size 4 --eval-every 2".split()  # a 2-step bridge
+
+
 def test_fidelity_on_another_extracts_validation_split_checks_it_is_unseen(tiny_dirs, root):
     bridge_extract = _extract(tiny_dirs["llama"], "--max-sequences", "40")
     res = invoke(
@@ -263,18 +266,7 @@ def test_fidelity_on_another_extracts_validation_split_checks_it_is_unseen(tiny_
         "1",
         "--extract",
         bridge_extract.id,
-        "--train-steps",
-        "2",
-        "--width",
-        "16",
-        "--depth",
-        "1",
-        "--heads",
-        "2",
-        "--batch-size",
-        "4",
-        "--eval-every",
-        "2",
+        *TINY_NET,
     )
     assert res.exit_code == 0, res.output
     bridge = _store().resolve("latest", "bridge").id
@@ -305,18 +297,7 @@ BRIDGE = [
     "1",
     "--seq-len",
     str(SEQ_LEN),
-    "--train-steps",
-    "2",
-    "--width",
-    "16",
-    "--depth",
-    "1",
-    "--heads",
-    "2",
-    "--batch-size",
-    "4",
-    "--eval-every",
-    "2",
+    *TINY_NET,
 ]
 
 
