@@ -64,6 +64,7 @@ def extract(
     cfg = o.build(ExtractConfig, locals(), data=data)
     if dry_run:
         plan = stage.plan(cfg)
+        stage.check_generated(stage.resolve_sources(cfg, ArtifactStore(root)).data, ArtifactStore(root))
         span = f"{plan.layers[0]}..{plan.layers[-1]} ({len(plan.layers)})" if plan.layers else f"'{layers}' (unchecked)"
         return console.print(
             f"model {plan.identity['name']}: {plan.num_blocks} blocks, width {plan.width}; layers {span}; "

@@ -68,8 +68,7 @@ def generated_documents(data, store: ArtifactStore, loaded: LoadedModel) -> dict
                 f"generate artifact {art.id} holds token ids of {made_by}, which mean nothing to the tokenizer "
                 f"of {loaded.identity['name']}; extract it with --model {made_by}"
             )
-        name = "samples_original.jsonl" if art.file("samples_original.jsonl").exists() else "samples.jsonl"
-        rows = [json.loads(line) for line in art.file(name).read_text().splitlines()]
+        rows = [json.loads(line) for line in art.file(samples_file(art)).read_text().splitlines()]
         if not rows or rows[0]["model"] != "original":
             raise DihalError(
                 f"generate artifact {art.id} has no samples of the original backbone; make them with "
@@ -107,6 +106,49 @@ class Plan:
     n_sequences: int | None
     bytes_estimate: int | None
     identity: dict
+
+
+def samples_file(art: Artifact) -> str:
+    """Where a generate artifact keeps the backbone's own samples."""
+    return "samples_original.jsonl" if art.file("samples_original.jsonl").exists() else "samples.jsonl"
+
+
+def given_sequences(art: Artifact, data) -> tuple[int, int] | None:
+    """(train, validation) sequences a generate artifact's samples pack into, exactly: a document is its
+    prompt, its new tokens and EOS where it stopped early; a split packs seq_len - 1 tokens a sequence.
+    None for samples whose prompts were not recorded as ids (counted only once re-tokenized)."""
+    import json
+
+    body, totals = data.seq_len - 1, [0, 0]
+    rows = [json.loads(line) for line in art.file(samples_file(art)).read_text().splitlines()]
+    if any(r.get("prompt") and "prompt_ids" not in r for r in rows):
+        return None
+    for i, r in enumerate(rows):
+        stopped = r["n_tokens"] < art.config["max_new_tokens"]
+        totals[int(data_mod.is_validation(i, data.val_fraction, data.seed))] += (
+            len(r.get("prompt_ids", [0])) - 1 + r["n_tokens"] + stopped
+        )
+    return totals[0] // body, totals[1] // body
+
+
+def check_generated(data, store: ArtifactStore) -> None:
+    """Before any model loads: a mix's generate: source that holds fewer sequences of a split than the
+    mix asks of it (the same rule and line as packing, data.pack)."""
+    wanted = data_mod.wanted_counts(data)
+    if wanted[0] is None or len(data.sources) == 1:
+        return
+    asks = [data_mod.allot(w, data.shares) for w in wanted]
+    for i, spec in enumerate(data.sources):
+        if not data_mod.is_generated(spec):
+            continue
+        art = store.resolve(spec.removeprefix(data_mod.GENERATED), "generate")
+        have = given_sequences(art, data) if art.complete else None
+        for which in (0, 1) if have else ():
+            if have[which] < asks[which][i]:
+                raise DihalError(
+                    f"dataset '{spec}' gives {have[which]} {data_mod.SPLIT_NAMES[which]} sequences but the mix asks "
+                    f"{asks[which][i]} of it; lower --max-sequences or its share (--mix, --own-text)"
+                )
 
 
 def plan(cfg: ExtractConfig) -> Plan:
@@ -216,6 +258,7 @@ def run(
         return cached
     store.make_root()
     plan(cfg) if loaded is None else data_mod.check(cfg.data)
+    check_generated(cfg.data, store)
     rank, world = dist.world()
     loaded = loaded or load_model(cfg.model, cfg.device, cfg.dtype, cfg.revision, cfg.trust_remote_code)
     layers = parse_layers(cfg.layers, loaded.num_blocks)

@@ -11,13 +11,13 @@ learned from which model's text. Nothing here changes when own_text is 0.
 
 from __future__ import annotations
 
-import json
 from dataclasses import replace
 
 from dihal.artifacts.errors import DihalError
 from dihal.artifacts.store import Artifact, ArtifactStore, artifact_id
 from dihal.stages import generate
 from dihal.stages.configs import DataConfig, ExtractConfig, GenerateConfig, OwnTextConfig
+from dihal.stages.extract import given_sequences
 from dihal.stages.lm.models import load_model
 from dihal.stages.runtime.progress import Progress
 from dihal.stages.text.data import GENERATED, SPLIT_NAMES, allot, is_validation, wanted_counts
@@ -65,19 +65,6 @@ def fewest(need: tuple[int, int], data: DataConfig, per_sample: float) -> int:
     return n
 
 
-def given_sequences(art: Artifact, data: DataConfig) -> tuple[int, int]:
-    """(train, validation) sequences a generate artifact's samples pack into, exactly: a document is its
-    prompt, its new tokens and EOS where it stopped early; a split packs seq_len - 1 tokens a sequence."""
-    body, totals = data.seq_len - 1, [0, 0]
-    rows = [json.loads(line) for line in art.file("samples.jsonl").read_text().splitlines()]
-    for i, r in enumerate(rows):
-        stopped = r["n_tokens"] < art.config["max_new_tokens"]
-        totals[int(is_validation(i, data.val_fraction, data.seed))] += (
-            len(r.get("prompt_ids", [0])) - 1 + r["n_tokens"] + stopped
-        )
-    return totals[0] // body, totals[1] // body
-
-
 def check_sizes(cfg: OwnTextConfig, ecfg: ExtractConfig, store: ArtifactStore) -> list[str]:
     """Before any sample is written: one error line where the samples cannot give a split its share (exactly,
     when they exist already; at most one sequence a sample, when they do not), naming the --own-samples and
@@ -87,18 +74,19 @@ def check_sizes(cfg: OwnTextConfig, ecfg: ExtractConfig, store: ArtifactStore) -
         return []
     data, n = with_samples(ecfg, cfg, "planned").data, sized(cfg, ecfg).own_samples
     existing = store.load(generate.STAGE, samples_id(cfg, ecfg))
-    have = given_sequences(existing, data) if existing.complete else documents_per_split(n, data)
+    given = given_sequences(existing, data) if existing.complete else None
+    have = given or documents_per_split(n, data)
     short = [s for s in (0, 1) if have[s] < need[s]]
     if short:
         s, m = short[0], ecfg.data.max_sequences
         fits = next((k for k in range(m, 0, -1) if all(a <= h for a, h in zip(asked_at(cfg, ecfg, k), have))), None)
-        bound = "give" if existing.complete else "give at most"
+        bound = "give" if given else "give at most"
         raise DihalError(
             f"--own-samples {n} {bound} {have[s]} {SPLIT_NAMES[s]} sequences, but --own-text {cfg.own_text:g} of "
             f"--max-sequences {m} asks {need[s]} of them; use --own-samples {fewest(need, data, YIELD)} (or auto)"
             + (f", or --max-sequences {fits}" if fits else "")
         )
-    if existing.complete:
+    if given:
         return []
     return [
         f"warning: --own-samples {n} give at most {have[s]} {SPLIT_NAMES[s]} sequences and the mix asks {need[s]}: "

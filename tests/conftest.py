@@ -15,6 +15,28 @@ ROOT = Path(__file__).resolve().parents[1]
 os.environ.setdefault("COLUMNS", "240")  # rich wraps long lines at the terminal width
 
 
+@pytest.fixture
+def no_model_loads(monkeypatch):
+    forbid_model_loads(monkeypatch)
+
+
+def forbid_model_loads(monkeypatch) -> None:
+    """From here on, any model load fails the test. The stage modules that bind load_model by name are
+    imported first and patched too: patching only the defining module would both miss them and, where one
+    is first imported under the patch, leave it holding the stub for every later test of the worker."""
+    import importlib
+
+    from dihal.stages.lm import models
+
+    real = models.load_model
+    for name in ("extract", "evaluate", "own_text", "lineage"):
+        importlib.import_module(f"dihal.stages.{name}")
+    stub = lambda *a, **k: pytest.fail("a model was loaded before the check")
+    for module in [m for n, m in sys.modules.items() if n.startswith("dihal.") and m is not None]:
+        if getattr(module, "load_model", None) is real:
+            monkeypatch.setattr(module, "load_model", stub)
+
+
 def load_script(name: str):
     """A module of scripts/ (not a package), loaded by path for a test of its functions."""
     import importlib.util

@@ -282,10 +282,7 @@ def make_parts(tiny_dirs) -> None:
     ok(invoke("train-decoder", *small, "--heads", "2"))
 
 
-def test_too_few_held_out_sequences_for_the_oracle_fail_before_the_model_loads(parts, root, monkeypatch):
-    from dihal.stages.lm import models
-
-    monkeypatch.setattr(models, "load_model", lambda *a, **k: pytest.fail("the model loaded before the check"))
+def test_too_few_held_out_sequences_for_the_oracle_fail_before_the_model_loads(parts, root, no_model_loads):
     res = invoke(
         "generate",
         "--mode",

@@ -521,11 +521,8 @@ def test_model_code_runs_only_with_trust_remote_code(tiny_dirs, tmp_path):
         ),
     ],
 )
-def test_sizes_known_from_the_plan_fail_before_any_model_loads(args, says, tiny_dirs, root, monkeypatch):
+def test_sizes_known_from_the_plan_fail_before_any_model_loads(args, says, tiny_dirs, root, no_model_loads):
     """Each of these used to fail after its extract had run (and, for the comparison, its score)."""
-    from dihal.stages.lm import models
-
-    monkeypatch.setattr(models, "load_model", lambda *a, **k: pytest.fail("a model was loaded before the check"))
     for extra in ([], ["--dry-run"]):
         res = invoke(*args, "--model", str(tiny_dirs["llama"]), "--device", "cpu", *extra)
         _one_error_line(res, says.removeprefix("error: "))

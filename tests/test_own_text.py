@@ -13,7 +13,7 @@ import pytest
 from dihal.artifacts import hidden_states as hs
 from dihal.artifacts.store import ArtifactStore
 from dihal.stages.text.data import is_validation
-from tests.conftest import ROOT, invoke, load_script
+from tests.conftest import ROOT, forbid_model_loads, invoke, load_script
 
 SEQ_LEN = 12
 
@@ -455,16 +455,10 @@ def _split_of(index: int, fraction: float = 0.1, seed: int = 0) -> int:
     return int(int.from_bytes(hashlib.sha256(f"{seed}:{index}".encode()).digest()[:8], "big") / 2**64 < fraction)
 
 
-def test_too_few_own_samples_fail_in_the_plan_before_any_model_loads(tiny_dirs, root, monkeypatch):
+def test_too_few_own_samples_fail_in_the_plan_before_any_model_loads(tiny_dirs, root, no_model_loads):
     """Before, 256 samples were written (2 minutes on smollm2-135m) and only then did the mix say they were
     too few. Now the plan knows: a sample is one document, whose split is a hash of its index, and gives at
-    most one sequence. No model may load (it would raise here)."""
-    from dihal.stages.lm import models
-
-    def no_model(*args, **kwargs):
-        raise AssertionError("a model was loaded before the size check")
-
-    monkeypatch.setattr(models, "load_model", no_model)
+    most one sequence. No model may load (no_model_loads fails the test if one does)."""
     args = [*BRIDGE, "--model", str(tiny_dirs["llama"]), "--max-sequences", "40", "--own-text", "0.5"]
     train_docs = sum(1 - _split_of(i) for i in range(8))
     for extra in ([], ["--dry-run"]):
@@ -495,9 +489,9 @@ def test_own_samples_auto_is_sized_from_the_share_with_a_margin(tiny_dirs, root)
     assert bad.exit_code == 2 and "cannot read --own-samples 'lots'; use a whole number or auto" in bad.output
 
 
-def test_existing_samples_are_counted_exactly_as_the_extract_packs_them(tiny_dirs, root):
+def test_existing_samples_are_counted_exactly_as_the_extract_packs_them(tiny_dirs, root, monkeypatch):
     from dihal.stages.configs import DataConfig
-    from dihal.stages.own_text import given_sequences
+    from dihal.stages.extract import given_sequences
 
     gen = [
         "generate",
@@ -534,3 +528,15 @@ def test_existing_samples_are_counted_exactly_as_the_extract_packs_them(tiny_dir
     metrics = store.resolve("latest", "extract").manifest["metrics"]
     counted = given_sequences(samples, DataConfig(seq_len=SEQ_LEN))
     assert counted == (metrics["n_train"], metrics["n_validation"])
+    # so a mix that asks more of them than they hold fails before any model loads (it failed after, in packing)
+    forbid_model_loads(monkeypatch)
+    m = 4 * sum(counted) + 8
+    asks = (m - round(m * 0.1)) // 2
+    mixed = [*ex[:4], "pydoc", "--dataset", *ex[4:], "--mix", "0.5,0.5", "--max-sequences", str(m)]
+    for extra in ([], ["--dry-run"]):
+        res = invoke(*mixed, *extra)
+        assert res.exit_code == 2 and "Traceback" not in res.output, res.output
+        assert res.output.strip().splitlines()[-1] == (
+            f"error: dataset 'generate:{samples.id}' gives {counted[0]} training sequences but the mix asks "
+            f"{asks} of it; lower --max-sequences or its share (--mix, --own-text)"
+        )
