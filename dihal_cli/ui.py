@@ -10,6 +10,7 @@ from collections.abc import Callable
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import (
     BarColumn,
     MofNCompleteColumn,
@@ -160,12 +161,12 @@ def user_errors(fn: Callable) -> Callable:
         try:
             return fn(*args, **kwargs)
         except DihalError as exc:
-            err_console.print(f"[red]error:[/red] {exc}", highlight=False, soft_wrap=True)
+            err_console.print(f"[red]error:[/red] {escape(str(exc))}", highlight=False, soft_wrap=True)
             raise typer.Exit(2) from None
         except OSError as exc:  # a last resort: stages turn the ones they expect into DihalError
-            where = f" ({exc.filename})" if exc.filename else ""
+            where = escape(f" ({exc.filename})" if exc.filename else "")
             err_console.print(
-                f"[red]error:[/red] {exc.strerror or exc}{where}; check the path, its permissions and "
+                f"[red]error:[/red] {escape(str(exc.strerror or exc))}{where}; check the path, its permissions and "
                 "free space, then rerun",
                 highlight=False,
                 soft_wrap=True,
@@ -196,7 +197,7 @@ def dry(command: str, *configs, plan=None) -> None:
 
         plan_extract(plan)
     for cfg in configs:
-        console.print(f"[yellow]dry run[/yellow] {command}: {cfg}", highlight=False, soft_wrap=True)
+        console.print(f"[yellow]dry run[/yellow] {command}: {escape(str(cfg))}", highlight=False, soft_wrap=True)
 
 
 def report(art) -> None:

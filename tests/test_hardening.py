@@ -526,3 +526,10 @@ def test_sizes_known_from_the_plan_fail_before_any_model_loads(args, says, tiny_
     for extra in ([], ["--dry-run"]):
         res = invoke(*args, "--model", str(tiny_dirs["llama"]), "--device", "cpu", *extra)
         _one_error_line(res, says.removeprefix("error: "))
+
+
+def test_an_error_line_prints_brackets_as_typed(root):
+    """rich read '[bold]' in a user's value (and '[eval]' in an install command) as markup and dropped it,
+    so the line named a value the user never gave."""
+    res = invoke("train-bridge", "--layer", "1", "--protocol", "[bold]x", "--dry-run")
+    _one_error_line(res, "unknown --protocol '[bold]x'; use one of")
