@@ -102,6 +102,15 @@ FIDELITY = {
     "ppl_original": "PPL orig",
     "ppl_ratio": "ratio",
 }
+LM_EVAL = {
+    "task": "task",
+    "metric": "metric",
+    "n": "n",
+    "hybrid": "hybrid",
+    "hybrid_stderr": "± se",
+    "original": "original",
+    "original_stderr": "± se ",
+}
 SAMPLES = {
     "model": "model",
     "n_samples": "n",

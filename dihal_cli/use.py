@@ -14,9 +14,9 @@ import typer
 from dihal.artifacts.errors import DihalError
 from dihal.artifacts.store import ArtifactStore
 from dihal.cli import options as o
-from dihal.cli.tables import FIDELITY, SAMPLES, columns, print_json, table
+from dihal.cli.tables import FIDELITY, LM_EVAL, SAMPLES, columns, print_json, table
 from dihal.cli.ui import console, dry, make_progress, report
-from dihal.stages.configs import FidelityConfig, GenerateConfig, SamplesConfig, parse_steps
+from dihal.stages.configs import FidelityConfig, GenerateConfig, HarnessConfig, SamplesConfig, parse_steps
 from dihal.stages.lineage import backbone_for
 from dihal.stages.registry import RECOVERIES
 
@@ -134,6 +134,11 @@ def evaluate(
         help="Fidelity on this extract's validation split instead (the bridge's model and --seq-len).",
     ),
     evaluator: str | None = o.opt(SamplesConfig, "evaluator", help="Model for Gen.PPL (default: the backbone)."),
+    lm_eval: str | None = typer.Option(
+        None, "--lm-eval", help="lm-evaluation-harness tasks, comma-separated: the hybrid and its backbone (--bridge)."
+    ),
+    lm_eval_include: str | None = o.opt(HarnessConfig, "include", "--lm-eval-include", help="A folder of task YAMLs."),
+    lm_eval_limit: int | None = o.opt(HarnessConfig, "limit", "--lm-eval-limit", help="Documents per task."),
     batch_size: int = o.opt(FidelityConfig, "batch_size"),
     device: str = o.Device,
     dtype: str = o.Dtype,
@@ -144,7 +149,10 @@ def evaluate(
     as_json: bool = o.AsJson,
     root: str = o.Root,
 ) -> None:
-    """Bridge fidelity (--bridge [--dataset | --samples]) or generation quality (--samples)."""
+    """Bridge fidelity (--bridge [--dataset | --samples]), generation quality (--samples), or the
+    harness's tasks (--bridge --lm-eval)."""
+    if lm_eval is not None or lm_eval_include is not None or lm_eval_limit is not None:
+        return evaluate_lm_eval(locals())
     for flag, given in (("--dataset", dataset), ("--extract", extract)):
         if given is not None and bridge is None:
             raise DihalError(f"{flag} measures a bridge's fidelity; give --bridge ID with it")
@@ -188,4 +196,41 @@ def evaluate(
     if as_json:
         return print_json({"id": art.id, "path": str(art.path), "results": rows})
     console.print(table(title, *columns(rows, shown)))
+    report(art)
+
+
+def evaluate_lm_eval(v: dict) -> None:
+    """evaluate --bridge ID --lm-eval TASKS: stages/harness.py."""
+    if v["lm_eval"] is None:
+        raise DihalError("--lm-eval-include and --lm-eval-limit go with --lm-eval TASKS")
+    if v["bridge"] is None or any(v[k] is not None for k in ("samples", "dataset", "extract")):
+        raise DihalError("--lm-eval scores a hybrid: give --bridge ID, without --samples, --dataset or --extract")
+    device, dtype = o.device_and_dtype(v["device"], v["dtype"], v["dry_run"])
+    tasks = tuple(t.strip() for t in v["lm_eval"].split(","))
+    cfg = HarnessConfig(
+        tasks=tasks,
+        include=v["lm_eval_include"],
+        limit=v["lm_eval_limit"],
+        batch_size=v["batch_size"],
+        seed=v["seed"],
+        device=device,
+        dtype=dtype,
+    )
+    from dihal.stages import harness
+
+    harness.harness()
+    harness.task_manager(cfg)
+    if v["dry_run"]:
+        return dry("evaluate", cfg)
+    store = ArtifactStore(v["root"])
+    bridge = store.resolve(v["bridge"], "bridge")
+    art = harness.run(
+        cfg, bridge, store, force=v["force"], progress=make_progress(), trust_remote_code=v["trust_remote_code"]
+    )
+    rows = art.manifest["metrics"]["lm_eval"]
+    if v["as_json"]:
+        return print_json({"id": art.id, "path": str(art.path), "results": rows})
+    console.print(
+        table(f"lm-eval, hybrid at layer {art.manifest['metrics']['layer']} and its backbone", *columns(rows, LM_EVAL))
+    )
     report(art)

@@ -625,6 +625,26 @@ class SweepConfig(Config):
 
 
 @dataclass(frozen=True, kw_only=True)
+class HarnessConfig(Config):
+    """`dihal evaluate --bridge ID --lm-eval TASKS`: lm-evaluation-harness tasks on the hybrid and on its
+    backbone, both read in windows of the bridge's positions (stages/harness.py)."""
+
+    tasks: tuple[str, ...]
+    include: str | None = None  # a folder of task YAMLs (--lm-eval-include); its files' digest is in the id
+    limit: int | None = None  # documents per task; None: all
+    batch_size: int = 16
+    sample_steps: int = GenerateConfig.sample_steps  # the hybrid's bridge steps
+    seed: int = 0  # the hybrid's noise (stages/hybrid_lm.py) and the harness's seeds
+    device: str = "cpu"
+    dtype: str = "float32"
+
+    def check(self) -> None:
+        require(bool(self.tasks) and all(self.tasks), "--lm-eval must name at least one task, e.g. hellaswag")
+        at_least(self, 1, "batch_size", "sample_steps")
+        require(self.limit is None or self.limit >= 1, f"--lm-eval-limit must be >= 1, got {self.limit}")
+
+
+@dataclass(frozen=True, kw_only=True)
 class CompareConfig(Config):
     layer: int | None = None  # l*; None: the score's argmax S
     oracle: int | None = None  # a sweep's oracle layer, for an extra DiHAL row

@@ -93,6 +93,20 @@ def resolve_dtype(dtype: str, device: str) -> torch.dtype:
     return DTYPES[dtype]
 
 
+def check_runs(device: str, dtype: str) -> torch.dtype:
+    """The dtype resolved, after a matrix product, a softmax and a norm in it on the device: a device that
+    cannot run it (CUDA without the GPU, an MPS or older build without bfloat16) is one line, not a
+    traceback from inside the model."""
+    torch_dtype = resolve_dtype(dtype, resolve_device(device))
+    try:
+        x = torch.ones(4, 8, dtype=torch_dtype, device=device)
+        torch.nn.functional.layer_norm((x @ x.T).softmax(-1), (4,))
+    except (RuntimeError, NotImplementedError, TypeError) as exc:
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise DihalError(f"device {device} cannot run {dtype} ({reason}); use --dtype float32") from None
+    return torch_dtype
+
+
 def dtype_name(dtype: str, device: str) -> str:
     """'auto' resolved to a concrete name, so the artifact id records what ran."""
     return str(resolve_dtype(dtype, device)).replace("torch.", "")
@@ -236,7 +250,7 @@ def load_model(
 
     quiet_transformers()
     device = resolve_device(device)
-    torch_dtype = resolve_dtype(dtype, device)
+    torch_dtype = check_runs(device, dtype)
     where, identity = locate(spec)
     check_remote_code(spec, where, trust_remote_code)
     kwargs: dict = {"dtype": torch_dtype, "trust_remote_code": trust_remote_code}

@@ -1,0 +1,166 @@
+"""`dihal evaluate --bridge ID --lm-eval TASKS [--lm-eval-include DIR]`: lm-evaluation-harness scores the
+hybrid (stages/hybrid_lm.py) and its original backbone on the same tasks, through the harness's own HFLM.
+
+Like with like: both read their texts in windows of the bridge's positions (its extract's --seq-len; the
+bridge has no position beyond), so a rolling perplexity is over the same windows for both. The harness is
+an optional extra, `pip install 'dihal[eval]'`, pinned to the version the tests ran.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict
+from pathlib import Path
+
+import pandas as pd
+
+from dihal.artifacts.errors import DihalError
+from dihal.artifacts.store import Artifact, ArtifactStore
+from dihal.stages.configs import HarnessConfig
+from dihal.stages.runtime.progress import NullProgress, Progress
+
+STAGE = "evaluate"
+BOOTSTRAP = 1000  # the harness's bootstrap draws for each metric's standard error (its default, 100000, takes minutes)
+INSTALL = "pip install 'dihal[eval]'"
+
+
+def harness():
+    """The lm_eval package, or one line naming the install command."""
+    try:
+        import lm_eval
+        from lm_eval.models.huggingface import HFLM  # noqa: F401  (the model wrapper this stage uses)
+    except ImportError:
+        raise DihalError(f"--lm-eval needs lm-evaluation-harness, an optional extra; {INSTALL}") from None
+    return lm_eval
+
+
+def task_manager(cfg: HarnessConfig):
+    """The harness's task index (its own tasks and --lm-eval-include's), every named task checked in it."""
+    from lm_eval.tasks import TaskManager
+
+    if cfg.include is not None and not Path(cfg.include).is_dir():
+        raise DihalError(f"--lm-eval-include {cfg.include} is not a folder; give the folder of your task YAMLs")
+    manager = TaskManager(include_path=cfg.include, verbosity="ERROR")
+    known = set(manager.all_tasks)
+    for task in cfg.tasks:
+        if task not in known:
+            where = f" or in {cfg.include}" if cfg.include else "; give --lm-eval-include DIR for your own YAMLs"
+            raise DihalError(f"unknown lm-eval task '{task}': not among the harness's tasks{where}")
+    return manager
+
+
+def include_digest(folder: str | None) -> str | None:
+    """sha256 over the folder's files (names and bytes): a changed task YAML or its data is a new artifact."""
+    if folder is None:
+        return None
+    digest = hashlib.sha256()
+    for path in sorted(p for p in Path(folder).rglob("*") if p.is_file() and "__pycache__" not in p.parts):
+        digest.update(path.relative_to(folder).as_posix().encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def run(
+    cfg: HarnessConfig,
+    bridge_art: Artifact,
+    store: ArtifactStore,
+    *,
+    force: bool = False,
+    progress: Progress | None = None,
+    trust_remote_code: bool = False,
+) -> Artifact:
+    """The tasks' metrics for the hybrid and the original (lm_eval.csv, lm_eval.json)."""
+    progress = progress or NullProgress()
+    lm_eval = harness()
+    manager = task_manager(cfg)
+    config = {"kind": "lm_eval", **asdict(cfg), "include": include_digest(cfg.include)}
+    parents = {"bridge": bridge_art.id}
+    if cached := store.cached(STAGE, config, parents, force=force):
+        return cached
+    with store.writing(
+        STAGE,
+        config,
+        parents,
+        force=force,
+        seed=cfg.seed,
+        device=cfg.device,
+        extra={"model": bridge_art.manifest.get("model")},
+    ) as art:
+        from lm_eval.models.huggingface import HFLM
+
+        from dihal.stages.hybrid_lm import HybridForCausalLM
+        from dihal.stages.lineage import backbone_for
+        from dihal.stages.parts.bridge import Bridge
+
+        loaded = backbone_for(bridge_art, cfg.device, cfg.dtype, trust_remote_code)
+        bridge = Bridge.load(bridge_art, loaded.device)
+        hybrid = HybridForCausalLM(loaded, bridge, bridge_art.id, cfg.sample_steps, cfg.seed)
+        results = {}
+        progress.start("lm-eval", 2, "model")
+        for name, model in (("hybrid", hybrid), ("original", loaded.model)):
+            lm = HFLM(
+                pretrained=model, tokenizer=loaded.tokenizer, batch_size=cfg.batch_size, max_length=hybrid.positions
+            )
+            out = lm_eval.simple_evaluate(
+                model=lm,
+                tasks=list(cfg.tasks),
+                task_manager=manager,
+                limit=cfg.limit,
+                bootstrap_iters=BOOTSTRAP,
+                log_samples=False,
+                random_seed=cfg.seed,
+                numpy_random_seed=cfg.seed,
+                torch_random_seed=cfg.seed,
+                fewshot_random_seed=cfg.seed,
+            )
+            results[name] = {
+                "results": out["results"],
+                "n-samples": out.get("n-samples"),
+                "versions": out.get("versions"),
+            }
+            progress.advance(1)
+        progress.stop()
+        rows = table(results)
+        pd.DataFrame(rows).to_csv(art.file("lm_eval.csv"), index=False)
+        art.file("lm_eval.json").write_text(json.dumps(results, indent=1, default=str))
+        art.manifest["metrics"] = {
+            "lm_eval": rows,
+            "harness_version": lm_eval.__version__ if hasattr(lm_eval, "__version__") else _version(),
+            "max_length": hybrid.positions,
+            "layer": bridge.layer,
+        }
+    return art
+
+
+def _version() -> str:
+    from importlib.metadata import version
+
+    return version("lm_eval")
+
+
+def table(results: dict) -> list[dict]:
+    """One row per task and metric: the hybrid's and the original's value and standard error."""
+    rows = []
+    hybrid, original = results["hybrid"]["results"], results["original"]["results"]
+    for task in sorted(hybrid):
+        for key, value in hybrid[task].items():
+            metric, _, filt = key.partition(",")
+            if metric.endswith("_stderr") or not isinstance(value, (int, float)) or metric in ("alias", "sample_len"):
+                continue
+            stderr = f"{metric}_stderr,{filt}"
+            rows.append(
+                {
+                    "task": task,
+                    "metric": metric,
+                    "n": _number(hybrid[task].get("sample_len")),
+                    "hybrid": float(value),
+                    "hybrid_stderr": _number(hybrid[task].get(stderr)),
+                    "original": float(original[task][key]),
+                    "original_stderr": _number(original[task].get(stderr)),
+                }
+            )
+    return rows
+
+
+def _number(value) -> float | None:
+    return float(value) if isinstance(value, (int, float)) else None
