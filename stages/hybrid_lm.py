@@ -85,7 +85,8 @@ class HybridForCausalLM(PreTrainedModel, GenerationMixin):
         self.loaded, self.bridge, self.tokenizer = loaded, bridge, loaded.tokenizer
         self.suffix = suffix_model(loaded.model, bridge.layer)
         self.start_id = start_token(loaded.tokenizer)[0]
-        self.noise = bridge.noise(1, config.max_position_embeddings, torch.Generator().manual_seed(seed))[0]
+        noise = bridge.noise(1, config.max_position_embeddings, torch.Generator().manual_seed(seed))[0]
+        self.register_buffer("noise", noise, persistent=False)
 
     @property
     def positions(self) -> int:
