@@ -45,6 +45,13 @@ def compare(
     rows: str = o.opt(CompareConfig, "rows", help="Row keys (default all): " + ", ".join(ROW_KEYS) + "."),
     controls: str = o.opt(CompareConfig, "controls", help="Rows whose recovery reads the oracle and null priors."),
     budgets: str = o.opt(CompareConfig, "budgets", help="Multiples of the protocol's steps, each trained."),
+    readout: str = o.opt(
+        CompareConfig,
+        "readouts",
+        "--readout",
+        help="DiHAL (l*)'s readouts, comma list of independent, guided, refine:K, causal: each a row.",
+    ),
+    guidance: float = o.opt(CompareConfig, "guidance", help="gamma of the guided readouts."),
     extract: str | None = typer.Option(None, "--extract", help="Extract of every layer (omitted: extract now)."),
     score: str | None = typer.Option(None, "--score", help="Score of that extract (omitted: score now)."),
     tokens: int = o.opt(ScoreConfig, "tokens", help="Score sample size when scoring now."),
@@ -77,6 +84,7 @@ def compare(
         controls=o.comma_list(controls),
         temperatures=o.numbers(temperatures, "--temperatures"),
         budgets=o.numbers(budgets, "--budgets", int),
+        readouts=o.comma_list(readout),
     )
     if (
         evaluator is not None

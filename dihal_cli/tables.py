@@ -260,7 +260,40 @@ def compare_tables(result: dict) -> list[Table]:
                 [[b["baseline"], b["outcome"], len(b["points"])] for b in v["baselines"]],
             )
         )
+        out += whose_text_tables(result, k, ev, rows)
     return out
+
+
+def whose_text_tables(result: dict, k: int, ev: str, rows: list[dict]) -> list[Table]:
+    """METHOD 5.1 at budget k: each row's cost class, cost, prior gain and plan agreement, then like with like."""
+    if not any("prior_gain" in r for r in rows):  # a comparison made before revision 3
+        return []
+    number = lambda x, f: "-" if x is None or x != x else format(x, f)
+    cells = [
+        [
+            r["row"][:24],
+            r.get("cost") or "-",
+            number(r.get("ms_per_sample"), ".0f"),
+            number(r.get("prior_gain"), ".2f"),
+            number(r.get("plan_agreement"), ".2f"),
+            "LM-written" if r.get("lm_written") is True else "",
+        ]
+        for r in rows
+        if r.get("cost") not in (None, "reference")
+    ]
+    out = [table(f"whose text at {k}x, under {ev} at the controls' temperature", WHOSE, cells)]
+    for v in (v for v in result.get("verdicts_by_class", []) if v["budget"] == k):
+        out.append(
+            table(
+                f"{v['class']} at {k}x: {v['dihal'][:26]}: {v['claim_3']}",
+                ["baseline", "outcome", "points"],
+                [[b["baseline"], b["outcome"], len(b["points"])] for b in v["baselines"]],
+            )
+        )
+    return out
+
+
+WHOSE = ["row", "cost class", "ms/sample", "gain", "plan", ""]
 
 
 def confirm_tables(rows: list[dict], evaluator: str, protocol: str, seeds: str) -> list:

@@ -44,6 +44,10 @@ def generate(
     prior_steps: int = o.opt(GenerateConfig, "prior_steps", help="parallel: Euler steps of the prior."),
     clamp: bool = o.opt(GenerateConfig, "clamp", help="parallel: Diffusion-LM clamping to token embeddings."),
     source: str = o.opt(GenerateConfig, "source", help="parallel: prior, null (its noise) or oracle (real states)."),
+    readout: str = o.opt(
+        GenerateConfig, "readout", help="parallel, --recovery hidden: independent, guided, refine:K or causal."
+    ),
+    guidance: float = o.opt(GenerateConfig, "guidance", help="gamma of guided, refine:K and causal (0: independent)."),
     prompt: list[str] = typer.Option([], "--prompt", help="A prompt (repeatable); none: start from the start token."),
     prompts_file: str | None = typer.Option(None, "--prompts-file", help="One prompt per line."),
     prompts_from: str | None = o.opt(
@@ -98,7 +102,12 @@ def generate(
         art = generate_parallel.run_parallel(cfg, prior_art, store, load, part, force=force, progress=make_progress())
         m = art.manifest["metrics"]
         cost = f"{m['prior_ms_per_sample']:.1f} prior, {m['recovery_ms_per_sample']:.1f} recovery"
-        console.print(f"{m['label']}: {m['ms_per_sample']:.1f} ms per sample ({cost}), {m['mean_tokens']:.1f} tokens")
+        plan = "" if m.get("plan_agreement") is None else f", plan agreement {m['plan_agreement']:.3f}"
+        s2 = "" if m.get("s2") is None else f", s^2 {m['s2']:.4g}"
+        console.print(
+            f"{m['label']}: {m['ms_per_sample']:.1f} ms per sample ({cost}), {m['mean_tokens']:.1f} tokens{plan}{s2}",
+            highlight=False,
+        )
     elif baseline == "original-only":
         if bridge is not None:
             raise DihalError("--baseline original-only samples the backbone alone; give --model, not --bridge")

@@ -1,5 +1,6 @@
-"""The condition-noise ablation of docs/method.md section 5: for every comparison in a store run at
-1x, the headline of CoDAR and DiHAL (l*) per --condition-noise, as a markdown table.
+"""The ablations of docs/method.md section 5 as markdown tables, for every comparison in a store run at 1x:
+the headline of CoDAR and DiHAL (l*) per --condition-noise, and (section 5.1) the headline of DiHAL (l*)'s
+guided and causal readouts per --guidance (gamma), beside independent.
 
     python scripts/ablation.py runs/compare-smollm2 [out.md]
 """
@@ -38,6 +39,27 @@ def rows(root: str) -> list[str]:
     return sorted(set(out))
 
 
+def gamma_rows(root: str) -> list[str]:
+    """DiHAL (l*)'s readouts per gamma: comparisons of seed 0 at 1x that ran more than one readout."""
+    out = []
+    for art in ArtifactStore(root).all("compare"):
+        if art.status != "complete" or not art.file("compare.json").exists():
+            continue
+        result, cfg = json.loads(art.file("compare.json").read_text()), art.config
+        if len(cfg.get("readouts", ["independent"])) < 2 or 1 not in result["budgets"]:
+            continue
+        for r in result["summary"]:
+            if r["budget"] == 1 and r["row"].startswith(result["ours"]):
+                gain = r.get("prior_gain")
+                out.append(
+                    f"| {cfg['guidance']:g} | {r['row']} | {cell(r)} | {r['entropy_at_top_t']:.3f} | "
+                    f"{'-' if gain is None or gain != gain else f'{gain:.2f}'} | "
+                    f"{r.get('plan_agreement', float('nan')):.2f} | {r.get('ms_per_sample', float('nan')):.0f} | "
+                    f"{r['status']} | {art.id} |"
+                )
+    return sorted(set(out))
+
+
 def main() -> None:
     if len(sys.argv) < 2:
         sys.exit("usage: python scripts/ablation.py ROOT [out.md]")
@@ -45,7 +67,12 @@ def main() -> None:
         "| condition | seeds | row | Gen.PPL at held-out H [95%] | H, top t | diversity | status | compare |",
         "|---|---|---|---|---|---|---|---|",
     ]
-    text = "\n".join(head + rows(sys.argv[1])) + "\n"
+    gamma = [
+        "",
+        "| gamma | row | Gen.PPL at held-out H [95%] | H, top t | prior gain | plan | ms/sample | status | compare |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    text = "\n".join(head + rows(sys.argv[1]) + gamma + gamma_rows(sys.argv[1])) + "\n"
     print(text)
     if len(sys.argv) > 2:
         Path(sys.argv[2]).write_text(text)

@@ -15,25 +15,37 @@
 #             not baselines); N = 48 (the intervals show the cost).
 #   QUICK=1   the same rows on seed 0, N = 16, one 30-step budget, 400 sequences, no ablation (a check
 #             of the whole pipeline, not a result)
+#   READOUTS  DiHAL (l*)'s readouts (docs/method.md section 5.1), each but independent a row of its own with
+#             DiHAL's controls; default independent,guided,refine:2,causal. The default run ends with the
+#             gamma ablation {0, 0.25, 1, 4} of guided and causal at 1x on seed 0 (scripts/ablation.py).
+#   MODEL     the backbone: smollm2-135m (evaluator gemma3-270m) or gemma3-270m (evaluator smollm2-135m);
+#             each model's runs go to their own store.
 # Results: $DIHAL_ROOT/compare/<id>/{summary,compare,controls,parts}.csv, compare.json, compare_x*.png;
 # $DIHAL_ROOT/claims.md. DRY_RUN=1 validates the arguments only; NUM_SAMPLES, SEQ_LEN, PROTOCOL override.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 DRY=$([ "${DRY_RUN:-0}" = 1 ] && echo --dry-run || true)
+MODEL=${MODEL:-smollm2-135m}
+case "$MODEL" in
+  smollm2-135m) EVALUATOR=gemma3-270m ;;
+  gemma3-270m) EVALUATOR=smollm2-135m ;;
+  *) echo "error: MODEL=$MODEL; use smollm2-135m or gemma3-270m (each is the other's evaluator)" >&2; exit 2 ;;
+esac
+READOUTS=${READOUTS:-independent,guided,refine:2,causal}
 start=$(date +%s)
 compare() {  # each invocation's wall time goes to $DIHAL_ROOT/timings.tsv (a run timed in pieces adds up)
   local t0=$(date +%s)
-  dihal compare --model smollm2-135m --dataset pydoc --protocol "${PROTOCOL:-compare-cpu}" \
+  dihal compare --model "$MODEL" --dataset pydoc --protocol "${PROTOCOL:-compare-cpu}" \
     --seq-len "${SEQ_LEN:-32}" --prior-steps 50 --sample-steps 8 --temperatures 0,0.7,1.0 --top-p 1.0 \
-    --evaluator gemma3-270m --device "${DEVICE:-cpu}" --dtype "${DTYPE:-float32}" $DRY "$@"
+    --evaluator "$EVALUATOR" --readout "$READOUTS" --device "${DEVICE:-cpu}" --dtype "${DTYPE:-float32}" $DRY "$@"
   [ -n "$DRY" ] || printf '%s\t%s\t%s\n' "$(date -u +%FT%TZ)" "$(( $(date +%s) - t0 ))" "$*" >>"$DIHAL_ROOT/timings.tsv"
 }
 if [ "${QUICK:-0}" = 1 ]; then
-  export DIHAL_ROOT=${DIHAL_ROOT:-runs/compare-smollm2-quick}
+  export DIHAL_ROOT=${DIHAL_ROOT:-runs/compare-${MODEL%%-*}-quick}
   compare --seeds 0 --num-samples "${NUM_SAMPLES:-16}" --budgets 1 --train-steps 30 --max-sequences 400 \
     --condition-noise prior:0.5 --controls sed,codar,ld4lg,dihal,dihal-direct
 else
-  export DIHAL_ROOT=${DIHAL_ROOT:-runs/compare-smollm2}
+  export DIHAL_ROOT=${DIHAL_ROOT:-runs/compare-${MODEL%%-*}}
   N=${NUM_SAMPLES:-48}
   compare --seeds "${SEEDS_1X:-0}" --num-samples "$N" --budgets 1 --train-batch 16 --condition-noise prior:0.5 \
     --controls sed,codar,ld4lg,dihal,dihal-direct
@@ -41,7 +53,11 @@ else
     --rows diffusion-lm,sed,codar,ld4lg,dihal --controls sed,codar,ld4lg,dihal
   for noise in sigma:0.5 prior:0.5 prior:1.0; do  # the ablation on seed 0 (prior:0.5's parts are reused)
     compare --seeds 0 --num-samples "$N" --budgets 1 --train-batch 16 --condition-noise "$noise" \
-      --rows codar,dihal --controls ''
+      --rows codar,dihal --controls '' --readout independent
+  done
+  for gamma in 0 0.25 1 4; do  # the gamma ablation of METHOD 5.1 (gamma 1's rows are the 1x run's, reused)
+    compare --seeds 0 --num-samples "$N" --budgets 1 --train-batch 16 --condition-noise prior:0.5 \
+      --rows dihal --controls '' --readout independent,guided,causal --guidance "$gamma"
   done
   [ -n "$DRY" ] || python3 scripts/ablation.py "$DIHAL_ROOT" "$DIHAL_ROOT/ablation.md"
 fi

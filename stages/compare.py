@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -100,11 +100,13 @@ def layer_names(l_star: int, worst: int, oracle: int | None, backbone: str = "th
 
 
 def active_rows(cfg: CompareConfig) -> list[registry.Row]:
-    return [
+    """The registry's rows this comparison runs, then DiHAL (l*) once for each other readout (--readout)."""
+    rows = [
         row
         for row in registry.ROWS
         if (cfg.oracle is not None or not row.needs_oracle) and (not cfg.rows or row.key in cfg.rows)
     ]
+    return rows + [registry.readout_row(r) for r in cfg.readouts if r != "independent"]
 
 
 def budget_overrides(cfg: CompareConfig, k: int) -> dict:
@@ -175,10 +177,12 @@ def generations(cfg: CompareConfig, l_star: int, worst: int, backbone: str = "th
     out = []
     for row in active_rows(cfg):
         temps = cfg.temperatures if row.curve else (None,)
-        sources = ["prior"] + (["oracle", "null"] if row.key in cfg.controls else [])
+        sources = ["prior"] + (["oracle", "null"] if (row.controls_of or row.key) in cfg.controls else [])
         for source in sources:
             for t in temps if source == "prior" else (temps[-1],):  # controls at the grid's last temperature
-                out.append({"row": row, "label": row.label(layers), "source": source, "temperature": t})
+                out.append(
+                    {"row": row, "label": row.label(layers), "source": source, "temperature": t, "cost": row.cost}
+                )
     return out
 
 
@@ -197,6 +201,8 @@ def generate_rows(cfg, parts, store, loaded, seed, l_star, worst, progress, back
             source=g["source"],
             prior_steps=cfg.prior_steps,
             temperature=g["temperature"],
+            readout=row.readout,
+            guidance=cfg.guidance if row.readout != "independent" else GenerateConfig.guidance,
             **common,
         )
         part = parts[row.part.label(layers)] if row.part is not None else None
@@ -207,7 +213,8 @@ def generate_rows(cfg, parts, store, loaded, seed, l_star, worst, progress, back
     for t in cfg.temperatures:
         ar = GenerateConfig(max_new_tokens=origin(reference).seq_len - 1, baseline="original", temperature=t, **common)
         art = gen_stage.run(ar, reference, store, loaded, progress=progress)
-        out.append(({"label": "AR references", "source": "prior", "temperature": t, "kind": "curve"}, art))
+        what = {"label": "AR references", "source": "prior", "temperature": t, "kind": "curve", "cost": "reference"}
+        out.append((what, art))
     return out
 
 
@@ -269,6 +276,8 @@ def sample_table(gens, evaluators: dict, store, cfg, budget: int, seed: int, pro
                     "text": [r["text"] for r in samples],
                     "n_tokens": [r["n_tokens"] for r in samples],
                     "ms_per_sample": art.manifest["metrics"].get(model, art.manifest["metrics"]).get("ms_per_sample"),
+                    "cost": what["cost"],
+                    "plan_agreement": art.manifest["metrics"].get("plan_agreement"),  # METHOD 5.1, per artifact
                     "generate": art.id,
                 }
             )
@@ -414,6 +423,8 @@ def write(art: Artifact, cfg: CompareConfig, plan: Plan, got: dict, stats: dict,
         "ours": ours,
         "summary": heads.to_dict("records"),
         "verdicts": stats["verdicts"],
+        "verdicts_by_class": stats["by_class"],  # like with like (METHOD 5.1)
+        "lm_written": sorted({h["row"] for h in heads.to_dict("records") if h.get("lm_written") is True}),
         "parts": parts.to_dict("records"),
         "controls": control_means.reset_index().to_dict("records"),
         "wall_seconds": seconds,
@@ -424,9 +435,12 @@ def write(art: Artifact, cfg: CompareConfig, plan: Plan, got: dict, stats: dict,
         title = f"section 5 at {k}x the protocol's steps; seeds {list(cfg.seeds)}"
         path = art.file(f"compare_x{k}.png")
         plot(samples[samples.budget == k], lines[lines.budget == k], got["h_ref"], path, title)
-    big = ("summary", "parts", "verdicts", "controls")
+    big = ("summary", "parts", "verdicts", "verdicts_by_class", "controls")
     art.manifest["metrics"] = {k: v for k, v in result.items() if k not in big}
     art.manifest["metrics"]["claim_3"] = {str(v["budget"]): v["claim_3"] for v in stats["verdicts"]}
+    art.manifest["metrics"]["claim_3_by_class"] = {
+        f"{v['budget']} {v['class']}: {v['dihal']}": v["claim_3"] for v in stats["by_class"]
+    }
 
 
 def run(
@@ -442,7 +456,7 @@ def run(
     """check -> collect -> analyse -> write. load_model(spec) -> LoadedModel, called only when there is work."""
     progress = progress or NullProgress()
     plan = check(cfg, extract, score_art)
-    config = {**asdict(cfg), "l_star": plan.l_star, "worst": plan.worst, "evaluator": plan.primary}
+    config = {**cfg.hashed(), "l_star": plan.l_star, "worst": plan.worst, "evaluator": plan.primary}
     config["revision"] = REVISION
     parents = {"extract": extract.id, "score": score_art.id}
     if cached := store.cached(STAGE, config, parents, force=force):
@@ -454,7 +468,10 @@ def run(
         named = layer_names(plan.l_star, plan.worst, cfg.oracle, plan.short)
         ours = next(r.label(named) for r in active_rows(cfg) if r.ours)
         baselines = [r.label(named) for r in active_rows(cfg) if r.baseline]
+        dihal = [r.label(named) for r in active_rows(cfg) if r.ours or r.controls_of == "dihal"]
         evaluator = got["evaluators"]["evaluator"]
-        stats = compare_stats.analyse(got["samples"], got["h_ref"], cfg, ours, baselines, evaluator, got["texts"])
+        stats = compare_stats.analyse(
+            got["samples"], got["h_ref"], cfg, ours, baselines, evaluator, got["texts"], dihal=dihal
+        )
         write(art, cfg, plan, got, stats, ours, time.time() - start)
     return art

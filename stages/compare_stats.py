@@ -6,6 +6,9 @@
     headline     a curve row's Gen.PPL interpolated at the held-out text's entropy, a point row's own,
                  each with a bootstrap interval over seeds and samples that contains it
     verdict      claim 3 per baseline: DiHAL's curve at the baseline's entropies against the baseline
+    whose_text   a row's prior gain (null-prior Gen.PPL / trained-prior Gen.PPL) and plan agreement under
+                 the primary evaluator at the controls' temperature; below LM_WRITTEN it is "LM-written"
+    by_class     like with like (METHOD 5.1): each DiHAL readout against the baselines of its cost class
     analyse      all of it for one comparison: the per-row lines, the headlines, the verdicts, the controls
 """
 
@@ -21,6 +24,8 @@ from dihal.stages.text.text_metrics import text_metrics
 EVALUATORS = ("evaluator", "backbone")  # the primary one first: the backbone scores its own choices
 DEGENERATE = 0.9  # a row whose entropy is below 0.9 x the held-out text's at every temperature
 CONTROLS = ("oracle prior", "null prior")
+LM_WRITTEN = 1.5  # a prior gain below it: the row writes from its own language model, not from the diffusion
+CLASSES = ("one-pass", "token-by-token")  # refine rows are reported beside both
 
 
 def gen_ppl(group: pd.DataFrame, ev: str) -> float:
@@ -149,10 +154,30 @@ def claim(verdicts: list[dict]) -> str:
     comparable = [v for v in verdicts if v["outcome"] in ("DiHAL better", "baseline better", "mixed")]
     if any(v["outcome"] == "DiHAL degenerate" for v in verdicts):
         return "does not hold (DiHAL degenerate)"
+    if any(v["outcome"] == "DiHAL LM-written" for v in verdicts):
+        return "not decided (DiHAL LM-written)"
     if not comparable:
         return "not testable (no comparable baseline)"
     won = sum(v["outcome"] == "DiHAL better" for v in comparable)
     return "holds" if won == len(comparable) else "does not hold" if won == 0 else "partly"
+
+
+def whose_text(samples: pd.DataFrame, budget: int, row: str) -> dict:
+    """METHOD 5.1 for one row and budget, under the primary evaluator at the temperature its controls ran
+    (the grid's last; a point row's own): prior gain = Gen.PPL(null prior) / Gen.PPL(trained prior), plan
+    agreement = the share of its tokens that are the cosine-nearest token of the prior's sample there.
+    NaN where the row has no null-prior control (its gain is not measured) or no plan."""
+    mine = samples[(samples.budget == budget) & (samples.row == row)]
+    null, trained = mine[mine.source == "null prior"], mine[mine.source == "trained prior"]
+    t = null["temperature"].iloc[0] if len(null) else trained["temperature"].max()
+    same = trained[trained.temperature.isna()] if pd.isna(t) else trained[trained.temperature == t]
+    gain = gen_ppl(null, "evaluator") / gen_ppl(same, "evaluator") if len(null) and len(same) else float("nan")
+    agreement = same["plan_agreement"].mean() if "plan_agreement" in same and len(same) else float("nan")
+    return {
+        "prior_gain": float(gain),
+        "plan_agreement": float(agreement),
+        "lm_written": bool(gain < LM_WRITTEN) if np.isfinite(gain) else None,
+    }
 
 
 def summarize(samples: pd.DataFrame, h_ref: float, seed: int) -> tuple[pd.DataFrame, pd.DataFrame]:
@@ -178,6 +203,9 @@ def summarize(samples: pd.DataFrame, h_ref: float, seed: int) -> tuple[pd.DataFr
                 "entropy_at_top_t": float(t1["token_entropy"].mean()),
                 "diversity_at_top_t": diversity(t1),
                 "seeds": int(g["seed"].nunique()),
+                "cost": g["cost"].iloc[0] if "cost" in g and g["cost"].notna().any() else None,
+                "ms_per_sample": float(g["ms_per_sample"].mean()) if "ms_per_sample" in g else float("nan"),
+                **whose_text(samples, budget, row),
             }
         )
     return pd.DataFrame(lines), pd.DataFrame(heads)
@@ -216,13 +244,39 @@ def mauve_scores(samples: pd.DataFrame, evaluator, held_out: np.ndarray, top_t: 
     return pd.DataFrame(out)
 
 
+def by_class(samples: pd.DataFrame, heads: pd.DataFrame, dihal: list[str], baselines: list[str], h_ref, budgets):
+    """Like with like (METHOD 5.1): each DiHAL readout against the baselines of its own cost class (a refine
+    row against every baseline, beside both classes); an LM-written row's win or loss decides nothing."""
+    out = []
+    for k in budgets:
+        one = samples[(samples.budget == k) & (samples.source == "trained prior")]
+        head = heads[heads.budget == k].set_index("row")
+        cost, lm = head["cost"].to_dict(), {r: w is True for r, w in head["lm_written"].items()}
+        for mine in dihal:
+            theirs = [b for b in baselines if cost.get(mine) == "refine" or cost.get(b) == cost.get(mine)]
+            vs = []
+            for b in theirs:
+                v = verdict(one, mine, b, "evaluator", h_ref)
+                measured = v["outcome"]
+                if lm.get(b) or lm.get(mine):
+                    v["outcome"] = "DiHAL LM-written" if lm.get(mine) else "baseline LM-written"
+                    v["measured"] = measured
+                vs.append(v)
+            klass = cost.get(mine) if cost.get(mine) in CLASSES else f"{cost.get(mine)} (beside both)"
+            out.append({"budget": k, "class": klass, "dihal": mine, "claim_3": claim(vs), "baselines": vs})
+    return out
+
+
 def bootstrap_resamples(n: int) -> int:
     return 200 if n > 2000 else 400
 
 
-def analyse(samples: pd.DataFrame, h_ref: float, cfg, ours: str, baselines: list[str], evaluator, texts) -> dict:
+def analyse(
+    samples: pd.DataFrame, h_ref: float, cfg, ours: str, baselines: list[str], evaluator, texts, dihal=None
+) -> dict:
     """The per-row lines (with MAUVE at the top temperature where mauve-text is installed), the headlines,
-    claim 3's verdict per budget, and the controls' lines."""
+    claim 3's verdict per budget, like with like per cost class (dihal: DiHAL (l*)'s rows, one per
+    readout), and the controls' lines."""
     lines, heads = summarize(samples, h_ref, cfg.seeds[0])
     top_t = max(cfg.temperatures)
     held_features = eval_stage.last_token_features(evaluator, texts) if mauve_available() else None
@@ -237,7 +291,8 @@ def analyse(samples: pd.DataFrame, h_ref: float, cfg, ours: str, baselines: list
         one = samples[(samples.budget == k) & (samples.source == "trained prior")]
         vs = [verdict(one, ours, b, "evaluator", h_ref) for b in baselines]
         verdicts.append({"budget": k, "claim_3": claim(vs), "baselines": vs})
+    classes = by_class(samples, heads, dihal or [ours], baselines, h_ref, cfg.budgets)
     controlled = lines[lines.source.isin(CONTROLS)]["row"].unique()
     top = lines.temperature.isna() | (lines.temperature == top_t)  # where the controls ran
     controls = lines[lines.row.isin(controlled) & (lines.source.isin(CONTROLS) | top)]
-    return {"lines": lines, "heads": heads, "verdicts": verdicts, "controls": controls}
+    return {"lines": lines, "heads": heads, "verdicts": verdicts, "by_class": classes, "controls": controls}

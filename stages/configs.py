@@ -495,6 +495,22 @@ class SamplesConfig(Config):
         at_least(self, 1, "limit", "batch_size")
 
 
+READOUTS = ("independent", "guided", "refine:K", "causal")
+
+
+def readout_parts(spec: str) -> tuple[str, int]:
+    """--readout independent|guided|refine:K|causal -> (kind, K); one line for anything else."""
+    kind, _, k = spec.partition(":")
+    if kind == "refine":
+        require(k.isdigit(), f"--readout refine:K takes a whole number K >= 0 of refining passes, got '{spec}'")
+        return kind, int(k)
+    require(
+        kind in ("independent", "guided", "causal") and not k,
+        f"unknown --readout '{spec}'; use one of {', '.join(READOUTS)}",
+    )
+    return kind, 0
+
+
 @dataclass(frozen=True, kw_only=True)
 class GenerateConfig(Config):
     prompts: tuple[str, ...] = ()
@@ -510,6 +526,8 @@ class GenerateConfig(Config):
     prior_steps: int = 50  # parallel: Euler steps of the prior
     recovery: str = "rounding"  # parallel: a name of stages/registry.py's RECOVERIES
     clamp: bool = False  # parallel: Diffusion-LM clamping of each step's x0 estimate
+    readout: str = "independent"  # parallel, --recovery hidden: independent, guided, refine:K, causal (METHOD 5.1)
+    guidance: float = 1.0  # gamma of guided, refine:K and causal: a multiplier of the prior's own calibration s^2
     source: str = "prior"  # parallel: prior (its samples), null (its initial noise), oracle (held-out real states)
     cache: bool = True
     seed: int = 0
@@ -555,6 +573,18 @@ class GenerateConfig(Config):
         one_of(self, "source", SOURCES)
         require(self.mode == "parallel" or self.source == "prior", "--source applies to --mode parallel only")
         require(self.source == "prior" or not self.clamp, "--clamp acts on the prior's steps; --source prior only")
+        kind, passes = readout_parts(self.readout)
+        require(self.guidance >= 0, f"--guidance must be >= 0 (0: the independent readout), got {self.guidance}")
+        require(
+            kind == "independent" or (self.mode == "parallel" and self.recovery == "hidden"),
+            f"--readout {self.readout} reads the upper blocks' logits: it goes with --mode parallel --recovery hidden"
+            + ("" if self.mode == "ar" else f"; --recovery {self.recovery} has no logits to read"),
+        )
+
+    @property
+    def readout_kind(self) -> tuple[str, int]:
+        """(independent|guided|refine|causal, K): K the refining passes (0 but for refine:K)."""
+        return readout_parts(self.readout)
 
     @property
     def rounds(self) -> bool:
@@ -577,6 +607,9 @@ class GenerateConfig(Config):
         if self.prompts_from is None:  # ids made before corpus prompts existed
             for name in ("prompts_from", "prompt_tokens", "num_prompts"):
                 out.pop(name)
+        if self.readout == "independent":  # ids made before the readouts of METHOD 5.1 existed
+            out.pop("readout")
+            out.pop("guidance")
         return out
 
 
@@ -667,6 +700,8 @@ class CompareConfig(Config):
         "dihal-direct",
     )  # rows whose recovery gets oracle/null
     budgets: tuple[int, ...] = (1, 5)  # multiples of the protocol's steps; every part trains at each
+    readouts: tuple[str, ...] = ("independent",)  # DiHAL (l*)'s readouts (METHOD 5.1): each but independent a row
+    guidance: float = GenerateConfig.guidance  # gamma of the guided readouts
     batch_size: int = 32  # samples per generation batch
     overrides: tuple[tuple[str, object], ...] = ()  # protocol fields changed for every part alike
     device: str = "cpu"
@@ -694,6 +729,19 @@ class CompareConfig(Config):
             require(isinstance(k, int) and k >= 1, f"--budgets must be whole multiples >= 1, got {k}")
         require(len(set(self.budgets)) == len(self.budgets), "--budgets repeats a value")
         overrides_recipe(self.protocol, self.overrides)
+        require("independent" in self.readouts, "--readout must include independent: DiHAL (l*)'s own row reads it")
+        for readout in self.readouts:
+            readout_parts(readout)
+        require(len(set(self.readouts)) == len(self.readouts), "--readout repeats a value")
+        require(self.guidance >= 0, f"--guidance must be >= 0 (0: the independent readout), got {self.guidance}")
+
+    def hashed(self) -> dict:
+        """asdict; a comparison with DiHAL's independent readout alone keeps the id it had before the readouts."""
+        out = asdict(self)
+        if self.readouts == ("independent",):
+            out.pop("readouts")
+            out.pop("guidance")
+        return out
 
 
 @dataclass(frozen=True, kw_only=True)

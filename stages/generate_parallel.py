@@ -62,6 +62,11 @@ def check_parallel(cfg: GenerateConfig, prior_art: Artifact, recovery_art: Artif
         raise DihalError(f"--recovery rounding uses no {recovery_art.stage}; leave --{recovery_art.stage} out")
     if cfg.clamp and layer:
         raise DihalError("--clamp snaps to token embeddings, so it applies to a prior over layer 0 only")
+    if cfg.readout != "independent" and layer:
+        raise DihalError(
+            f"--readout {cfg.readout} conditions a bridge on token embeddings; prior {prior_art.id} models h_{layer} "
+            "(DiHAL-direct), which has no bridge: use a prior over h_0 with --bridge ID"
+        )
     if recovery_art is not None and origin(recovery_art) != origin(prior_art):
         (m1, _, t1), (m2, _, t2) = astuple(origin(prior_art)), astuple(origin(recovery_art))
         raise DihalError(
@@ -76,7 +81,10 @@ def parallel_label(prior_art: Artifact, cfg: GenerateConfig, recovery_art: Artif
         layer = "latents"
     part = f" L{recovery_art.config['layer']}" if recovery_art is not None and recovery_art.stage == "bridge" else ""
     source = "" if cfg.source == "prior" else f" ({cfg.source} prior)"
-    return f"prior h_{layer}{' SC' if sc else ''}{' clamp' if cfg.clamp else ''}{source} + {cfg.recovery}{part}"
+    readout = "" if cfg.readout == "independent" else f", {cfg.readout} gamma {cfg.guidance:g}"
+    return (
+        f"prior h_{layer}{' SC' if sc else ''}{' clamp' if cfg.clamp else ''}{source} + {cfg.recovery}{part}{readout}"
+    )
 
 
 # The prior's samples of this process, by what determines them: rows that share a prior, its steps, the
@@ -117,6 +125,14 @@ def sources(
     if cfg.source == "null":
         return prior.sample(cfg.num_samples, 0, cfg.seed, cfg.batch_size, table() if cfg.clamp else None), None, False
     return prior_samples(cfg, prior, prior_art, table)
+
+
+def plan_agreement(e: torch.Tensor, tokens: torch.Tensor, prior, table) -> float:
+    """The share of tokens (N, T') equal to the cosine-nearest token of the prior's sample at their
+    position (METHOD 5.1; 1 for rounding by definition): how much of the text the diffusion planned."""
+    from dihal.stages.lm.vocab import rounding
+
+    return float((rounding(e, table(), prior.mu, prior.sigma) == tokens.to(e.device)).float().mean())
 
 
 def held_out(prior_art: Artifact, store: ArtifactStore, n: int) -> None:
@@ -198,6 +214,8 @@ def run_parallel(
         prior_seconds, start = integrated or clock.now(cfg.device) - start, clock.now(cfg.device)  # reused: its cost
         e_digest = hashlib.sha256(e.detach().cpu().numpy().tobytes()).hexdigest()[:16]
         recovery = resolve(RECOVERIES[cfg.recovery].fn)(loaded, prior, recovery_art, cfg, table)
+        if hasattr(recovery, "calibrate"):  # guided readouts: s^2 from this run's own samples (METHOD 5.1)
+            recovery.calibrate(e)
         tokens = []
         for first in range(0, cfg.num_samples, cfg.batch_size):
             block = e[first : first + cfg.batch_size]
@@ -205,6 +223,7 @@ def run_parallel(
             progress.advance(block.shape[0])
         recovery_seconds = clock.now(cfg.device) - start
         progress.stop()
+        agreement = plan_agreement(e, torch.cat(tokens), prior, table) if not (prior.layer or prior.latent) else None
         label, tok = parallel_label(prior_art, cfg, recovery_art), loaded.tokenizer
         rows = []
         for row_ids in torch.cat(tokens).tolist():
@@ -229,6 +248,8 @@ def run_parallel(
             "prior_steps": cfg.prior_steps,
             "prior_samples_reused": reused,  # integrated for an earlier row of this process (the same samples)
             "prior_samples_sha256": e_digest,  # rows sharing the prior and seed (and clamping) share it
+            "plan_agreement": agreement,  # METHOD 5.1: tokens equal to the cosine-nearest token of the sample
+            **(recovery.describe() if hasattr(recovery, "describe") else {}),
         }
         art.manifest["decoding"] = decoding.describe(cfg.decoding_temperature, cfg.top_p, cfg.top_k)
     return art

@@ -41,7 +41,7 @@ def task_manager(cfg: HarnessConfig):
 
     if cfg.include is not None and not Path(cfg.include).is_dir():
         raise DihalError(f"--lm-eval-include {cfg.include} is not a folder; give the folder of your task YAMLs")
-    manager = TaskManager(include_path=cfg.include, verbosity="ERROR")
+    manager = TaskManager(include_path=cfg.include)
     known = set(manager.all_tasks)
     for task in cfg.tasks:
         if task not in known:

@@ -146,6 +146,16 @@ class Row:
     needs_oracle: bool = False  # only when a sweep's oracle layer is given
     baseline: bool = False  # claim 3 compares DiHAL (l*) with it
     ours: bool = False  # the row claim 3 is about
+    readout: str = "independent"  # hidden rows: how tokens are read from the upper blocks' logits (METHOD 5.1)
+    controls_of: str | None = None  # the row whose --controls entry gives it the oracle and null priors too
+
+    @property
+    def cost(self) -> str:
+        """Its cost class (METHOD 5.1, like with like): one pass over the sequence, token by token, or
+        refine (K more passes)."""
+        if self.recovery in ("decoder", "latent") or self.readout == "causal":
+            return "token-by-token"
+        return "refine" if self.readout.startswith("refine") else "one-pass"
 
     @property
     def curve(self) -> bool:
@@ -182,4 +192,20 @@ ROWS: tuple[Row, ...] = (
     Row("dihal-oracle", "DiHAL (oracle={l})", PriorPart(), "hidden", BridgePart("oracle"), needs_oracle=True),
 )
 ROW_KEYS = tuple(row.key for row in ROWS)
+
+
+def readout_row(readout: str) -> Row:
+    """DiHAL (l*) read by another readout of METHOD 5.1 (`dihal compare --readout`): a row of its own, with
+    DiHAL's controls."""
+    return Row(
+        f"dihal:{readout}",
+        f"DiHAL (l*={{l}}), {readout}",
+        PriorPart(),
+        "hidden",
+        BridgePart("l_star"),
+        readout=readout,
+        controls_of="dihal",
+    )
+
+
 AR_REFERENCE_BRIDGE = BridgePart("l_star", noisy=False)  # the AR hybrid and original references

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from dihal.artifacts.store import ArtifactStore
+from dihal.stages.configs import GenerateConfig
 from dihal.stages.diffusion import flow
 from dihal.stages.diffusion.denoiser import Denoiser, DenoiserConfig
 from dihal.stages.diffusion.draws import ItemDraws
@@ -869,3 +870,132 @@ def test_claims_table_reads_each_budget_from_comparisons_with_every_baseline(tmp
     ours, verdict = summarize.claim_compare(store)
     assert verdict == "1x: holds partly; 5x: does not hold", verdict
     assert "1x (seeds 0): DiHAL Gen.PPL 100" in ours and "5x (seeds 0): DiHAL Gen.PPL 500" in ours, ours
+
+
+# -- the readouts of METHOD 5.1 (issue 36) -------------------------------------------------------------------
+def _parallel(parts, *extra) -> dict:
+    """One parallel generation through the CLI; its manifest metrics and its samples' token ids."""
+    base = ["generate", "--mode", "parallel", "--prior", parts["prior"].id, "--num-samples", "4", "--device", "cpu"]
+    ok(invoke(*base, *extra))
+    art = ArtifactStore(parts["prior"].root).resolve("latest", "generate")
+    rows = [json.loads(line) for line in art.file("samples.jsonl").read_text().splitlines()]
+    return {"metrics": art.manifest["metrics"], "tokens": [r["token_ids"] for r in rows], "config": art.config}
+
+
+@pytest.mark.slow
+def test_readouts_meet_their_limits(parts):
+    """guided at gamma 0 is independent (the same draws), at a huge gamma rounding; refine:0 is guided; the
+    plan agreement of rounding is 1; s^2 is the one computed by hand from the prior's samples."""
+    hidden = ["--recovery", "hidden", "--bridge", parts["bridge"].id]
+    independent = _parallel(parts, *hidden)
+    assert "readout" not in independent["config"]  # independent keeps the ids made before the readouts
+    assert _parallel(parts, *hidden, "--readout", "guided", "--guidance", "0")["tokens"] == independent["tokens"]
+    rounding_ = _parallel(parts, "--recovery", "rounding")
+    assert rounding_["metrics"]["plan_agreement"] == 1.0
+    huge = _parallel(parts, *hidden, "--readout", "guided", "--guidance", "1e9")
+    assert huge["tokens"] == rounding_["tokens"] and huge["metrics"]["plan_agreement"] == 1.0
+    guided = _parallel(parts, *hidden, "--readout", "guided")
+    assert _parallel(parts, *hidden, "--readout", "refine:0")["tokens"] == guided["tokens"]
+    assert guided["metrics"]["readout"] == "guided" and guided["metrics"]["guidance"] == 1.0
+    refined = _parallel(parts, *hidden, "--readout", "refine:2")
+    assert refined["metrics"]["passes"] == 3 and refined["metrics"]["label"].endswith(", refine:2 gamma 1")
+    # s^2 by hand: the mean per-dimension squared distance between unit vectors and their cosine-nearest token's
+    from dihal.stages.lm.models import load_model
+    from dihal.stages.lm.vocab import embedding_table
+    from dihal.stages.parts.prior import Prior
+
+    prior = Prior.load(parts["prior"], "cpu")
+    e = prior.sample(4, GenerateConfig.prior_steps, 0, GenerateConfig.batch_size, None)
+    raw = (e * prior.sigma + prior.mu).reshape(-1, e.shape[-1]).double().numpy()
+    table = embedding_table(load_model(parts["extract"].config["model"], "cpu", "float32").model).double().numpy()
+    unit = lambda x: x / np.maximum(np.linalg.norm(x, axis=1, keepdims=True), 1e-12)  # F.normalize's eps
+    u, t = unit(raw), unit(table)
+    nn = (u @ t.T).argmax(1)
+    s2 = float(((u - t[nn]) ** 2).sum(1).mean() / u.shape[1])
+    assert guided["metrics"]["s2"] == pytest.approx(s2, rel=1e-4)
+    assert 0 <= guided["metrics"]["plan_agreement"] <= 1
+
+
+@pytest.mark.slow
+def test_causal_with_the_oracle_prior_and_a_huge_gamma_writes_the_held_out_text(parts):
+    from dihal.artifacts import hidden_states as hs
+    from dihal.stages.generate import truncate_at_eos
+
+    hidden = ["--recovery", "hidden", "--bridge", parts["bridge"].id, "--source", "oracle"]
+    causal = _parallel(parts, *hidden, "--readout", "causal", "--guidance", "1e9")
+    group = hs.open_group(parts["extract"].path / "hidden.zarr")
+    ids = np.asarray(group["input_ids"].oindex[hs.split_indices(group, "validation")[:4]])[:, 1:]
+    eos = __import__("transformers").AutoTokenizer.from_pretrained(parts["extract"].config["model"]).eos_token_id
+    assert causal["tokens"] == [truncate_at_eos(row.tolist(), eos) for row in ids]
+    assert causal["metrics"]["readout"] == "causal" and causal["metrics"]["plan_agreement"] == 1.0
+    # at gamma 0 it is the hybrid reading its own tokens: not the held-out text
+    assert _parallel(parts, *hidden, "--readout", "causal", "--guidance", "0")["tokens"] != causal["tokens"]
+
+
+@pytest.mark.parametrize(
+    "extra, says",
+    [
+        (["--recovery", "hidden", "--readout", "sideways"], "unknown --readout 'sideways'; use one of independent"),
+        (["--recovery", "hidden", "--readout", "refine:-1"], "--readout refine:K takes a whole number K >= 0"),
+        (["--recovery", "hidden", "--readout", "guided", "--guidance", "nan"], "--guidance must be a finite number"),
+        (["--recovery", "hidden", "--readout", "guided", "--guidance", "-1"], "--guidance must be >= 0"),
+        (["--recovery", "rounding", "--readout", "guided"], "--recovery rounding has no logits to read"),
+    ],
+)
+def test_bad_readouts_are_one_line(extra, says, parts):
+    base = ["generate", "--mode", "parallel", "--prior", parts["prior"].id, "--device", "cpu"]
+    res = invoke(*base, *extra)
+    assert res.exit_code == 2 and "Traceback" not in res.output, res.output
+    line = res.output.strip().splitlines()
+    assert len(line) == 1 and line[0].startswith("error: ") and says in line[0], res.output
+
+
+@pytest.mark.slow
+def test_compare_reads_dihal_every_way_and_says_whose_text_each_row_writes(tiny_dirs, root):
+    """--readout adds DiHAL (l*) rows with DiHAL's controls; the summary's prior gain and plan agreement are
+    the ones recomputed here from the samples; the verdict compares like with like (METHOD 5.1)."""
+    import pandas as pd
+
+    from dihal.stages import compare_stats as stats
+
+    args = [*COMPARE, "--model", str(tiny_dirs["llama"]), "--evaluator", str(tiny_dirs["qwen3"])]
+    args[args.index("--seeds") + 1], args[args.index("--budgets") + 1] = "0", "1"
+    extra = ["--rows", "diffusion-lm,sed,codar,dihal", "--controls", "sed,codar,dihal"]
+    ok(invoke(*args, *extra, "--readout", "independent,guided,refine:1,causal", "--guidance", "2"))
+    art = ArtifactStore(root).resolve("latest", "compare")
+    assert art.config["readouts"] == ["independent", "guided", "refine:1", "causal"] and art.config["guidance"] == 2
+    result = json.loads(art.file("compare.json").read_text())
+    summary, samples = (pd.read_csv(art.file(n)) for n in ("summary.csv", "samples.csv"))
+    dihal = f"DiHAL (l*={result['l_star']})"
+    readouts = {
+        f"{dihal}, {r}": c for r, c in (("guided", "one-pass"), ("refine:1", "refine"), ("causal", "token-by-token"))
+    }
+    cost = summary.set_index("row")["cost"]
+    assert {r: cost[r] for r in readouts} == readouts
+    assert cost[dihal] == cost["SED"] == "one-pass" and cost["CoDAR"] == "token-by-token"
+    controlled = samples[samples.source == "null prior"].row.unique()
+    assert set(readouts) <= set(controlled)  # DiHAL's controls for every readout
+    for _, head in summary[summary.row.isin(["CoDAR", "SED", *readouts])].iterrows():
+        mine = samples[samples.row == head.row]
+        null = mine[mine.source == "null prior"]
+        t = null.temperature.iloc[0]
+        trained = mine[(mine.source == "trained prior")]
+        trained = trained[trained.temperature.isna()] if pd.isna(t) else trained[trained.temperature == t]
+        gain = stats.gen_ppl(null, "evaluator") / stats.gen_ppl(trained, "evaluator")
+        assert head.prior_gain == pytest.approx(gain, rel=1e-9)
+        assert bool(head.lm_written) == (gain < 1.5)
+    plan = summary.set_index("row")["plan_agreement"]
+    assert plan["SED"] == 1.0 and 0 <= plan[f"{dihal}, causal"] <= 1
+    classes = {(v["class"], v["dihal"]): [b["baseline"] for b in v["baselines"]] for v in result["verdicts_by_class"]}
+    assert classes == {
+        ("one-pass", dihal): ["Diffusion-LM", "SED"],
+        ("one-pass", f"{dihal}, guided"): ["Diffusion-LM", "SED"],
+        ("refine (beside both)", f"{dihal}, refine:1"): ["Diffusion-LM", "SED", "CoDAR"],
+        ("token-by-token", f"{dihal}, causal"): ["CoDAR"],
+    }
+    lm_written = set(summary[summary.lm_written == True].row)  # noqa: E712 (a column of True, False and NaN)
+    assert set(result["lm_written"]) == lm_written
+    for v in result["verdicts_by_class"]:
+        for b in v["baselines"]:
+            if b["baseline"] in lm_written and v["dihal"] not in lm_written:
+                assert b["outcome"] == "baseline LM-written" and "measured" in b

@@ -103,8 +103,10 @@ BASE_ARGS = {  # what each command needs to reach its configs under --dry-run
 MODEL_COMMANDS = {"extract", "train-bridge", "sweep", "compare"}
 # numeric options where 0 is a valid value (and so the CLI must accept it), from docs/method.md and the
 # configs' own meaning: a seed, warm-up, EMA 0, no condition noise, greedy decoding, top-k off, no pool,
-# no bootstrap draws, a prior over layer 0, a validation fraction of 0, no own text in a bridge's data
+# no bootstrap draws, a prior over layer 0, a validation fraction of 0, no own text in a bridge's data,
+# gamma 0 (the guided readouts read as independent)
 ZERO_OK = {
+    "guidance",
     "seed",
     "own-seed",
     "own-text",
