@@ -269,17 +269,18 @@ def whose_text_tables(result: dict, k: int, ev: str, rows: list[dict]) -> list[T
     if not any("prior_gain" in r for r in rows):  # a comparison made before revision 3
         return []
     number = lambda x, f: "-" if x is None or x != x else format(x, f)
+    short_class = {"one-pass": "1 pass", "token-by-token": "by token", "refine": "refine"}
     cells = [
         [
             r["row"][:24],
-            r.get("cost") or "-",
+            short_class[r["cost"]],
             number(r.get("ms_per_sample"), ".0f"),
             number(r.get("prior_gain"), ".2f"),
             number(r.get("plan_agreement"), ".2f"),
             "LM-written" if r.get("lm_written") is True else "",
         ]
         for r in rows
-        if r.get("cost") not in (None, "reference")
+        if r.get("cost") in short_class
     ]
     out = [table(f"whose text at {k}x, under {ev} at the controls' temperature", WHOSE, cells)]
     for v in (v for v in result.get("verdicts_by_class", []) if v["budget"] == k):
@@ -293,7 +294,7 @@ def whose_text_tables(result: dict, k: int, ev: str, rows: list[dict]) -> list[T
     return out
 
 
-WHOSE = ["row", "cost class", "ms/sample", "gain", "plan", ""]
+WHOSE = ["row", "class", "ms/sample", "gain", "plan", "note"]
 
 
 def confirm_tables(rows: list[dict], evaluator: str, protocol: str, seeds: str) -> list:
