@@ -739,6 +739,29 @@ def test_reproduce_compare_dry_run_passes_with_the_revision_2_grid(quick, tmp_pa
         assert "condition_noise=1.0" in out and "rows=('codar', 'dihal')" in out, out
         at_5x = "rows=('diffusion-lm', 'sed', 'codar', 'ld4lg', 'dihal'), controls=('sed', 'codar', 'ld4lg', 'dihal')"
         assert at_5x in out, out
+        for gamma in ("0.0", "0.25", "1.0", "4.0"):  # the gamma ablation of METHOD 5.1, on DiHAL's readouts
+            assert f"readouts=('independent', 'guided', 'causal'), guidance={gamma}" in out, out
+    assert "readouts=('independent', 'guided', 'refine:2', 'causal'), guidance=1.0" in out, out
+    assert "model='smollm2-135m'" in out and "evaluator='gemma3-270m'" in out, out
+
+
+@pytest.mark.slow
+def test_reproduce_compare_takes_gemma3_with_smollm2_as_its_evaluator(tmp_path):
+    import os
+    from pathlib import Path
+
+    path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
+    env = {**os.environ, "DRY_RUN": "1", "QUICK": "1", "DIHAL_ROOT": str(tmp_path), "PATH": path}
+    run = lambda model: subprocess.run(
+        ["bash", "scripts/reproduce_compare.sh"], cwd=REPO, env={**env, "MODEL": model}, capture_output=True, text=True
+    )
+    gemma = run("gemma3-270m")
+    assert gemma.returncode == 0 and "model='gemma3-270m'" in gemma.stdout, gemma.stdout + gemma.stderr
+    assert "evaluator='smollm2-135m'" in gemma.stdout
+    bad = run("gpt2")
+    assert bad.returncode == 2 and bad.stderr.strip() == (
+        "error: MODEL=gpt2; use smollm2-135m or gemma3-270m (each is the other's evaluator)"
+    )
 
 
 def test_mauve_scores_each_rows_top_temperature_against_held_out_features(monkeypatch):
