@@ -25,8 +25,8 @@ def rows(root: str) -> list[str]:
         if art.status != "complete" or not art.file("compare.json").exists():
             continue
         result, cfg = json.loads(art.file("compare.json").read_text()), art.config
-        if "verdicts" not in result or 1 not in result["budgets"]:
-            continue
+        if "verdicts" not in result or 1 not in result["budgets"] or len(cfg.get("readouts", ["independent"])) > 1:
+            continue  # (a comparison of several readouts belongs to the gamma ablation)
         noise = f"{cfg.get('condition_from', 'sigma')}:{cfg['condition_noise']:g}"
         seeds = ",".join(str(s) for s in cfg["seeds"])
         for r in result["summary"]:
