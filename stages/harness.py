@@ -89,17 +89,20 @@ def run(
         from lm_eval.models.huggingface import HFLM
 
         from dihal.stages.hybrid_lm import HybridForCausalLM
-        from dihal.stages.lineage import backbone_for
-        from dihal.stages.parts.bridge import Bridge
 
-        loaded = backbone_for(bridge_art, cfg.device, cfg.dtype, trust_remote_code)
-        bridge = Bridge.load(bridge_art, loaded.device)
-        hybrid = HybridForCausalLM(loaded, bridge, bridge_art.id, cfg.sample_steps, cfg.seed)
+        hybrid = HybridForCausalLM.from_bridge(
+            bridge_art, cfg.device, cfg.dtype, cfg.sample_steps, cfg.seed, trust_remote_code
+        )
+        loaded = hybrid.loaded
         results = {}
         progress.start("lm-eval", 2, "model")
         for name, model in (("hybrid", hybrid), ("original", loaded.model)):
             lm = HFLM(
-                pretrained=model, tokenizer=loaded.tokenizer, batch_size=cfg.batch_size, max_length=hybrid.positions
+                pretrained=model,
+                tokenizer=loaded.tokenizer,
+                backend="causal",
+                batch_size=cfg.batch_size,
+                max_length=hybrid.positions,
             )
             out = lm_eval.simple_evaluate(
                 model=lm,
@@ -125,9 +128,9 @@ def run(
         art.file("lm_eval.json").write_text(json.dumps(results, indent=1, default=str))
         art.manifest["metrics"] = {
             "lm_eval": rows,
-            "harness_version": lm_eval.__version__ if hasattr(lm_eval, "__version__") else _version(),
+            "harness_version": _version(),
             "max_length": hybrid.positions,
-            "layer": bridge.layer,
+            "layer": hybrid.config.layer,
         }
     return art
 

@@ -88,6 +88,15 @@ class HybridForCausalLM(PreTrainedModel, GenerationMixin):
         noise = bridge.noise(1, config.max_position_embeddings, torch.Generator().manual_seed(seed))[0]
         self.register_buffer("noise", noise, persistent=False)
 
+    @classmethod
+    def from_bridge(cls, art, device: str, dtype: str, steps: int = STEPS, seed: int = 0, trust_remote_code=False):
+        """The hybrid of a bridge artifact: its backbone loaded as its extract was made (load_model checks
+        that the device runs the dtype), the bridge on the same device."""
+        from dihal.stages.lineage import backbone_for
+
+        loaded = backbone_for(art, device, dtype, trust_remote_code)
+        return cls(loaded, Bridge.load(art, loaded.device), art.id, steps, seed)
+
     @property
     def positions(self) -> int:
         return self.config.max_position_embeddings

@@ -147,11 +147,6 @@ def load_hybrid(
     """The bridge's hybrid (its backbone loaded as its extract was made) as a transformers causal LM,
     stages/hybrid_lm.py: teacher-forced forward(input_ids, attention_mask) and generate."""
     from dihal.stages.hybrid_lm import STEPS, HybridForCausalLM
-    from dihal.stages.lineage import backbone_for
-    from dihal.stages.lm.models import check_runs
-    from dihal.stages.parts.bridge import Bridge
 
     art = _artifact(bridge, "bridge", root)
-    check_runs(device, dtype)
-    loaded = backbone_for(art, device, dtype, trust_remote_code)
-    return HybridForCausalLM(loaded, Bridge.load(art, loaded.device), art.id, steps or STEPS, seed)
+    return HybridForCausalLM.from_bridge(art, device, dtype, steps or STEPS, seed, trust_remote_code)
