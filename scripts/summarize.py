@@ -187,11 +187,26 @@ def claim_compare(store: ArtifactStore) -> tuple[str, str]:
         shown = "not reached" if value != value else f"{value:.4g}"
         outcomes = ", ".join(f"{b['baseline']}: {b['outcome']}" for b in v["baselines"])
         seeds = ",".join(map(str, result["seeds"]))
+        lm = lm_written(result, budget)
         ours.append(
             f"{budget}x (seeds {seeds}): DiHAL Gen.PPL {shown} at H {result['held_out_entropy']:.2f}; {outcomes}"
+            + (f"; LM-written (prior gain < 1.5, decides nothing): {lm}" if lm else "")
         )
-        verdicts.append(f"{budget}x: {v['claim_3']}")
+        classes = by_class(result, budget)
+        verdicts.append(f"{budget}x: {v['claim_3']}" + (f" (by cost class: {classes})" if classes else ""))
     return " / ".join(ours), "; ".join(verdicts)
+
+
+def lm_written(result: dict, budget: int) -> str:
+    """The rows of one budget whose prior gain is below 1.5 (METHOD 5.1), with their gains."""
+    rows = [r for r in result["summary"] if r["budget"] == budget and r.get("lm_written") is True]
+    return ", ".join(f"{r['row']} (gain {r['prior_gain']:.2f})" for r in rows)
+
+
+def by_class(result: dict, budget: int) -> str:
+    """Like with like (METHOD 5.1): each DiHAL readout's verdict against the baselines of its cost class."""
+    lines = [v for v in result.get("verdicts_by_class", []) if v["budget"] == budget]
+    return ", ".join(f"{v['class']} {v['dihal'].partition(', ')[2] or 'independent'}: {v['claim_3']}" for v in lines)
 
 
 def claim_confirm(store: ArtifactStore) -> tuple[str, str]:

@@ -895,6 +895,33 @@ def test_claims_table_reads_each_budget_from_comparisons_with_every_baseline(tmp
     assert "1x (seeds 0): DiHAL Gen.PPL 100" in ours and "5x (seeds 0): DiHAL Gen.PPL 500" in ours, ours
 
 
+def test_claims_table_names_lm_written_rows_and_each_cost_class(tmp_path):
+    """METHOD 5.1 in docs/claims.md: the rows whose prior gain is below 1.5 are named with their gains, and
+    each DiHAL readout's verdict against its own cost class follows the budget's verdict."""
+    from tests.conftest import load_script
+
+    summarize = load_script("summarize")
+    store = ArtifactStore(tmp_path)
+    summary = [
+        {"budget": 1, "row": "DiHAL (l*=1)", "headline_evaluator": 900.0, "lm_written": False, "prior_gain": 5.6},
+        {"budget": 1, "row": "CoDAR", "headline_evaluator": 400.0, "lm_written": True, "prior_gain": 0.55},
+        {"budget": 1, "row": "SED", "headline_evaluator": 3e3, "lm_written": False, "prior_gain": 21.0},
+        {"budget": 1, "row": "Diffusion-LM", "headline_evaluator": 80.0, "lm_written": None, "prior_gain": None},
+    ]
+    classes = [
+        {"budget": 1, "class": "one-pass", "dihal": "DiHAL (l*=1)", "claim_3": "holds"},
+        {"budget": 1, "class": "token-by-token", "dihal": "DiHAL (l*=1), causal", "claim_3": "not decided"},
+    ]
+    result = {"summary": summary, "ours": "DiHAL (l*=1)", "seeds": [0], "held_out_entropy": 3.0}
+    result["verdicts"] = [{"budget": 1, "claim_3": "partly", "baselines": []}]
+    result["verdicts_by_class"] = classes
+    with store.writing("compare", {"rows": [], "budgets": [1]}, {}) as art:
+        art.file("compare.json").write_text(json.dumps(result))
+    ours, verdict = summarize.claim_compare(store)
+    assert ours.endswith("LM-written (prior gain < 1.5, decides nothing): CoDAR (gain 0.55)"), ours
+    assert verdict == "1x: partly (by cost class: one-pass independent: holds, token-by-token causal: not decided)"
+
+
 # -- the readouts of METHOD 5.1 (issue 36) -------------------------------------------------------------------
 def _parallel(parts, *extra) -> dict:
     """One parallel generation through the CLI; its manifest metrics and its samples' token ids."""
