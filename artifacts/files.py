@@ -14,8 +14,10 @@ refused, never opened.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import re
 from pathlib import Path
 
 import torch
@@ -30,12 +32,19 @@ _STATE_KEY = "dihal_state"
 
 
 def save_tensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict | None = None) -> None:
+    """Write through a temporary file and an atomic rename. A write that fails (a full disk) is an
+    OSError with the system's errno, as every other write's is, and leaves no temporary file."""
     tmp = path.with_name(path.name + ".tmp")
-    save_file(
-        {k: v.detach().contiguous().cpu() for k, v in tensors.items()},
-        str(tmp),
-        metadata={k: str(v) for k, v in (metadata or {}).items()},
-    )
+    try:
+        save_file(
+            {k: v.detach().contiguous().cpu() for k, v in tensors.items()},
+            str(tmp),
+            metadata={k: str(v) for k, v in (metadata or {}).items()},
+        )
+    except SafetensorError as exc:
+        tmp.unlink(missing_ok=True)
+        code = re.search(r"os error (\d+)", str(exc))
+        raise OSError(int(code.group(1)) if code else errno.EIO, str(exc), str(path)) from None
     os.replace(tmp, path)
 
 

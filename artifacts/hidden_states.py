@@ -23,15 +23,25 @@ each chunk's valid positions (so every position has the same chance, up to round
 
 Group attributes carry the layer convention (docs/method.md section 0) and the chunk size.
 A chunk whose `committed` flag is set is complete; resume skips it.
+
+Reading a complete extract goes through `open_group(artifact)`: every chunk file is checked against
+the sha256 the manifest recorded for it before its bytes are used (once per process, so a training
+run hashes a chunk once, not once per epoch), and a recorded chunk that is missing is an error,
+never the array's fill value.
 """
 
 from __future__ import annotations
 
+import asyncio
+import hashlib
+import os
 from pathlib import Path
 
 import numpy as np
 import zarr
+from zarr.storage import LocalStore, WrapperStore
 
+from dihal.artifacts import store as store_mod
 from dihal.artifacts.errors import DihalError
 
 LAYER_CONVENTION = (
@@ -147,8 +157,68 @@ def read_pool(group: zarr.Group, layer: int) -> tuple[np.ndarray, np.ndarray, np
     return seqs[keep], positions[keep], _unscaled(group, layer, np.asarray(group[f"sample/{layer}"][:])[keep])
 
 
-def open_group(path: Path) -> zarr.Group:
-    return zarr.open_group(str(path), mode="r")
+class VerifiedStore(WrapperStore):
+    """A read-only Zarr store over a complete extract's group whose every read is checked against the
+    checksums its manifest recorded: altered bytes, a missing recorded chunk and an unrecorded file
+    are one-line errors naming `dihal runs verify`."""
+
+    def __init__(self, store: LocalStore, recorded: dict[str, dict], where: str):
+        super().__init__(store)
+        self._recorded, self._where = recorded, where
+
+    def _with_store(self, store):
+        return type(self)(store, self._recorded, self._where)
+
+    def _error(self, key: str, what: str) -> DihalError:
+        return DihalError(
+            f"{Path(self._store.root) / key} {what} ({self._where}); `dihal runs verify` lists what else is, "
+            "rerun the extract with --force to make it anew"
+        )
+
+    async def get(self, key, prototype=None, byte_range=None):
+        entry = self._recorded.get(key)
+        if entry is None:  # never written (a chunk of fill values), unless it is there unrecorded
+            found = await self._store.get(key, prototype, byte_range)
+            if found is not None:
+                raise self._error(key, "is not among the files recorded at completion")
+            return None
+        path = Path(self._store.root) / key
+        try:
+            st = os.stat(path)
+        except FileNotFoundError:
+            raise self._error(key, "is missing: a chunk recorded at completion, never read as zeros") from None
+        seen = (str(path), st.st_size, st.st_mtime_ns)
+        if store_mod._VERIFIED.get(seen) != entry["sha256"]:
+            whole = await self._store.get(key, prototype, None)
+            data = whole.to_bytes() if whole is not None else b""
+            digest = await asyncio.to_thread(lambda: hashlib.sha256(data).hexdigest())  # hashlib frees the GIL
+            if len(data) != entry["bytes"] or digest != entry["sha256"]:
+                raise self._error(key, "does not match the checksum recorded at completion (corrupt or edited)")
+            store_mod._VERIFIED[seen] = digest
+            if byte_range is None:
+                return whole
+        return await self._store.get(key, prototype, byte_range)
+
+    async def get_partial_values(self, prototype, key_ranges):
+        return await asyncio.gather(*(self.get(key, prototype, byte_range) for key, byte_range in key_ranges))
+
+
+ZARR = "hidden.zarr"
+
+
+def open_group(extract) -> zarr.Group:
+    """An extract artifact's group for reading; of a complete extract, every chunk read is verified
+    against its manifest (an extract being written, or one recorded before checksums, reads as stored)."""
+    path = extract.path / ZARR
+    files = extract.manifest.get("files")
+    if not extract.complete or files is None:
+        return zarr.open_group(str(path), mode="r")
+    prefix = ZARR + "/"
+    recorded = {name[len(prefix) :]: entry for name, entry in files.items() if name.startswith(prefix)}
+    if "zarr.json" not in recorded:
+        raise DihalError(f"extract {extract.id} recorded no {ZARR} at completion; rerun the extract with --force")
+    verified = VerifiedStore(LocalStore(path, read_only=True), recorded, f"extract {extract.id}")
+    return zarr.open_group(store=verified, mode="r")
 
 
 def open_for_writing(path: Path) -> zarr.Group:
@@ -208,7 +278,7 @@ def stored_layers(group: zarr.Group) -> list[int]:
 def open_with_layers(extract, needed, why: str = "") -> zarr.Group:
     """An extract artifact's group, after checking that it holds every layer in `needed`: a missing
     one is an error naming it and the `--layers` that would hold them all."""
-    group = open_group(extract.path / "hidden.zarr")
+    group = open_group(extract)
     stored = stored_layers(group)
     needed = sorted(set(needed))
     if missing := [layer for layer in needed if layer not in stored]:

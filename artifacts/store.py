@@ -1,18 +1,24 @@
-"""The versioned artifact store: where every stage output lives.
+"""The versioned artifact store: where every stage output lives, and the one way a stage runs.
 
 Layout (root = --root, default ./runs):
 
-    <root>/<stage>/<id>/manifest.json   single source of truth (config, parents, status, metrics, and
-                                        every file's size and sha256, recorded at completion)
+    <root>/<stage>/<id>/manifest.json   single source of truth (config, parents, status, metrics, every
+                                        file's size and sha256 recorded at completion, and a digest of
+                                        the manifest itself)
     <root>/<stage>/<id>/...             the stage's files (Zarr groups, tables, weights, plots)
     <root>/<stage>/<id>.lock            held (flock) while a process writes the artifact
 
-id = first 12 hex digits of sha256 over the canonical JSON of
-{stage, schema version, resolved config, parent ids}; same inputs -> same id -> cache hit.
-A manifest is always replaced through an atomic rename, and the status "complete" is the
-last thing written; a complete artifact is never modified again. `verify` recomputes the
-checksums; `remove` and `collect_garbage` delete artifacts (never one that has children, unless
-asked, and never one a live process holds the lock of).
+id = first 12 hex digits of sha256 over the canonical JSON of {stage, schema version, resolved config
+(with the stage's CACHE_VERSION), parent ids}; same inputs and code -> same id -> cache hit.
+
+Every stage runs through `ArtifactStore.run_stage(job)`: plan -> lock -> check the cache again under
+the lock -> write -> record checksums -> complete. A manifest is replaced through an atomic rename and
+"complete" is the last thing written; a complete artifact is never modified again. Every read of a
+complete artifact's file goes through `Artifact.file`, which checks the file's sha256 against the
+manifest first (once per process); Zarr chunks are checked the same way (hidden_states.open_group).
+A manifest that is not JSON, or whose digest or id does not match its content, reads as "corrupt".
+`verify` recomputes every checksum; `remove` and `collect_garbage` delete artifacts (never one that has
+children, unless asked, and never one a live process holds the lock of).
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ import contextlib
 import datetime as _dt
 import errno
 import fcntl
+import functools
 import hashlib
 import json
 import os
@@ -28,15 +35,19 @@ import platform
 import shutil
 import subprocess
 import sys
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from dihal.artifacts.errors import DihalError
 
-SCHEMA_VERSION = 2  # 2: keyword configs (extract holds its data config), per-file checksums
+SCHEMA_VERSION = 3  # 2: keyword configs, per-file checksums; 3: CACHE_VERSION in every key, manifest digest
 DEFAULT_ROOT = "runs"
+STRICT_ENV = "DIHAL_STRICT_CACHE"  # "1": a cache hit made by other code is recomputed (--strict-cache)
+SCRATCH = ("state.safetensors",)  # a part's resume state: never recorded, removed once complete
+UNFINISHED = (".tmp", ".partial")  # a write cut short (ours, and Zarr's atomic writes): never recorded
 COMMANDS = {  # stage -> the `dihal` command that makes it
     "extract": "extract",
     "score": "score",
@@ -56,9 +67,46 @@ def canonical_json(obj: Any) -> str:
     return json.dumps(obj, sort_keys=True, separators=(",", ":"), default=str)
 
 
-def artifact_id(stage: str, config: dict, parents: dict[str, str]) -> str:
-    payload = {"stage": stage, "schema": SCHEMA_VERSION, "config": config, "parents": parents}
+def artifact_id(stage: str, config: dict, parents: dict[str, str], schema: int = SCHEMA_VERSION) -> str:
+    payload = {"stage": stage, "schema": schema, "config": config, "parents": parents}
     return hashlib.sha256(canonical_json(payload).encode()).hexdigest()[:12]
+
+
+def keyed(config: dict, version: int) -> dict:
+    """What an artifact id hashes: the stage's resolved config with its CACHE_VERSION."""
+    return {**config, "cache_version": version}
+
+
+@dataclass(frozen=True)
+class Job:
+    """One stage computation, as `ArtifactStore.run_stage` runs it (the small Stage protocol).
+
+    stage, version   the stage's name and CACHE_VERSION (bumped whenever its bytes change)
+    config, parents  what the id hashes besides the version: the resolved config, the parents' ids
+    work(art)        writes the artifact's files and metrics into the running `art`
+    plan()           the checks worth making before the lock (no cache hit yet); may raise DihalError
+    every_rank       under torchrun, work runs on every rank (it splits itself); else on rank 0 alone,
+                     the other ranks wait for its artifact and return it
+    """
+
+    stage: str
+    version: int
+    config: dict
+    parents: dict
+    work: Callable[[Artifact], None] | None = None
+    plan: Callable[[], None] | None = None
+    seed: int | None = None
+    device: str | None = None
+    extra: dict = field(default_factory=dict)
+    every_rank: bool = False
+
+    @property
+    def key(self) -> dict:
+        return keyed(self.config, self.version)
+
+    @property
+    def id(self) -> str:
+        return artifact_id(self.stage, self.key, self.parents)
 
 
 def resolve_root(root: str | os.PathLike | None = None) -> Path:
@@ -142,10 +190,75 @@ def file_sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
+def unfinished(path: Path) -> bool:
+    """A file a cut-short write left behind (ours end in .tmp, Zarr's in .<uuid>.partial)."""
+    return path.name.endswith(UNFINISHED)
+
+
 def _payload_files(path: Path) -> list[Path]:
     return [
-        p for p in sorted(path.rglob("*")) if p.is_file() and p.name != "manifest.json" and not p.name.endswith(".tmp")
+        p
+        for p in sorted(path.rglob("*"))
+        if p.is_file() and p.name != "manifest.json" and not unfinished(p) and p.name not in SCRATCH
     ]
+
+
+def manifest_digest(manifest: dict) -> str:
+    """sha256 of the manifest's canonical JSON without its own digest: any edit to a complete
+    manifest (its config, its file list, its metrics) shows."""
+    return hashlib.sha256(canonical_json({k: v for k, v in manifest.items() if k != "digest"}).encode()).hexdigest()
+
+
+def corruption(stage: str, art_id: str, manifest: dict) -> str | None:
+    """Why a complete manifest cannot be trusted, or None: its digest or its id does not match its content."""
+    if "digest" in manifest and manifest["digest"] != manifest_digest(manifest):
+        return "its manifest was edited after completion (digest mismatch)"
+    if "config" in manifest and "parents" in manifest and manifest.get("schema_version", 0) >= 2:
+        schema = manifest["schema_version"]
+        if artifact_id(stage, manifest["config"], manifest["parents"], schema) != art_id:
+            return "its manifest's config does not hash to its id"
+    return None
+
+
+_VERIFIED: dict[tuple, str] = {}  # (path, size, mtime_ns) -> sha256 checked in this process
+
+
+def check_file(path: Path, entry: dict, where: str) -> None:
+    """path holds the bytes recorded in `entry` ({bytes, sha256}); once per process per file state."""
+    try:
+        st = path.stat()
+    except FileNotFoundError:
+        raise DihalError(f"{path} is missing from {where}; `dihal runs verify` lists what else is") from None
+    key = (str(path), st.st_size, st.st_mtime_ns)
+    if _VERIFIED.get(key) == entry["sha256"]:
+        return
+    if st.st_size != entry["bytes"] or file_sha256(path) != entry["sha256"]:
+        raise DihalError(
+            f"{path} does not match the checksum {where} recorded at completion (corrupt or edited); "
+            "`dihal runs verify` lists what else is, rerun the stage that made it with --force"
+        )
+    _VERIFIED[key] = entry["sha256"]
+
+
+@functools.lru_cache(maxsize=1)
+def code_identity() -> dict:
+    """The code this process runs: dihal's version and, from a checkout, its git commit."""
+    return {"dihal_version": _dihal_version(), **_git_state()}
+
+
+def other_code(manifest: dict) -> str | None:
+    """How the code that made an artifact differs from this process's, or None when it is the same
+    (the version, and the commit where both know one)."""
+    now, then = code_identity(), manifest
+    if then.get("dihal_version") != now["dihal_version"]:
+        return f"made by dihal {then.get('dihal_version')} (this is {now['dihal_version']})"
+    if now.get("git_sha") and then.get("git_sha") and then["git_sha"] != now["git_sha"]:
+        return f"made by other code (git {then['git_sha'][:10]}, this is {now['git_sha'][:10]})"
+    return None
+
+
+def strict_cache() -> bool:
+    return os.environ.get(STRICT_ENV, "0") == "1"
 
 
 @dataclass
@@ -157,6 +270,8 @@ class Artifact:
     id: str
     manifest: dict = field(default_factory=dict)
     reused: bool = False  # True when a stage returned this complete artifact instead of computing it
+    other_code: str | None = None  # on a cache hit: how the code that made it differs from this one's
+    previous: dict = field(default_factory=dict)  # the manifest a resumed run found (its earlier attempt's)
 
     @property
     def path(self) -> Path:
@@ -172,7 +287,10 @@ class Artifact:
 
     @property
     def status(self) -> str:
-        return self.manifest.get("status", "missing")
+        """complete, running, failed, corrupt, or 'no manifest' for a folder a kill left before one."""
+        if not self.manifest:
+            return "no manifest" if self.path.is_dir() else "missing"
+        return self.manifest.get("status", "corrupt")
 
     @property
     def wall_seconds(self) -> float:
@@ -187,7 +305,20 @@ class Artifact:
         return self.status == "complete"
 
     def file(self, name: str) -> Path:
-        return self.path / name
+        """The path of one of the artifact's files. Of a complete artifact, a file is returned only
+        once its bytes match the manifest (a one-line error otherwise); a missing recorded file is an
+        error, an absent unrecorded one (an optional output) is not."""
+        path = self.path / name
+        if self.complete and "files" in self.manifest:
+            entry = self.manifest["files"].get(name)
+            if entry is not None:
+                check_file(path, entry, f"{self.stage}/{self.id}")
+            elif path.is_file():
+                raise DihalError(
+                    f"{path} is not among the files {self.stage}/{self.id} recorded at completion; "
+                    f"`dihal runs verify {self.id}` lists what else is"
+                )
+        return path
 
     def save_manifest(self) -> None:
         write_json_atomic(self.manifest_path, self.manifest)
@@ -199,9 +330,11 @@ class Artifact:
         self.save_manifest()
 
     def finish(self) -> None:
-        """Record every file's size and sha256, then mark complete: the last write of an artifact."""
+        """Record every file's size and sha256 and the manifest's digest, then mark complete (the last
+        write of an artifact); a part's resume state goes only after that, so a kill in between
+        loses no training."""
         files = {
-            str(p.relative_to(self.path)): {"bytes": p.stat().st_size, "sha256": file_sha256(p)}
+            p.relative_to(self.path).as_posix(): {"bytes": p.stat().st_size, "sha256": file_sha256(p)}
             for p in _payload_files(self.path)
         }
         self.manifest["files"] = files
@@ -210,7 +343,17 @@ class Artifact:
             self.manifest["peak_gpu_memory_gib"] = peak
         self.manifest["finished"] = _now()
         self.manifest["status"] = "complete"
+        self.manifest.pop("digest", None)
+        self.manifest = json.loads(json.dumps(self.manifest, default=str))  # as it reads back (str keys)
+        self.manifest["digest"] = manifest_digest(self.manifest)
         self.save_manifest()
+        self.clean_scratch()
+
+    def clean_scratch(self) -> None:
+        """Remove what a complete artifact no longer needs: resume state and cut-short writes."""
+        for p in [q for q in self.path.rglob("*") if q.is_file() and (q.name in SCRATCH or unfinished(q))]:
+            if p != self.manifest_path:
+                p.unlink(missing_ok=True)
 
     def fail(self, message: str) -> None:
         self.manifest["status"] = "failed"
@@ -222,10 +365,11 @@ class Artifact:
             pass
 
     def verify(self) -> list[str]:
-        """Problems found: 'missing F', 'altered F', 'unrecorded F'; empty when every recorded file
-        is present with its recorded size and sha256."""
+        """Problems found: 'missing F', 'altered F', 'unrecorded F', a corrupt manifest; empty when
+        every recorded file is present with its recorded size and sha256."""
         if not self.complete:
-            return [f"status is {self.status}, not complete"]
+            reason = f" ({self.manifest['error']})" if self.status == "corrupt" and "error" in self.manifest else ""
+            return [f"status is {self.status}{reason}, not complete"]
         recorded = self.manifest.get("files", {})
         problems = []
         for name, entry in recorded.items():
@@ -235,11 +379,26 @@ class Artifact:
             elif path.stat().st_size != entry["bytes"] or file_sha256(path) != entry["sha256"]:
                 problems.append(f"altered {name}")
         problems += [
-            f"unrecorded {p.relative_to(self.path)}"
+            f"unrecorded {p.relative_to(self.path).as_posix()}"
             for p in _payload_files(self.path)
-            if str(p.relative_to(self.path)) not in recorded
+            if p.relative_to(self.path).as_posix() not in recorded
         ]
         return problems
+
+
+def _read_manifest(art: Artifact) -> dict:
+    """The manifest, or a stand-in whose status is 'corrupt' (not JSON, edited, hashing to another id)."""
+    try:
+        manifest = read_json(art.manifest_path)
+    except (FileNotFoundError, NotADirectoryError):
+        return {}
+    except (OSError, ValueError) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        return {"status": "corrupt", "error": f"manifest.json is unreadable ({type(exc).__name__})"}
+    if not isinstance(manifest, dict):
+        return {"status": "corrupt", "error": "manifest.json is not a JSON object"}
+    if manifest.get("status") == "complete" and (why := corruption(art.stage, art.id, manifest)):
+        return {**manifest, "status": "corrupt", "error": why}
+    return manifest
 
 
 class ArtifactStore:
@@ -259,21 +418,18 @@ class ArtifactStore:
     # -- lookup ---------------------------------------------------------------------------
     def load(self, stage: str, art_id: str) -> Artifact:
         art = Artifact(self.root, stage, art_id)
-        if art.manifest_path.exists():
-            art.manifest = read_json(art.manifest_path)
+        art.manifest = _read_manifest(art)
         return art
 
     def all(self, stage: str | None = None) -> list[Artifact]:
+        """Every artifact folder, those without a manifest (a kill before the first write) included."""
         stages = [stage] if stage else sorted(p.name for p in self.root.glob("*") if p.is_dir())
-        arts = []
-        for st in stages:
-            for d in sorted((self.root / st).glob("*")):
-                if d.is_dir() and (d / "manifest.json").exists():
-                    arts.append(self.load(st, d.name))
-        return sorted(arts, key=lambda a: a.manifest.get("created", ""))
+        arts = [self.load(st, d.name) for st in stages for d in sorted((self.root / st).glob("*")) if d.is_dir()]
+        return sorted(arts, key=lambda a: a.manifest.get("created") or _iso(_mtime(a.path)))
 
-    def resolve(self, ref: str, stage: str | None = None) -> Artifact:
-        """An artifact by full id, unique id prefix, or 'latest' (newest complete one)."""
+    def resolve(self, ref: str, stage: str | None = None, *, corrupt_ok: bool = False) -> Artifact:
+        """An artifact by full id, unique id prefix, or 'latest' (newest complete one). A corrupt one is
+        refused with one line (unless corrupt_ok, for `runs show` and `runs verify`)."""
         candidates = [a for a in self.all(stage)]
         if ref == "latest":
             done = [a for a in candidates if a.complete]
@@ -290,6 +446,8 @@ class ArtifactStore:
             raise DihalError(
                 f"'{ref}' matches {len(matches)} artifacts ({', '.join(a.id for a in matches)}); give more of the id"
             )
+        if matches[0].status == "corrupt" and not corrupt_ok:
+            raise corrupt_error(matches[0])
         return matches[0]
 
     def lineage(self, art: Artifact) -> list[Artifact]:
@@ -322,14 +480,17 @@ class ArtifactStore:
         return removed + [art]
 
     def collect_garbage(self, older_than_s: float, dry_run: bool = False) -> list[Artifact]:
-        """Failed or incomplete artifacts created more than older_than_s ago and not locked by a live
-        writer: removed (or only listed, with dry_run)."""
-        cutoff = _dt.datetime.now(_dt.timezone.utc) - _dt.timedelta(seconds=older_than_s)
+        """Failed, incomplete, corrupt and manifest-less artifacts older than older_than_s and not locked
+        by a live writer: removed (or only listed, with dry_run). The age of a folder without a
+        manifest is its modification time."""
+        cutoff = time.time() - older_than_s
         chosen = []
         for art in self.all():
             created = art.manifest.get("created")
-            if art.complete or not created or _dt.datetime.fromisoformat(created) > cutoff:
+            made = _dt.datetime.fromisoformat(created).timestamp() if created else _mtime(art.path)
+            if art.complete or made > cutoff:
                 continue
+            art.manifest.setdefault("status", art.status)  # what it was, once its folder is gone
             try:
                 with self.lock(art.stage, art.id):
                     if not dry_run:
@@ -343,7 +504,9 @@ class ArtifactStore:
 
     # -- creation -------------------------------------------------------------------------
     @contextlib.contextmanager
-    def lock(self, stage: str, art_id: str) -> Iterator[None]:
+    def lock(self, stage: str, art_id: str, wait: Callable[[str], None] | None = None) -> Iterator[None]:
+        """Hold the artifact's lock. Without `wait`, a lock another process holds is a one-line
+        error; with it, wait(message) is called once and the lock is waited for."""
         lock_path = self.root / stage / f"{art_id}.lock"
         try:
             (self.root / stage).mkdir(parents=True, exist_ok=True)
@@ -354,9 +517,11 @@ class ArtifactStore:
             try:
                 fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
-                raise DihalError(
-                    f"another process is writing {stage}/{art_id} (lock {lock_path}); wait for it to finish"
-                ) from None
+                message = f"another process is writing {stage}/{art_id} (lock {lock_path})"
+                if wait is None:
+                    raise DihalError(f"{message}; wait for it to finish") from None
+                wait(f"{message}: waiting for it")
+                fcntl.flock(fh, fcntl.LOCK_EX)
             try:
                 yield
             finally:
@@ -373,25 +538,27 @@ class ArtifactStore:
         extra: dict | None = None,
         force: bool = False,
     ) -> Artifact:
-        """Open (or reopen, to resume) the artifact for this config; status 'running'.
-
-        Callers check `cached` first; a complete artifact is only replaced with force=True.
-        """
+        """Open (or reopen, to resume) the artifact for this config; status 'running'. The caller holds
+        the lock (run_stage does); a complete artifact is only replaced with force=True. A resumed
+        run's cut-short writes are removed first; `art.previous` is the manifest it found."""
         art_id = artifact_id(stage, config, parents)
         art = self.load(stage, art_id)
-        if art.complete and force:
-            import shutil
-
-            shutil.rmtree(art.path)
+        if art.complete and not force:
+            raise DihalError(f"{stage}/{art_id} is complete; pass --force to recompute it")
+        if force or art.status == "corrupt":
+            shutil.rmtree(art.path, ignore_errors=True)
             art.manifest = {}
+        if art.path.is_dir():
+            for p in [q for q in art.path.rglob("*") if q.is_file() and unfinished(q)]:
+                p.unlink(missing_ok=True)
         art.path.mkdir(parents=True, exist_ok=True)
         previous = art.manifest
+        art.previous = previous
         art.manifest = {
             "stage": stage,
             "id": art_id,
             "schema_version": SCHEMA_VERSION,
-            "dihal_version": _dihal_version(),
-            **_git_state(),
+            **code_identity(),
             "config": config,
             "parents": parents,
             "environment": environment(device),
@@ -406,55 +573,159 @@ class ArtifactStore:
         art.save_manifest()
         return art
 
-    @contextlib.contextmanager
-    def writing(
-        self,
-        stage: str,
-        config: dict,
-        parents: dict[str, str],
-        *,
-        force: bool = False,
-        seed: int | None = None,
-        device: str | None = None,
-        extra: dict | None = None,
-    ) -> Iterator[Artifact]:
-        """Lock, open (status running), yield, then mark complete; a DihalError marks it failed."""
-        with self.lock(stage, artifact_id(stage, config, parents)):
-            try:
-                art = self.begin(stage, config, parents, seed=seed, device=device, extra=extra, force=force)
-            except OSError as exc:
-                raise DihalError(f"cannot write under {self.root} ({_reason(exc)}); choose a writable --root") from None
-            try:
-                yield art
-                art.finish()
-            except DihalError as exc:
-                art.fail(str(exc))
-                raise
-            except OSError as exc:  # out of disk, a read-only or vanished directory: keep what is complete
-                message = (
-                    f"writing {stage}/{art.id} failed ({_reason(exc)}); free space or fix {self.root}, "
-                    "then rerun the same command to resume"
-                )
-                art.fail(message)
-                raise DihalError(message) from None
-            except RuntimeError as exc:
-                if not out_of_gpu_memory(exc):
-                    raise
-                batch = config.get("batch_size")
-                message = (
-                    f"out of GPU memory in {COMMANDS.get(stage, stage)}{f' at batch {batch}' if batch else ''}; "
-                    "lower --train-batch / --batch-size, then rerun the same command to resume"
-                )
-                art.fail(message)
-                raise DihalError(message) from None
-
-    def cached(self, stage: str, config: dict, parents: dict[str, str], *, force: bool = False) -> Artifact | None:
-        """The complete artifact for this config and parents, or None (always None under --force)."""
+    def cached(self, job: Job, *, force: bool = False) -> Artifact | None:
+        """The complete artifact of this job, or None (always None under --force, and under
+        --strict-cache for one made by other code). A corrupt one is a one-line error."""
         if force:
             return None
-        art = self.load(stage, artifact_id(stage, config, parents))
-        art.reused = art.complete
-        return art if art.complete else None
+        art = self.load(job.stage, job.id)
+        if art.status == "corrupt":
+            raise corrupt_error(art)
+        if not art.complete:
+            return None
+        art.other_code = other_code(art.manifest)
+        if art.other_code and strict_cache():
+            return None
+        art.reused = True
+        return art
+
+    def run_stage(self, job: Job, *, force: bool = False, progress=None, group=None) -> Artifact:
+        """Run one stage computation: plan -> lock -> cache check again under the lock -> work ->
+        checksums -> complete. A second identical command waits for the first and returns its
+        artifact; it never reopens a complete one. A failure marks the artifact failed with its
+        one-line reason (its complete files stay, the same command resumes).
+
+        group: the torchrun process group (stages.runtime.dist.group()), None for one process."""
+        log = progress.log if progress is not None else (lambda message: print(message, file=sys.stderr))
+        if group is not None and group.rank != 0:
+            return self._follow(job, group)
+        said = []  # what rank 0 told the other ranks: hit, work or wait (then done or error), or error
+
+        def tell(*word):
+            said.append(word[0])
+            if group is not None:
+                group.broadcast(word)
+
+        try:
+            if (hit := self._hit(job, force, None)) is not None:
+                tell("hit")
+                return hit
+            if job.plan is not None:
+                job.plan()
+            self.make_root()
+            with self.lock(job.stage, job.id, wait=log):
+                if (hit := self._hit(job, force, log)) is not None:
+                    tell("hit")
+                    return hit
+                replace = force or self.load(job.stage, job.id).complete  # --force, or --strict-cache
+                try:
+                    art = self.begin(
+                        job.stage,
+                        job.key,
+                        job.parents,
+                        seed=job.seed,
+                        device=job.device,
+                        extra=job.extra,
+                        force=replace,
+                    )
+                except OSError as exc:
+                    raise DihalError(
+                        f"cannot write under {self.root} ({_reason(exc)}); choose a writable --root"
+                    ) from None
+                tell("work" if job.every_rank and group is not None else "wait")
+                solo = group.solo() if group is not None and not job.every_rank else contextlib.nullcontext()
+                with failing(art):
+                    if job.work is not None:
+                        with solo:  # rank 0's own work runs as one process (its inner stages too)
+                            job.work(art)
+                    if group is not None and job.every_rank:
+                        group.barrier()  # every rank's share is written
+                    art.finish()
+        except BaseException as exc:
+            if not said or said == ["wait"]:  # the others wait for a word (after "work" torchrun ends them)
+                tell("error", str(exc) if isinstance(exc, DihalError) else f"rank 0 failed ({type(exc).__name__})")
+            raise
+        tell("done")
+        return art
+
+    def _hit(self, job: Job, force: bool, log) -> Artifact | None:
+        """The cache hit, if any (log: say why a strict cache recomputes, or whose code made a hit)."""
+        hit = self.cached(job, force=force)
+        if hit is not None:
+            if hit.other_code and log is not None:
+                log(f"cache hit {job.stage}/{job.id} {hit.other_code}; --strict-cache recomputes it")
+            hit.clean_scratch()  # a kill between completion and the resume state's removal left it
+            return hit
+        found = self.load(job.stage, job.id)
+        if log is not None and not force and found.complete:
+            log(f"recomputing {job.stage}/{job.id}: {other_code(found.manifest)}, and --strict-cache is on")
+        return None
+
+    def _follow(self, job: Job, group) -> Artifact:
+        """A rank other than 0: do what rank 0 says, and return the artifact it completed."""
+        word = group.broadcast(None)
+        if word[0] == "work":
+            job.work(self.load(job.stage, job.id))
+            group.barrier()
+        if word[0] in ("work", "wait"):
+            word = group.broadcast(None)
+        if word[0] == "error":
+            raise DihalError(word[1])
+        art = self.load(job.stage, job.id)
+        art.reused = word[0] == "hit"
+        return art
+
+
+def corrupt_error(art: Artifact) -> DihalError:
+    return DihalError(
+        f"{art.stage}/{art.id} is corrupt ({art.manifest.get('error', 'unreadable manifest')}); rerun the "
+        f"command that made it with --force, or remove it with `dihal runs rm {art.id}`"
+    )
+
+
+@contextlib.contextmanager
+def failing(art: Artifact) -> Iterator[None]:
+    """Inside, any failure marks `art` failed with a one-line reason: a DihalError as it is, an OSError
+    (a full disk, a read-only or vanished directory) and CUDA out of memory as one line naming the fix;
+    anything else (a bug) is recorded and raised as it is."""
+    stage, command = art.stage, COMMANDS.get(art.stage, art.stage)
+    try:
+        yield
+    except DihalError as exc:
+        art.fail(str(exc))
+        raise
+    except OSError as exc:  # out of disk, a read-only or vanished directory: keep what is complete
+        message = (
+            f"writing {stage}/{art.id} failed ({_reason(exc)}); free space or fix {art.root}, "
+            "then rerun the same command to resume"
+        )
+        art.fail(message)
+        raise DihalError(message) from None
+    except RuntimeError as exc:
+        if not out_of_gpu_memory(exc):
+            art.fail(f"{type(exc).__name__}: {exc}")
+            raise
+        batch = art.config.get("batch_size")
+        message = (
+            f"out of GPU memory in {command}{f' at batch {batch}' if batch else ''}; "
+            "lower --train-batch / --batch-size, then rerun the same command to resume"
+        )
+        art.fail(message)
+        raise DihalError(message) from None
+    except BaseException as exc:  # a bug or an interrupt: recorded, then raised as it is
+        art.fail(f"{type(exc).__name__}: {exc}"[:500])
+        raise
+
+
+def _iso(seconds: float) -> str:
+    return _dt.datetime.fromtimestamp(seconds, _dt.timezone.utc).isoformat(timespec="microseconds")
+
+
+def _mtime(path: Path) -> float:
+    try:
+        return path.stat().st_mtime
+    except OSError:
+        return 0.0
 
 
 def peak_gpu_memory() -> float | None:

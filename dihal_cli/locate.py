@@ -52,6 +52,9 @@ def extract(
     dtype: str = o.Dtype,
     seed: int = o.Seed,
     force: bool = o.Force,
+    skip_disk_check: bool = typer.Option(
+        False, "--skip-disk-check", help="Start even when the free space is less than the estimate."
+    ),
     dry_run: bool = o.DryRun,
     trust_remote_code: bool = o.Trust,
     root: str = o.Root,
@@ -73,7 +76,7 @@ def extract(
             highlight=False,
             soft_wrap=True,
         )
-    art = stage.run(cfg, ArtifactStore(root), force=force, progress=make_progress())
+    art = stage.run(cfg, ArtifactStore(root), force=force, check_disk=not skip_disk_check, progress=make_progress())
     if o.rank0():
         report(art)
 
@@ -173,7 +176,7 @@ def sweep(
     art = stage.run(
         cfg, parent, score_art, store, force=force, progress=make_progress(), trust_remote_code=trust_remote_code
     )
-    if art is None:  # a rank other than 0 of a layer-sharded sweep: its bridges are in the store
+    if not o.rank0():  # a rank other than 0 of a layer-sharded sweep: its bridges are in the store
         return
     per_layer, variants = stage.tables(art)
     for out in sweep_tables(per_layer, variants, art.manifest["metrics"], protocol, seeds):

@@ -98,6 +98,12 @@ def callback(
         envvar=DIST_TIMEOUT_ENV,
         help="Minutes a torchrun rank waits for the others (a sweep's slowest layer).",
     ),
+    strict_cache: bool = typer.Option(
+        False,
+        "--strict-cache",
+        envvar="DIHAL_STRICT_CACHE",
+        help="Recompute a cached artifact made by other code (another dihal version or git commit); scripts/ set it.",
+    ),
 ) -> None:
     """Stages: extract -> score -> train-bridge -> evaluate / generate; sweep trains one bridge per layer."""
     from dihal.artifacts.errors import DihalError
@@ -115,6 +121,8 @@ def callback(
     os.environ[DIST_TIMEOUT_ENV] = f"{dist_timeout:g}"  # read when a rank joins the process group
     if cache_dir:
         os.environ["DIHAL_CACHE"] = cache_dir
+    if strict_cache:  # read by the store at every cache check (artifacts/store.py strict_cache)
+        os.environ["DIHAL_STRICT_CACHE"] = "1"
     LOG_EVERY["seconds"] = log_every
 
 

@@ -28,7 +28,7 @@ def runs_list(stage: str | None = typer.Option(None, "--stage"), root: str = o.R
 def runs_show(ref: str, root: str = o.Root) -> None:
     """One artifact's manifest and its lineage."""
     store = ArtifactStore(root)
-    art = store.resolve(ref)
+    art = store.resolve(ref, corrupt_ok=True)
     console.print_json(json.dumps(art.manifest, default=str))
     for parent in store.lineage(art):
         console.print(f"  <- {parent.stage} {parent.id} ({parent.status})")
@@ -46,11 +46,13 @@ def runs_latest(stage: str, root: str = o.Root) -> None:
 def runs_verify(
     ref: str | None = typer.Argument(None), all_: bool = typer.Option(False, "--all"), root: str = o.Root
 ) -> None:
-    """Recompute every file's checksum against the manifest; exit 1 when anything is missing or altered."""
+    """Recompute every file's checksum against the manifest; exit 1 when anything is missing, altered or
+    corrupt. --all checks every complete artifact and names every corrupt one."""
     store = ArtifactStore(root)
     if (ref is None) == (not all_):
         raise DihalError("give an artifact ID or --all")
-    arts = [a for a in store.all() if a.complete] if all_ else [store.resolve(ref)]
+    found = store.all() if all_ else [store.resolve(ref, corrupt_ok=True)]
+    arts = [a for a in found if a.complete or a.status == "corrupt"] if all_ else found
     bad = 0
     for art in arts:
         problems = art.verify()
@@ -69,7 +71,7 @@ def runs_rm(
 ) -> None:
     """Remove one artifact (refused while others were made from it, unless --recursive)."""
     store = ArtifactStore(root)
-    for art in store.remove(store.resolve(ref), recursive=recursive):
+    for art in store.remove(store.resolve(ref, corrupt_ok=True), recursive=recursive):
         console.print(f"removed {art.stage}/{art.id}")
 
 
@@ -80,7 +82,8 @@ def runs_gc(
     dry_run: bool = typer.Option(False, "--dry-run", help="List what would be removed."),
     root: str = o.Root,
 ) -> None:
-    """Remove failed and incomplete artifacts older than --older-than (never one being written)."""
+    """Remove failed, incomplete, corrupt and manifest-less artifacts older than --older-than (never one
+    being written)."""
     units = {"s": 1, "m": 60, "h": 3600, "d": 86400}
     try:
         seconds = float(older_than[:-1]) * units[older_than[-1]]

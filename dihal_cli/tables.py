@@ -332,6 +332,8 @@ def runs_table(root, arts: list) -> Table:
     for art in arts:
         cfg = art.config
         keys = [f"{k}={cfg[k]}" for k in ("model", "layer", "layers", "protocol", "mode") if cfg.get(k) is not None]
+        if art.status == "corrupt":  # what is wrong with it, where the parameters would be
+            keys = [art.manifest.get("error", "")]
         created = art.manifest.get("created", "")[5:16].replace("T", " ")  # MM-DD HH:MM
         out.add_row(art.stage, art.id, art.status, created, " ".join(keys), human_size(art.manifest.get("size_bytes")))
     return out

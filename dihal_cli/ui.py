@@ -203,4 +203,5 @@ def dry(command: str, *configs, plan=None) -> None:
 def report(art) -> None:
     """One line: what the stage made or reused, and where it lives."""
     state = "cache hit" if art.reused else "done"
-    console.print(f"[green]{state}[/green]: {art.stage} {art.id} -> {art.path}", highlight=False, soft_wrap=True)
+    made = escape(f" ({art.other_code}; --strict-cache recomputes it)") if art.reused and art.other_code else ""
+    console.print(f"[green]{state}[/green]: {art.stage} {art.id} -> {art.path}{made}", highlight=False, soft_wrap=True)

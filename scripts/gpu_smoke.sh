@@ -10,6 +10,7 @@
 #   on the GPU machine:  bash scripts/gpu_smoke.sh       (carry .whl and .gpu; no network, no install needed)
 #   rehearsal on a CPU:  DEVICE=cpu bash scripts/gpu_smoke.sh     (small blocks, the real vocabularies)
 set -euo pipefail
+export DIHAL_STRICT_CACHE=${DIHAL_STRICT_CACHE:-1}  # a cached artifact made by other code is recomputed (issue 45)
 cd "$(dirname "$0")/.."
 if ls .whl/*.whl >/dev/null 2>&1; then  # what the GPU image lacks: zarr and its codecs, transformers >= 5.24
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/dihal-site .whl/*.whl

@@ -5,6 +5,7 @@
 # elsewhere, the sweep, claim 4) are in scripts/reproduce_cpu.sh.
 #   MODEL=gemma3-270m, SEQUENCES, BRIDGE_STEPS, SELECT, DEVICE, DTYPE and DIHAL_ROOT change what it runs.
 set -euo pipefail
+export DIHAL_STRICT_CACHE=${DIHAL_STRICT_CACHE:-1}  # a cached artifact made by other code is recomputed (issue 45)
 cd "$(dirname "$0")/.."
 MODEL=${MODEL:-smollm2-135m}
 export DIHAL_ROOT=${DIHAL_ROOT:-runs/main-$(basename "$MODEL")}

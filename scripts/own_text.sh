@@ -13,6 +13,7 @@
 # ARMS=pydoc draws no training samples and builds no own or mix extract (it needs only the held-out ones).
 # BRIDGE_ARGS='--train-steps 2000' trains a longer budget, which own_text.py keeps in rows of its own.
 set -euo pipefail
+export DIHAL_STRICT_CACHE=${DIHAL_STRICT_CACHE:-1}  # a cached artifact made by other code is recomputed (issue 45)
 cd "$(dirname "$0")/.."
 MODEL=$1
 export DIHAL_ROOT=${DIHAL_ROOT:-runs/own-text-$MODEL}

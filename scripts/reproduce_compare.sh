@@ -23,6 +23,7 @@
 # Results: $DIHAL_ROOT/compare/<id>/{summary,compare,controls,parts}.csv, compare.json, compare_x*.png;
 # $DIHAL_ROOT/claims.md. DRY_RUN=1 validates the arguments only; NUM_SAMPLES, SEQ_LEN, PROTOCOL override.
 set -euo pipefail
+export DIHAL_STRICT_CACHE=${DIHAL_STRICT_CACHE:-1}  # a cached artifact made by other code is recomputed (issue 45)
 cd "$(dirname "$0")/.."
 DRY=$([ "${DRY_RUN:-0}" = 1 ] && echo --dry-run || true)
 MODEL=${MODEL:-smollm2-135m}

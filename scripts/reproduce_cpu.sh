@@ -8,6 +8,7 @@
 #   usage: scripts/reproduce_cpu.sh MODEL SWEEP_LAYERS     (SKIP_SWEEP=1 leaves the sweep and claim 4
 #          out; DRY_RUN=1 validates every stage's arguments with --dry-run)
 set -euo pipefail
+export DIHAL_STRICT_CACHE=${DIHAL_STRICT_CACHE:-1}  # a cached artifact made by other code is recomputed (issue 45)
 cd "$(dirname "$0")/.."
 MODEL=$1
 SWEEP_LAYERS=$2

@@ -3,6 +3,7 @@
 # It needs the hub (or a populated HF cache) and a GPU. DRY_RUN=1 validates every stage's
 # arguments offline without loading weights or data.
 set -euo pipefail
+export DIHAL_STRICT_CACHE=${DIHAL_STRICT_CACHE:-1}  # a cached artifact made by other code is recomputed (issue 45)
 cd "$(dirname "$0")/.."
 [ "${DRY_RUN:-0}" = 1 ] && export HF_HUB_OFFLINE=1
 dry() { [ "${DRY_RUN:-0}" = 1 ]; }

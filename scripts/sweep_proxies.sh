@@ -6,6 +6,7 @@
 #   SKIP_INIT=zero starts every bridge's skip A at zero instead of the ridge map r2_token measures
 #   (issue 37's tautology check); it shares the extract and the score with the ridge sweep.
 set -euo pipefail
+export DIHAL_STRICT_CACHE=${DIHAL_STRICT_CACHE:-1}  # a cached artifact made by other code is recomputed (issue 45)
 cd "$(dirname "$0")/.."
 MODEL=$1
 LAYERS=$2

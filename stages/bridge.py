@@ -28,6 +28,7 @@ from dihal.stages.runtime.dist import distributed
 from dihal.stages.runtime.progress import NullProgress, Progress
 
 STAGE = "bridge"
+CACHE_VERSION = 1  # bump whenever a bridge's bytes change (tests/test_golden.py says when)
 
 
 # -- data -----------------------------------------------------------------------------------------
@@ -174,7 +175,7 @@ def run(
     progress = progress or NullProgress()
     group = hs.open_with_layers(extract, (0, cfg.layer))
     config, parents = config_dict(cfg), {"extract": extract.id, **check_condition_prior(cfg, extract, prior)}
-    if cached := store.cached(STAGE, config, parents, force=force):
-        return cached
     train_fn = lambda art, report: train(cfg, group, art, report, prior)
-    return trainer.write_trained(store, STAGE, config, parents, extract, cfg, train_fn, force=force, progress=progress)
+    return trainer.write_trained(
+        store, STAGE, CACHE_VERSION, config, parents, extract, cfg, train_fn, force=force, progress=progress
+    )

@@ -27,7 +27,7 @@ import pandas as pd
 
 from dihal.artifacts import hidden_states as hs
 from dihal.artifacts.errors import DihalError
-from dihal.artifacts.store import Artifact, ArtifactStore
+from dihal.artifacts.store import Artifact, ArtifactStore, Job
 from dihal.stages import bridge as bridge_stage
 from dihal.stages import compare_stats, generate_parallel, registry
 from dihal.stages import decoder as decoder_stage
@@ -46,12 +46,12 @@ from dihal.stages.configs import (
     PriorConfig,
 )
 from dihal.stages.lineage import origin
-from dihal.stages.runtime import plotting
+from dihal.stages.runtime import dist, plotting
 from dihal.stages.runtime.progress import NullProgress, Progress
 from dihal.stages.text.text_metrics import token_entropy
 
 STAGE = "compare"
-REVISION = 4  # 2: its AR rows' unprompted generation was fixed; 3: section 5 revision 2; 4: diversity per seed
+CACHE_VERSION = 4  # 2: its AR rows' unprompted generation was fixed; 3: section 5 revision 2; 4: diversity per seed
 
 
 def layers_from_score(score_art: Artifact, cfg: CompareConfig) -> tuple[int, int]:
@@ -219,7 +219,7 @@ def generate_rows(cfg, parts, store, loaded, seed, l_star, worst, progress, back
 
 
 def held_out_texts(extract: Artifact, loaded, n: int) -> tuple[list[str], list[list[int]]]:
-    group = hs.open_group(extract.path / "hidden.zarr")
+    group = hs.open_group(extract)
     seqs = hs.split_indices(group, "validation")[:n]
     ids = np.asarray(group["input_ids"].oindex[seqs])[:, 1:]
     eos = loaded.tokenizer.eos_token_id
@@ -365,7 +365,7 @@ def check(cfg: CompareConfig, extract: Artifact, score_art: Artifact) -> Plan:
     primary = eval_stage.second_evaluator(cfg.evaluator, backbone)
     if primary == backbone:
         raise DihalError(f"--evaluator {primary} is the backbone; the primary evaluator must be another model")
-    group = hs.open_group(extract.path / "hidden.zarr")
+    group = hs.open_group(extract)
     n_val = len(hs.split_indices(group, "validation"))
     if cfg.controls and n_val < cfg.num_samples:
         raise DihalError(
@@ -457,12 +457,10 @@ def run(
     progress = progress or NullProgress()
     plan = check(cfg, extract, score_art)
     config = {**cfg.hashed(), "l_star": plan.l_star, "worst": plan.worst, "evaluator": plan.primary}
-    config["revision"] = REVISION
     parents = {"extract": extract.id, "score": score_art.id}
-    if cached := store.cached(STAGE, config, parents, force=force):
-        return cached
     extra = {"model": extract.manifest.get("model")}
-    with store.writing(STAGE, config, parents, force=force, device=cfg.device, extra=extra) as art:
+
+    def work(art: Artifact) -> None:
         start = time.time()
         got = collect(cfg, plan, extract, store, load_model, progress)
         named = layer_names(plan.l_star, plan.worst, cfg.oracle, plan.short)
@@ -474,4 +472,6 @@ def run(
             got["samples"], got["h_ref"], cfg, ours, baselines, evaluator, got["texts"], dihal=dihal
         )
         write(art, cfg, plan, got, stats, ours, time.time() - start)
-    return art
+
+    job = Job(STAGE, CACHE_VERSION, config, parents, work, None, None, cfg.device, extra)
+    return store.run_stage(job, force=force, progress=progress, group=dist.group())

@@ -16,7 +16,7 @@ from dataclasses import asdict
 import pandas as pd
 
 from dihal.artifacts.errors import DihalError
-from dihal.artifacts.store import Artifact, ArtifactStore
+from dihal.artifacts.store import Artifact, ArtifactStore, Job
 from dihal.stages import bridge as bridge_stage
 from dihal.stages import evaluate as eval_stage
 from dihal.stages import generate as gen_stage
@@ -26,6 +26,7 @@ from dihal.stages.runtime import dist
 from dihal.stages.runtime.progress import NullProgress, Progress
 
 STAGE = "confirm"
+CACHE_VERSION = 1  # bump whenever this stage's bytes change (tests/test_golden.py says when)
 
 
 def resolve_layers(cfg: ConfirmConfig, sweep_art: Artifact) -> dict[int, str]:
@@ -58,15 +59,12 @@ def run(
         **asdict(cfg),
         "layers": layers,
         "evaluator": eval_stage.second_evaluator(cfg.evaluator, backbone),
-        "revision": gen_stage.REVISION,  # its generations are unprompted hybrid ones
+        "generate_version": gen_stage.CACHE_VERSION,  # its generations are unprompted hybrid ones
     }
     parents = {"sweep": sweep_art.id, "extract": extract.id}
-    if cached := store.cached(STAGE, config, parents, force=force):
-        return cached
     seq_len = origin(extract).seq_len
-    with store.writing(
-        STAGE, config, parents, force=force, device=cfg.device, extra={"model": extract.manifest.get("model")}
-    ) as art:
+
+    def work(art: Artifact) -> None:
         models: dict = {}
 
         def model(spec: str):
@@ -97,7 +95,11 @@ def run(
         result = {"layers": layers, "evaluator": config["evaluator"], "rows": summary.to_dict("records")}
         art.file("confirm.json").write_text(json.dumps(result, indent=2, default=float))
         art.manifest["metrics"] = {"layers": layers, "evaluator": config["evaluator"], "seeds": list(cfg.seeds)}
-    return art
+
+    job = Job(
+        STAGE, CACHE_VERSION, config, parents, work, None, None, cfg.device, {"model": extract.manifest.get("model")}
+    )
+    return store.run_stage(job, force=force, progress=progress, group=dist.group())
 
 
 def measure(
@@ -108,7 +110,7 @@ def measure(
     fcfg = eval_stage.FidelityConfig(
         sample_steps=(cfg.sample_steps,), limit=cfg.eval_limit, seed=seed, device=cfg.device, dtype=cfg.dtype
     )
-    fresh = store.cached(eval_stage.STAGE, {"kind": "fidelity", **asdict(fcfg)}, {"bridge": bridge_art.id}) is None
+    fresh = not eval_stage.fidelity_cached(fcfg, bridge_art, store)
     fid = eval_stage.run_fidelity(fcfg, bridge_art, store, loaded=model(evaluators["backbone"]) if fresh else None)
     fid = fid.manifest["metrics"]["fidelity"][0]
     gcfg = gen_stage.GenerateConfig(
@@ -129,7 +131,7 @@ def measure(
     }
     for name, spec in evaluators.items():
         scfg = eval_stage.SamplesConfig(evaluator=spec, limit=cfg.num_samples, device=cfg.device, dtype=cfg.dtype)
-        fresh = store.cached(eval_stage.STAGE, {"kind": "samples", **asdict(scfg)}, {"generate": gen.id}) is None
+        fresh = not eval_stage.samples_cached(scfg, gen, store)
         res = eval_stage.run_samples(scfg, gen, store, loaded=model(spec) if fresh else None)
         metrics = res.manifest["metrics"]["rows"][0]
         row[f"gen_ppl_token_{name}"], row[f"gen_ppl_mean_{name}"] = metrics["gen_ppl_token"], metrics["gen_ppl_mean"]

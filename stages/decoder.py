@@ -37,12 +37,9 @@ from dihal.stages.runtime.progress import NullProgress, Progress
 
 STAGE = "decoder"
 # 2: the token input and output are the backbone's frozen embedding table (section 5 revision 2); a
-#    revision-1 decoder trained its own vocabulary-sized table and head, and its weights do not load.
-REVISION = 2
-
-
-def hashed(cfg: DecoderTrainConfig) -> dict:
-    return {**part_hash(cfg), "revision": REVISION}
+#    version-1 decoder trained its own vocabulary-sized table and head, and its weights do not load.
+#    Bump whenever a decoder's bytes change (tests/test_golden.py says when).
+CACHE_VERSION = 2
 
 
 class DecoderTask:
@@ -148,12 +145,12 @@ def run(
     (its embedding table is read from it), else it is read once on the run's device and dtype."""
     progress = progress or NullProgress()
     group = hs.open_with_layers(extract, (0,))
-    config, parents = hashed(cfg), {"extract": extract.id, **check_condition_prior(cfg, extract, prior)}
-    if cached := store.cached(STAGE, config, parents, force=force):
-        return cached
+    config, parents = part_hash(cfg), {"extract": extract.id, **check_condition_prior(cfg, extract, prior)}
 
     def train_fn(art, report):
         table = frozen_table(extract, cfg, loaded)
         return train(cfg, group, art, table, report, condition_prior(prior, cfg))
 
-    return trainer.write_trained(store, STAGE, config, parents, extract, cfg, train_fn, force=force, progress=progress)
+    return trainer.write_trained(
+        store, STAGE, CACHE_VERSION, config, parents, extract, cfg, train_fn, force=force, progress=progress
+    )

@@ -11,20 +11,22 @@ import torch
 
 from dihal.artifacts import hidden_states as hs
 from dihal.artifacts.errors import DihalError
-from dihal.artifacts.store import Artifact, ArtifactStore
+from dihal.artifacts.store import Artifact, ArtifactStore, Job
 from dihal.stages.configs import FidelityConfig, SamplesConfig
 from dihal.stages.fidelity import evaluate_fidelity
 from dihal.stages.lineage import backbone_for, origin, same_model, trained_on
 from dihal.stages.lm.hybrid import lm_logits
 from dihal.stages.lm.models import LoadedModel, load_model
 from dihal.stages.parts.bridge import Bridge
+from dihal.stages.runtime import dist
 from dihal.stages.text.data import DataConfig, check, pack, start_token
 
 STAGE = "evaluate"
+CACHE_VERSION = 1  # bump whenever this stage's bytes change (tests/test_golden.py says when)
 
 
 def validation_ids(extract: Artifact, limit: int) -> torch.Tensor:
-    group = hs.open_group(extract.path / "hidden.zarr")
+    group = hs.open_group(extract)
     seqs = hs.split_indices(group, "validation")[:limit]
     if seqs.size == 0:
         raise DihalError(f"extract {extract.id} has no validation sequences to evaluate on")
@@ -68,6 +70,22 @@ def check_inputs(cfg: FidelityConfig) -> None:
         check(DataConfig(dataset=cfg.dataset))
 
 
+def fidelity_cached(cfg: FidelityConfig, bridge_art: Artifact, store: ArtifactStore) -> bool:
+    """Whether the fidelity of bridge_art on its own validation split is in the store (then no model loads)."""
+    return (
+        store.cached(Job(STAGE, CACHE_VERSION, {"kind": "fidelity", **asdict(cfg)}, {"bridge": bridge_art.id}))
+        is not None
+    )
+
+
+def samples_cached(cfg: SamplesConfig, gen_art: Artifact, store: ArtifactStore) -> bool:
+    """Whether the scores of gen_art's samples are in the store."""
+    return (
+        store.cached(Job(STAGE, CACHE_VERSION, {"kind": "samples", **asdict(cfg)}, {"generate": gen_art.id}))
+        is not None
+    )
+
+
 def run_fidelity(
     cfg: FidelityConfig,
     bridge_art: Artifact,
@@ -98,17 +116,9 @@ def run_fidelity(
         parents["generate"] = samples.id
     if held_out is not None:
         parents["extract"] = held_out.id
-    if cached := store.cached(STAGE, config, parents, force=force):
-        return cached
-    with store.writing(
-        STAGE,
-        config,
-        parents,
-        force=force,
-        seed=cfg.seed,
-        device=cfg.device,
-        extra={"model": bridge_art.manifest.get("model")},
-    ) as art:
+
+    def work(art: Artifact) -> None:
+        nonlocal loaded
         loaded = loaded or backbone_for(bridge_art, cfg.device, cfg.dtype, trust_remote_code)
         bridge = Bridge.load(bridge_art, cfg.device)
         seq_len = origin(bridge_art).seq_len
@@ -140,7 +150,19 @@ def run_fidelity(
         }
         art.file("results.json").write_text(json.dumps({**summary, "fidelity": rows}, indent=2))
         art.manifest["metrics"] = {**summary, "fidelity": rows}
-    return art
+
+    job = Job(
+        STAGE,
+        CACHE_VERSION,
+        config,
+        parents,
+        work,
+        None,
+        cfg.seed,
+        cfg.device,
+        {"model": bridge_art.manifest.get("model")},
+    )
+    return store.run_stage(job, force=force, group=dist.group())
 
 
 OTHER_BUILTIN = {"smollm2-135m": "gemma3-270m", "gemma3-270m": "smollm2-135m"}
@@ -252,11 +274,9 @@ def run_samples(
     from dihal.stages.text.text_metrics import text_metrics, token_entropy
 
     config, parents = {"kind": "samples", **asdict(cfg)}, {"generate": gen_art.id}
-    if cached := store.cached(STAGE, config, parents, force=force):
-        return cached
-    with store.writing(
-        STAGE, config, parents, force=force, device=cfg.device, extra={"model": gen_art.manifest.get("model")}
-    ) as art:
+
+    def work(art: Artifact) -> None:
+        nonlocal loaded
         spec = cfg.evaluator or origin(gen_art).model
         loaded = loaded or load_model(spec, cfg.device, cfg.dtype, trust_remote_code=trust_remote_code)
         rows, per_sample = [], []
@@ -291,4 +311,8 @@ def run_samples(
         pd.DataFrame(per_sample).to_csv(art.file("per_sample.csv"), index=False)  # for intervals over samples
         art.file("results.json").write_text(json.dumps({"evaluator": spec, "rows": rows}, indent=2))
         art.manifest["metrics"] = {"evaluator": spec, "rows": rows}
-    return art
+
+    job = Job(
+        STAGE, CACHE_VERSION, config, parents, work, None, None, cfg.device, {"model": gen_art.manifest.get("model")}
+    )
+    return store.run_stage(job, force=force, group=dist.group())

@@ -7,7 +7,6 @@ the same bytes as an uninterrupted one. Under torchrun, rank r takes chunks r, r
 
 from __future__ import annotations
 
-import contextlib
 import math
 import os
 import shutil
@@ -19,7 +18,7 @@ import torch
 
 from dihal.artifacts import hidden_states as hs
 from dihal.artifacts.errors import DihalError
-from dihal.artifacts.store import Artifact, ArtifactStore, artifact_id
+from dihal.artifacts.store import Artifact, ArtifactStore, Job, dir_size
 from dihal.stages.configs import ExtractConfig, parse_layers
 from dihal.stages.lineage import same_model
 from dihal.stages.lm.capture import capture_layers, run_capture
@@ -29,6 +28,7 @@ from dihal.stages.runtime.progress import NullProgress, Progress
 from dihal.stages.text import data as data_mod
 
 STAGE = "extract"
+CACHE_VERSION = 1  # bump whenever the bytes an extract writes change (tests/test_golden.py says when)
 FLOAT16_MAX = 65504.0
 AUTO_HEADROOM = 4.0  # --store-dtype auto: float16 only for a layer whose first batch stays under 65504 / 4
 
@@ -36,6 +36,8 @@ AUTO_HEADROOM = 4.0  # --store-dtype auto: float16 only for a layer whose first 
 def resolved_config(cfg: ExtractConfig) -> dict:
     """What the artifact id hashes: the flags plus what makes the inputs unique."""
     resolved = {**asdict(cfg), "data": cfg.data.hashed()}
+    if digests := data_mod.content_digests(cfg.data):  # local files: their content, not only their path
+        resolved["data_sha256"] = digests
     if "pydoc" in cfg.data.sources:
         resolved["pydoc_python"] = data_mod.python_version_tag()
     if cfg.store_dtype != "float32":  # float16 layers keep position 0 apart (pos0/<l>) and auto scales them
@@ -250,102 +252,103 @@ def run(
     progress: Progress | None = None,
     loaded: LoadedModel | None = None,
 ) -> Artifact:
-    """Extract, resuming a partial artifact of the same config; returns the complete artifact."""
+    """Extract, resuming a partial artifact of the same config; returns the complete artifact. Under
+    torchrun every rank loads the model and writes its chunks; rank 0 owns the artifact."""
     progress = progress or NullProgress()
     cfg = resolve_sources(cfg, store)
+
+    def checks() -> None:
+        plan(cfg) if loaded is None else data_mod.check(cfg.data)
+        check_generated(cfg.data, store)
+
+    def work(art: Artifact) -> None:
+        _extract(cfg, store, art, loaded, check_disk, progress)
+
     config, parents = resolved_config(cfg), source_parents(cfg)
-    if cached := store.cached(STAGE, config, parents, force=force):
-        return cached
-    store.make_root()
-    plan(cfg) if loaded is None else data_mod.check(cfg.data)
-    check_generated(cfg.data, store)
+    job = Job(STAGE, CACHE_VERSION, config, parents, work, checks, cfg.data.seed, cfg.device, every_rank=True)
+    return store.run_stage(job, force=force, progress=progress, group=dist.group())
+
+
+def _extract(cfg: ExtractConfig, store, art: Artifact, loaded, check_disk: bool, progress: Progress) -> None:
     rank, world = dist.world()
     loaded = loaded or load_model(cfg.model, cfg.device, cfg.dtype, cfg.revision, cfg.trust_remote_code)
     layers = parse_layers(cfg.layers, loaded.num_blocks)
     generated = generated_documents(cfg.data, store, loaded)
     packed = data_mod.pack(cfg.data, loaded.tokenizer, loaded.max_positions, generated)
     n_seq, seq_len = packed.input_ids.shape[0], cfg.data.seq_len
-    est = disk_estimate(cfg, n_seq, loaded.width, len(layers))
-    progress.log(
-        f"plan: {n_seq} sequences x {seq_len} tokens, {len(layers)} layers, "
-        f"about {est / 2**20:.1f} MiB on disk under {store.root}"
-    )
-    if check_disk and not force:
-        free = shutil.disk_usage(store.make_root()).free
-        if est > free:
+    zarr_path = art.path / "hidden.zarr"
+    if rank == 0:  # rank 0 owns the artifact: its manifest, its group, the disk check
+        earlier = art.previous.get("dataset_fingerprint")
+        if earlier is not None and earlier != packed.fingerprint:
             raise DihalError(
-                f"extraction needs about {est / 2**30:.2f} GiB but {store.root} has {free / 2**30:.2f} GiB free; "
-                "lower --max-sequences or pass --force"
+                f"the data of extract {art.id} changed since it started (fingerprint {earlier[:12]}, now "
+                f"{packed.fingerprint[:12]}); restore it, or rerun with --force to extract it anew"
             )
-    art_id = artifact_id(STAGE, config, parents)
-    zarr_path = store.root / STAGE / art_id / "hidden.zarr"
-    with contextlib.ExitStack() as held:
-        if rank == 0:  # rank 0 owns the artifact (and its lock) for the whole extraction
-            art = held.enter_context(
-                store.writing(
-                    STAGE,
-                    config,
-                    parents,
-                    seed=cfg.data.seed,
-                    device=str(loaded.device),
-                    force=force,
-                    extra={
-                        "model": loaded.identity,
-                        "dataset_fingerprint": packed.fingerprint,
-                        "n_documents": packed.n_documents,
-                        "world_size": world,
-                        **({"sources": packed.sources} if packed.sources else {}),
-                    },
-                )
+        est = disk_estimate(cfg, n_seq, loaded.width, len(layers))
+        written = dir_size(art.path)
+        progress.log(
+            f"plan: {n_seq} sequences x {seq_len} tokens, {len(layers)} layers, "
+            f"about {est / 2**20:.1f} MiB on disk under {store.root}"
+            + (f" ({written / 2**20:.1f} MiB written already)" if written else "")
+        )
+        free = shutil.disk_usage(store.root).free
+        if check_disk and max(est - written, 0) > free:
+            raise DihalError(
+                f"extraction needs about {max(est - written, 0) / 2**30:.2f} GiB more but {store.root} has "
+                f"{free / 2**30:.2f} GiB free; free space, lower --max-sequences or pass --skip-disk-check"
             )
-            if not (zarr_path / "zarr.json").exists():
-                first = torch.from_numpy(packed.input_ids[: cfg.batch_size].astype(np.int64)).to(loaded.device)
-                with torch.no_grad(), capture_layers(loaded.model, layers) as captured:
-                    first_states = check_finite(run_capture(loaded.model, captured, first), loaded)
-                    dtypes, scales = choose_storage(first_states, cfg.store_dtype)
-                building = zarr_path.with_name("hidden.zarr.tmp")  # renamed once split and pool are in
-                shutil.rmtree(building, ignore_errors=True)
-                group = hs.create(
-                    building,
-                    layers,
-                    n_seq,
-                    seq_len,
-                    loaded.width,
-                    dtypes,
-                    cfg.batch_size,
-                    {
-                        "num_blocks": loaded.num_blocks,
-                        "model": loaded.identity["name"],
-                        "start_token": packed.start_token,
-                    },
-                    scales,
-                )
-                group["split"][:] = packed.split
-                if packed.source is not None:  # a mix: which source each sequence came from
-                    np.save(art.file("source.npy"), packed.source)
-                if cfg.score_pool:
-                    hs.create_pool(group, layers, loaded.width, dtypes, cfg.score_pool, cfg.data.seed)
-                os.replace(building, zarr_path)
+        art.manifest.update(
+            model=loaded.identity,
+            dataset_fingerprint=packed.fingerprint,
+            n_documents=packed.n_documents,
+            world_size=world,
+            **({"sources": packed.sources} if packed.sources else {}),
+        )
+        art.manifest["environment"]["device"] = str(loaded.device)
+        art.save_manifest()
+        if not (zarr_path / "zarr.json").exists():
+            first = torch.from_numpy(packed.input_ids[: cfg.batch_size].astype(np.int64)).to(loaded.device)
+            with torch.no_grad(), capture_layers(loaded.model, layers) as captured:
+                first_states = check_finite(run_capture(loaded.model, captured, first), loaded)
+                dtypes, scales = choose_storage(first_states, cfg.store_dtype)
+            building = zarr_path.with_name("hidden.zarr.tmp")  # renamed once split and pool are in
+            shutil.rmtree(building, ignore_errors=True)
+            group = hs.create(
+                building,
+                layers,
+                n_seq,
+                seq_len,
+                loaded.width,
+                dtypes,
+                cfg.batch_size,
+                {"num_blocks": loaded.num_blocks, "model": loaded.identity["name"], "start_token": packed.start_token},
+                scales,
+            )
+            group["split"][:] = packed.split
+            if packed.source is not None:  # a mix: which source each sequence came from
+                np.save(art.file("source.npy"), packed.source)
+            if cfg.score_pool:
+                hs.create_pool(group, layers, loaded.width, dtypes, cfg.score_pool, cfg.data.seed)
+            os.replace(building, zarr_path)
+    dist.barrier_all(world)
+    group = hs.open_for_writing(zarr_path)
+    try:
+        _extract_chunks(loaded, group, packed.input_ids, layers, cfg, rank, world, progress)
+    finally:
         dist.barrier_all(world)
-        group = hs.open_for_writing(zarr_path)
-        try:
-            _extract_chunks(loaded, group, packed.input_ids, layers, cfg, rank, world, progress)
-        finally:
-            dist.barrier_all(world)
-        if rank == 0:
-            art.manifest["metrics"] = {
-                "n_sequences": int(n_seq),
-                "n_train": int((packed.split == 0).sum()),
-                "n_validation": int((packed.split == 1).sum()),
-                "layers": layers,
-                "seq_len": seq_len,
-                "width": loaded.width,
-                "num_blocks": loaded.num_blocks,
-                "store_dtypes": hs.layer_dtypes(group),
-                "store_scales": {k: v for k, v in hs.layer_scales(group).items() if v != 1.0},
-                "start_token": packed.start_token,
-            }
-    return store.load(STAGE, art_id)
+    if rank == 0:
+        art.manifest["metrics"] = {
+            "n_sequences": int(n_seq),
+            "n_train": int((packed.split == 0).sum()),
+            "n_validation": int((packed.split == 1).sum()),
+            "layers": layers,
+            "seq_len": seq_len,
+            "width": loaded.width,
+            "num_blocks": loaded.num_blocks,
+            "store_dtypes": hs.layer_dtypes(group),
+            "store_scales": {k: v for k, v in hs.layer_scales(group).items() if v != 1.0},
+            "start_token": packed.start_token,
+        }
 
 
 def resolve_sources(cfg: ExtractConfig, store: ArtifactStore) -> ExtractConfig:
@@ -365,7 +368,7 @@ def source_parents(cfg: ExtractConfig) -> dict:
 
 
 def artifact_id_for(cfg: ExtractConfig) -> str:
-    return artifact_id(STAGE, resolved_config(cfg), source_parents(cfg))
+    return Job(STAGE, CACHE_VERSION, resolved_config(cfg), source_parents(cfg)).id
 
 
 def _extract_chunks(

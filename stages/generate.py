@@ -17,22 +17,23 @@ import torch
 from transformers import DynamicCache
 
 from dihal.artifacts.errors import DihalError
-from dihal.artifacts.store import Artifact, ArtifactStore
+from dihal.artifacts.store import Artifact, ArtifactStore, Job
 from dihal.stages.configs import GenerateConfig
 from dihal.stages.lm import decoding
 from dihal.stages.lm.capture import hidden_states
 from dihal.stages.lm.hybrid import suffix_model
 from dihal.stages.lm.models import LoadedModel, locate
 from dihal.stages.parts.bridge import Bridge
-from dihal.stages.runtime import clock
+from dihal.stages.runtime import clock, dist
 from dihal.stages.runtime.progress import NullProgress, Progress
 from dihal.stages.text.data import start_token
 
 STAGE = "generate"
 # 2: the cached sampler fed the start token's stored state at every position of an unprompted
-#    hybrid generation (a start-token-only prefix), so its samples ignored the bridge. Only those
-#    artifacts were wrong, so only theirs carry the revision in their cache key.
-REVISION = 2
+#    hybrid generation (a start-token-only prefix), so its samples ignored the bridge. Bump whenever
+#    the samples a generation writes change (tests/test_golden.py says when). Parallel generation
+#    (stages/generate_parallel.py) shares it.
+CACHE_VERSION = 2
 
 
 def sample_token(logits: torch.Tensor, cfg: GenerateConfig, gen: torch.Generator) -> torch.Tensor:
@@ -196,29 +197,18 @@ def run(
     progress = progress or NullProgress()
     if cfg.baseline == "original-only":
         return run_original(cfg, store, loaded, force=force, progress=progress)
-    config, parents = cfg.hashed(), {"bridge": bridge_art.id}
-    if cfg.cache and "" in (cfg.prompts or ("",)):  # unprompted: made before the fix of REVISION 2
-        config["revision"] = REVISION
-    if cached := store.cached(STAGE, config, parents, force=force):
-        return cached
-    with store.writing(
-        STAGE,
-        config,
-        parents,
-        force=force,
-        seed=cfg.seed,
-        device=cfg.device,
-        extra={"model": bridge_art.manifest.get("model"), "extract_config": bridge_art.manifest.get("extract_config")},
-    ) as art:
-        loaded = loaded() if callable(loaded) else loaded
+
+    def work(art: Artifact) -> None:
+        nonlocal cfg
+        model = loaded() if callable(loaded) else loaded
         bridge = Bridge.load(bridge_art, cfg.device)
-        cfg = corpus_prompts(cfg, loaded.tokenizer)
-        check_length(loaded.tokenizer, bridge, cfg)
+        cfg = corpus_prompts(cfg, model.tokenizer)
+        check_length(model.tokenizer, bridge, cfg)
         total = len(cfg.prompts or [""]) * cfg.num_samples * (2 if cfg.baseline == "original" else 1)
         progress.start("generate", total, "sample")
-        outputs = {"samples.jsonl": generate_all(loaded, bridge, cfg, progress)}
+        outputs = {"samples.jsonl": generate_all(model, bridge, cfg, progress)}
         if cfg.baseline == "original":
-            outputs["samples_original.jsonl"] = generate_all(loaded, None, cfg, progress)
+            outputs["samples_original.jsonl"] = generate_all(model, None, cfg, progress)
         progress.stop()
         metrics = {}
         for name, rows in outputs.items():
@@ -226,7 +216,10 @@ def run(
             metrics[rows[0]["model"]] = timing(rows)
         art.manifest["metrics"] = metrics
         art.manifest["decoding"] = decoding.describe(cfg.decoding_temperature, cfg.top_p, cfg.top_k)
-    return art
+
+    extra = {"model": bridge_art.manifest.get("model"), "extract_config": bridge_art.manifest.get("extract_config")}
+    job = Job(STAGE, CACHE_VERSION, cfg.hashed(), {"bridge": bridge_art.id}, work, None, cfg.seed, cfg.device, extra)
+    return store.run_stage(job, force=force, progress=progress, group=dist.group())
 
 
 def timing(rows: list[dict]) -> dict[str, float]:
@@ -246,23 +239,25 @@ def run_original(
     parent), in samples.jsonl; what `dihal extract --dataset generate:<ID>` reads as the model's text."""
     progress = progress or NullProgress()
     locate(cfg.model)  # a bad --model is one line before anything else
-    if cached := store.cached(STAGE, cfg.hashed(), {}, force=force):
-        return cached
-    extra = {"extract_config": {"model": cfg.model, "revision": None}}  # what origin() reads
-    with store.writing(STAGE, cfg.hashed(), {}, force=force, seed=cfg.seed, device=cfg.device, extra=extra) as art:
-        loaded = loaded() if callable(loaded) else loaded
-        art.manifest["model"] = loaded.identity
-        cfg = corpus_prompts(cfg, loaded.tokenizer)
-        longest = max(len(prompt_ids(loaded.tokenizer, p)) for p in cfg.prompts or ("",))
-        if loaded.max_positions and longest + cfg.max_new_tokens > loaded.max_positions:
+
+    def work(art: Artifact) -> None:
+        nonlocal cfg
+        model = loaded() if callable(loaded) else loaded
+        art.manifest["model"] = model.identity
+        cfg = corpus_prompts(cfg, model.tokenizer)
+        longest = max(len(prompt_ids(model.tokenizer, p)) for p in cfg.prompts or ("",))
+        if model.max_positions and longest + cfg.max_new_tokens > model.max_positions:
             raise DihalError(
                 f"the start token and prompt ({longest} tokens) plus --max-new-tokens {cfg.max_new_tokens} exceed "
-                f"the model's context of {loaded.max_positions}; use a smaller --max-new-tokens"
+                f"the model's context of {model.max_positions}; use a smaller --max-new-tokens"
             )
         progress.start("generate", len(cfg.prompts or [""]) * cfg.num_samples, "sample")
-        rows = generate_all(loaded, None, cfg, progress)
+        rows = generate_all(model, None, cfg, progress)
         progress.stop()
         art.file("samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
         art.manifest["metrics"] = {"original": timing(rows)}
         art.manifest["decoding"] = decoding.describe(cfg.decoding_temperature, cfg.top_p, cfg.top_k)
-    return art
+
+    extra = {"extract_config": {"model": cfg.model, "revision": None}}  # what origin() reads
+    job = Job(STAGE, CACHE_VERSION, cfg.hashed(), {}, work, None, cfg.seed, cfg.device, extra)
+    return store.run_stage(job, force=force, progress=progress, group=dist.group())

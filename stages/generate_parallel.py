@@ -21,14 +21,14 @@ from dataclasses import astuple
 import torch
 
 from dihal.artifacts.errors import DihalError
-from dihal.artifacts.store import COMMANDS, Artifact, ArtifactStore
+from dihal.artifacts.store import COMMANDS, Artifact, ArtifactStore, Job
 from dihal.stages.configs import GenerateConfig
-from dihal.stages.generate import STAGE, truncate_at_eos
+from dihal.stages.generate import CACHE_VERSION, STAGE, truncate_at_eos
 from dihal.stages.lineage import origin
 from dihal.stages.lm import decoding
 from dihal.stages.lm.models import LoadedModel
 from dihal.stages.registry import RECOVERIES, resolve
-from dihal.stages.runtime import clock
+from dihal.stages.runtime import clock, dist
 from dihal.stages.runtime.progress import NullProgress, Progress
 
 
@@ -143,7 +143,7 @@ def held_out(prior_art: Artifact, store: ArtifactStore, n: int) -> None:
     from dihal.artifacts import hidden_states as hs
 
     extract = store.load("extract", prior_art.manifest["parents"]["extract"])
-    split = np.asarray(hs.open_group(extract.path / "hidden.zarr")["split"][:])
+    split = np.asarray(hs.open_group(extract)["split"][:])
     have = int((split == hs.SPLITS["validation"]).sum())
     if have < n:
         raise DihalError(
@@ -167,7 +167,7 @@ def oracle_states(prior, prior_art: Artifact, store: ArtifactStore, n: int) -> t
     from dihal.artifacts import hidden_states as hs
 
     extract = store.load("extract", prior_art.manifest["parents"]["extract"])
-    group = hs.open_group(extract.path / "hidden.zarr")
+    group = hs.open_group(extract)
     val = hs.split_indices(group, "validation")
     raw = torch.from_numpy(hs.read_sequences(group, prior.layer, val[:n])[:, 1:].astype(np.float32))
     return (raw.to(prior.mu.device) - prior.mu) / prior.sigma
@@ -195,10 +195,10 @@ def run_parallel(
         held_out(prior_art, store, cfg.num_samples)
     parents = {"prior": prior_art.id, **({recovery_art.stage: recovery_art.id} if recovery_art is not None else {})}
     config = cfg.hashed()
-    if cached := store.cached(STAGE, config, parents, force=force):
-        return cached
     extra = {"model": prior_art.manifest.get("model"), "extract_config": prior_art.manifest.get("extract_config")}
-    with store.writing(STAGE, config, parents, force=force, seed=cfg.seed, device=cfg.device, extra=extra) as art:
+
+    def work(art: Artifact) -> None:
+        nonlocal loaded
         loaded = loaded() if callable(loaded) else loaded
         prior = Prior.load(prior_art, cfg.device)
         tables = []  # the raw embedding table, computed once if clamping, rounding or a decoder needs it
@@ -252,4 +252,6 @@ def run_parallel(
             **(recovery.describe() if hasattr(recovery, "describe") else {}),
         }
         art.manifest["decoding"] = decoding.describe(cfg.decoding_temperature, cfg.top_p, cfg.top_k)
-    return art
+
+    job = Job(STAGE, CACHE_VERSION, config, parents, work, None, cfg.seed, cfg.device, extra)
+    return store.run_stage(job, force=force, progress=progress, group=dist.group())

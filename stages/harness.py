@@ -16,11 +16,13 @@ from pathlib import Path
 import pandas as pd
 
 from dihal.artifacts.errors import DihalError
-from dihal.artifacts.store import Artifact, ArtifactStore
+from dihal.artifacts.store import Artifact, ArtifactStore, Job
 from dihal.stages.configs import HarnessConfig
+from dihal.stages.runtime import dist
 from dihal.stages.runtime.progress import NullProgress, Progress
 
 STAGE = "evaluate"
+CACHE_VERSION = 1  # bump whenever this stage's bytes change (tests/test_golden.py says when)
 BOOTSTRAP = 1000  # the harness's bootstrap draws for each metric's standard error (its default, 100000, takes minutes)
 INSTALL = "pip install 'dihal[eval]'"
 
@@ -75,17 +77,8 @@ def run(
     manager = task_manager(cfg)
     config = {"kind": "lm_eval", **asdict(cfg), "include": include_digest(cfg.include)}
     parents = {"bridge": bridge_art.id}
-    if cached := store.cached(STAGE, config, parents, force=force):
-        return cached
-    with store.writing(
-        STAGE,
-        config,
-        parents,
-        force=force,
-        seed=cfg.seed,
-        device=cfg.device,
-        extra={"model": bridge_art.manifest.get("model")},
-    ) as art:
+
+    def work(art: Artifact) -> None:
         from lm_eval.models.huggingface import HFLM
 
         from dihal.stages.hybrid_lm import HybridForCausalLM
@@ -132,7 +125,19 @@ def run(
             "max_length": hybrid.positions,
             "layer": hybrid.config.layer,
         }
-    return art
+
+    job = Job(
+        STAGE,
+        CACHE_VERSION,
+        config,
+        parents,
+        work,
+        None,
+        cfg.seed,
+        cfg.device,
+        {"model": bridge_art.manifest.get("model")},
+    )
+    return store.run_stage(job, force=force, progress=progress, group=dist.group())
 
 
 def _version() -> str:

@@ -40,6 +40,7 @@ from dihal.stages.runtime.dist import distributed
 from dihal.stages.runtime.progress import NullProgress, Progress
 
 STAGE = "autoencoder"
+CACHE_VERSION = 1  # bump whenever an autoencoder's bytes change (tests/test_golden.py says when)
 RESAMPLER_DEPTH = 2
 
 
@@ -211,7 +212,7 @@ def run(
     progress = progress or NullProgress()
     group = hs.open_with_layers(extract, (0,))
     config, parents = asdict(cfg), {"extract": extract.id}
-    if cached := store.cached(STAGE, config, parents, force=force):
-        return cached
     train_fn = lambda art, report: train(cfg, group, art, frozen_table(extract, cfg, loaded), report)
-    return trainer.write_trained(store, STAGE, config, parents, extract, cfg, train_fn, force=force, progress=progress)
+    return trainer.write_trained(
+        store, STAGE, CACHE_VERSION, config, parents, extract, cfg, train_fn, force=force, progress=progress
+    )

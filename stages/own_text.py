@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from dihal.artifacts.errors import DihalError
-from dihal.artifacts.store import Artifact, ArtifactStore, artifact_id
+from dihal.artifacts.store import Artifact, ArtifactStore, Job
 from dihal.stages import generate
 from dihal.stages.configs import DataConfig, ExtractConfig, GenerateConfig, OwnTextConfig
 from dihal.stages.extract import given_sequences
@@ -116,7 +116,7 @@ def samples_config(cfg: OwnTextConfig, ecfg: ExtractConfig) -> GenerateConfig:
 
 def samples_id(cfg: OwnTextConfig, ecfg: ExtractConfig) -> str:
     """The id the samples have (or will have): what a dry run shows before anything is made."""
-    return artifact_id(generate.STAGE, samples_config(cfg, ecfg).hashed(), {})
+    return Job(generate.STAGE, generate.CACHE_VERSION, samples_config(cfg, ecfg).hashed(), {}).id
 
 
 def with_samples(ecfg: ExtractConfig, cfg: OwnTextConfig, samples: str) -> ExtractConfig:

@@ -38,6 +38,7 @@ from dihal.stages.runtime.dist import distributed
 from dihal.stages.runtime.progress import NullProgress, Progress
 
 STAGE = "prior"
+CACHE_VERSION = 1  # bump whenever a prior's bytes change (tests/test_golden.py says when)
 
 
 def denoiser_config(cfg: PriorConfig, dim: int, length: int) -> DenoiserConfig:
@@ -190,7 +191,7 @@ def run(
     if latents is not None and latents.manifest.get("parents", {}).get("extract") != extract.id:
         raise DihalError(f"autoencoder {latents.id} was not trained on extract {extract.id}; use one that was")
     config, parents = part_hash(cfg), {"extract": extract.id, **({"autoencoder": latents.id} if latents else {})}
-    if cached := store.cached(STAGE, config, parents, force=force):
-        return cached
     train_fn = lambda art, report: train(cfg, group, art, report, latents)
-    return trainer.write_trained(store, STAGE, config, parents, extract, cfg, train_fn, force=force, progress=progress)
+    return trainer.write_trained(
+        store, STAGE, CACHE_VERSION, config, parents, extract, cfg, train_fn, force=force, progress=progress
+    )

@@ -32,14 +32,15 @@ import torch
 
 from dihal.artifacts import hidden_states as hs
 from dihal.artifacts.errors import DihalError
-from dihal.artifacts.store import Artifact, ArtifactStore
+from dihal.artifacts.store import Artifact, ArtifactStore, Job
 from dihal.stages import registry
 from dihal.stages.configs import NORMALIZATIONS, ScoreConfig, excluded_positions
-from dihal.stages.runtime import bootstrap, plotting
+from dihal.stages.runtime import bootstrap, dist, plotting
 from dihal.stages.runtime.allocator import keep_freed_memory
 from dihal.stages.runtime.progress import NullProgress, Progress
 
 STAGE = "score"
+CACHE_VERSION = 1  # bump whenever this stage's bytes change (tests/test_golden.py says when)
 
 
 # -- sampling and normalization -----------------------------------------------------------------
@@ -622,21 +623,12 @@ def run(
 ) -> Artifact:
     progress = progress or NullProgress()
     keep_freed_memory()  # first, before zarr or a progress bar start threads; see stages/runtime/allocator.py
-    group = hs.open_group(extract.path / "hidden.zarr")
+    group = hs.open_group(extract)
     num_blocks = int(group.attrs["num_blocks"])
     layers = parse_candidates(cfg.candidates, hs.stored_layers(group), num_blocks)
     config, parents = config_dict(cfg, layers), {"extract": extract.id}
-    if cached := store.cached(STAGE, config, parents, force=force):
-        return cached
-    with store.writing(
-        STAGE,
-        config,
-        parents,
-        force=force,
-        seed=cfg.seed,
-        device=cfg.device,
-        extra={"model": extract.manifest.get("model")},
-    ) as art:
+
+    def work(art: Artifact) -> None:
         table, boot, seq_idx, pos_idx = score_layers(group, cfg, layers, progress)
         chosen = picks(table)
         write_outputs(art, table, seq_idx, pos_idx, chosen, cfg.select)
@@ -670,7 +662,19 @@ def run(
                 freq = table.set_index("layer")[f"l_star{suffix}_freq"]
                 metrics[f"l_star{suffix}_frequency"] = float(freq[winner])
         art.manifest["metrics"] = metrics
-    return art
+
+    job = Job(
+        STAGE,
+        CACHE_VERSION,
+        config,
+        parents,
+        work,
+        None,
+        cfg.seed,
+        cfg.device,
+        {"model": extract.manifest.get("model")},
+    )
+    return store.run_stage(job, force=force, progress=progress, group=dist.group())
 
 
 def picks(table: pd.DataFrame) -> dict[str, int]:

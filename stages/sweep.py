@@ -20,7 +20,7 @@ from scipy.stats import kendalltau, spearmanr
 
 from dihal.artifacts import hidden_states as hs
 from dihal.artifacts.errors import DihalError
-from dihal.artifacts.store import Artifact, ArtifactStore
+from dihal.artifacts.store import Artifact, ArtifactStore, Job
 from dihal.stages import bridge as bridge_stage
 from dihal.stages import evaluate as eval_stage
 from dihal.stages import registry
@@ -30,6 +30,7 @@ from dihal.stages.runtime import bootstrap, dist, plotting
 from dihal.stages.runtime.progress import NullProgress, Progress
 
 STAGE = "sweep"
+CACHE_VERSION = 1  # bump whenever this stage's bytes change (tests/test_golden.py says when)
 CI_RESAMPLES = 2000  # bootstrap resamples behind each rho interval
 
 
@@ -46,8 +47,6 @@ def run(
     progress = progress or NullProgress()
     config = {**asdict(cfg), "overrides": dict(cfg.overrides)}
     parents = {"extract": extract.id, "score": score_art.id}
-    if cached := store.cached(STAGE, config, parents, force=force):
-        return cached
     if score_art.manifest.get("parents", {}).get("extract") != extract.id:
         raise DihalError(
             f"score {score_art.id} was made from extract {score_art.manifest.get('parents', {}).get('extract')}, "
@@ -61,54 +60,37 @@ def run(
         cfg.protocol, cfg.overrides, seed=seed, device=cfg.device, dtype=cfg.dtype, layer=layer
     )
     jobs = [(layer, seed) for layer in cfg.layers for seed in cfg.seeds]
-    rank, world = dist.distributed()
-    if world > 1:  # under torchrun: rank r trains bridges r, r + W, ... each on its own; rank 0 sums up
-        with dist.local():
-            for layer, seed in jobs[rank::world]:
-                progress.log(f"rank {rank}, layer {layer}, seed {seed}: bridge under protocol {cfg.protocol}")
-                bridge_stage.run(bridge_cfg(layer, seed), extract, store, progress=progress if rank == 0 else None)
-        dist.barrier()
-        if rank != 0:
-            return None
-    variant_scores = normalize_variants(score_art, extract, store, progress)  # cheap next to the bridges
-    loaded = None
-    runs = []
-    for layer, seed in jobs:
-        progress.log(f"layer {layer}, seed {seed}: bridge under protocol {cfg.protocol}")
-        with dist.local():
+
+    def work(art: Artifact) -> None:
+        variant_scores = normalize_variants(score_art, extract, store, progress)  # cheap next to the bridges
+        loaded = None
+        runs = []
+        for layer, seed in jobs:
+            progress.log(f"layer {layer}, seed {seed}: bridge under protocol {cfg.protocol}")
             bridge_art = bridge_stage.run(bridge_cfg(layer, seed), extract, store, progress=progress)
-        fcfg = eval_stage.FidelityConfig(
-            sample_steps=(cfg.sample_steps,), limit=cfg.eval_limit, seed=seed, device=cfg.device, dtype=cfg.dtype
-        )
-        if store.cached(eval_stage.STAGE, {"kind": "fidelity", **asdict(fcfg)}, {"bridge": bridge_art.id}) is None:
-            loaded = loaded or eval_stage.backbone_for(bridge_art, cfg.device, cfg.dtype, trust_remote_code)
-        fid = eval_stage.run_fidelity(fcfg, bridge_art, store, loaded=loaded).manifest["metrics"]["fidelity"][0]
-        runs.append(
-            {
-                "layer": layer,
-                "seed": seed,
-                "val_loss": bridge_art.manifest["metrics"]["val_loss"],
-                "bridge": bridge_art.id,
-                **{k: v for k, v in fid.items() if k != "steps"},
-            }
-        )
-    runs = pd.DataFrame(runs)
-    table = per_layer(runs, scores)
-    num_blocks = int(extract.manifest["metrics"]["num_blocks"])
-    summary = summarize(table, runs, int(scores["S"].idxmax()), num_blocks)
-    main_mode = score_art.manifest["config"]["normalize"]
-    variants = variant_table(table, runs, variant_scores, main_mode, num_blocks, seed=min(cfg.seeds))
-    summary["variants"] = variants.to_dict("records")
-    summary["variant_scores"] = {mode: art.id for mode, art in variant_scores.items()}
-    with store.writing(
-        STAGE,
-        config,
-        parents,
-        force=force,
-        seed=min(cfg.seeds),
-        device=cfg.device,
-        extra={"model": extract.manifest.get("model")},
-    ) as art:
+            fcfg = eval_stage.FidelityConfig(
+                sample_steps=(cfg.sample_steps,), limit=cfg.eval_limit, seed=seed, device=cfg.device, dtype=cfg.dtype
+            )
+            if not eval_stage.fidelity_cached(fcfg, bridge_art, store):
+                loaded = loaded or eval_stage.backbone_for(bridge_art, cfg.device, cfg.dtype, trust_remote_code)
+            fid = eval_stage.run_fidelity(fcfg, bridge_art, store, loaded=loaded).manifest["metrics"]["fidelity"][0]
+            runs.append(
+                {
+                    "layer": layer,
+                    "seed": seed,
+                    "val_loss": bridge_art.manifest["metrics"]["val_loss"],
+                    "bridge": bridge_art.id,
+                    **{k: v for k, v in fid.items() if k != "steps"},
+                }
+            )
+        runs = pd.DataFrame(runs)
+        table = per_layer(runs, scores)
+        num_blocks = int(extract.manifest["metrics"]["num_blocks"])
+        summary = summarize(table, runs, int(scores["S"].idxmax()), num_blocks)
+        main_mode = score_art.manifest["config"]["normalize"]
+        variants = variant_table(table, runs, variant_scores, main_mode, num_blocks, seed=min(cfg.seeds))
+        summary["variants"] = variants.to_dict("records")
+        summary["variant_scores"] = {mode: art.id for mode, art in variant_scores.items()}
         table.to_csv(art.file("sweep.csv"), index=False)
         table.to_parquet(art.file("sweep.parquet"), index=False)
         runs.to_csv(art.file("sweep_runs.csv"), index=False)
@@ -116,7 +98,17 @@ def run(
         art.file("summary.json").write_text(json.dumps(summary, indent=2, default=float))
         plot(table, summary, art.file("sweep.png"))
         art.manifest["metrics"] = {k: v for k, v in summary.items() if k != "variants"}
-    return art
+
+    extra = {"model": extract.manifest.get("model")}
+    job = Job(STAGE, CACHE_VERSION, config, parents, work, None, min(cfg.seeds), cfg.device, extra)
+    rank, world = dist.distributed()
+    if world > 1 and store.cached(job, force=force) is None:  # torchrun: rank r trains bridges r, r + W, ...
+        with dist.local():
+            for layer, seed in jobs[rank::world]:
+                progress.log(f"rank {rank}, layer {layer}, seed {seed}: bridge under protocol {cfg.protocol}")
+                bridge_stage.run(bridge_cfg(layer, seed), extract, store, progress=progress if rank == 0 else None)
+        dist.barrier()
+    return store.run_stage(job, force=force, progress=progress, group=dist.group())  # rank 0 sums up
 
 
 def per_layer(runs: pd.DataFrame, scores: pd.DataFrame) -> pd.DataFrame:
@@ -323,18 +315,15 @@ def plot(table: pd.DataFrame, summary: dict, path) -> None:
 def num_blocks(source: Artifact | str, trust_remote_code: bool = False) -> int:
     """L of an extract artifact, or of a model spec (from its config alone, no weights)."""
     if isinstance(source, Artifact):
-        return int(hs.open_group(source.path / "hidden.zarr").attrs["num_blocks"])
+        return int(hs.open_group(source).attrs["num_blocks"])
     from dihal.stages.extract import model_config
 
     return int(model_config(source, trust_remote_code)[0].num_hidden_layers)
 
 
 def score_once(cfg: ScoreConfig, extract: Artifact, store: ArtifactStore, progress: Progress) -> Artifact:
-    """The sweep's score; under torchrun rank 0 computes it and the other ranks then find it in the store."""
-    if dist.is_rank0():
-        score_stage.run(cfg, extract, store, progress=progress)
-    dist.barrier_all(dist.world()[1])
-    return score_stage.run(cfg, extract, store)
+    """The sweep's score; under torchrun rank 0 computes it while the others wait for it (store.run_stage)."""
+    return score_stage.run(cfg, extract, store, progress=progress)
 
 
 def tables(art: Artifact) -> tuple[list[dict], list[dict]]:

@@ -177,3 +177,47 @@ def invoke(*args: str) -> Result:
 
     result = CliRunner().invoke(app, list(args), catch_exceptions=False)
     return Result(result.exit_code, result.output)
+
+
+TINY_BRIDGE = ["--protocol", "sweep-tiny", "--width", "16", "--depth", "1", "--heads", "2", "--batch-size", "4"]
+
+
+def _extract(tiny_dirs, *extra):
+    return [
+        "extract",
+        "--model",
+        str(tiny_dirs["llama"]),
+        "--max-sequences",
+        "8",
+        "--seq-len",
+        "16",
+        "--device",
+        "cpu",
+        *extra,
+    ]
+
+
+# -- a small chain shared by the store tests ----------------------------------------------------------
+@pytest.fixture(scope="session")
+def chain_store(tiny_dirs, tmp_path_factory):
+    """extract -> train-bridge (4 steps), made once per session (per xdist worker); `chain` copies it."""
+    path = tmp_path_factory.mktemp("chain") / "runs"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("DIHAL_ROOT", str(path))
+        args = _extract(tiny_dirs, "--layers", "0,2", "--max-sequences", "12", "--val-fraction", "0.25")
+        assert invoke(*args).exit_code == 0
+        res = invoke("train-bridge", "--layer", "2", "--extract", "latest", *TINY_BRIDGE, "--train-steps", "4")
+        assert res.exit_code == 0, res.output
+    return path
+
+
+@pytest.fixture()
+def chain(chain_store, root):
+    """The session's chain copied into this test's fresh store; returns (store, extract, bridge)."""
+    import shutil
+
+    from dihal.artifacts.store import ArtifactStore
+
+    shutil.copytree(chain_store, root)
+    store = ArtifactStore(root)
+    return store, store.resolve("latest", "extract"), store.resolve("latest", "bridge")

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from dihal.artifacts.store import ArtifactStore
+from dihal.artifacts.store import ArtifactStore, Job
 from dihal.stages.configs import GenerateConfig
 from dihal.stages.diffusion import flow
 from dihal.stages.diffusion.denoiser import Denoiser, DenoiserConfig
@@ -202,7 +202,7 @@ def test_decoder_learns_the_toy_set_to_99_percent(tiny_dirs, root):
     assert not any(t.shape[0] == net["vocab"] for t in weights.values())  # no V-way table is trained or saved
     from dihal.artifacts import hidden_states as hs
 
-    group = hs.open_group(ex.path / "hidden.zarr")
+    group = hs.open_group(ex)
     train = hs.split_indices(group, "train")
     norm = Normalizer(**__import__("dihal.artifacts.files", fromlist=["x"]).load_tensors(art.file("stats.safetensors")))
     e = norm.c(torch.from_numpy(hs.read_sequences(group, 0, train)[:, 1:].astype(np.float32)))
@@ -407,7 +407,7 @@ def test_ld4lg_autoencoder_reconstructs_through_its_latents_and_its_prior_feeds_
         "sweep-tiny", steps=150, width=64, heads=4, batch_size=12, lr=3e-3, latents=4, latent_dim=16
     )
     ae = latent.run(cfg, ex, store)
-    group = hs.open_group(ex.path / "hidden.zarr")
+    group = hs.open_group(ex)
     train = hs.split_indices(group, "train")
     ids = torch.from_numpy(np.asarray(group["input_ids"].oindex[train])[:, 1:].astype(np.int64))
     z = latents_of(ae, "train")
@@ -699,7 +699,7 @@ def test_the_controls_read_the_real_states_or_the_bare_noise(parts, root):
     base += ["--prior-steps", "2", "--device", "cpu", "--recovery", "rounding"]
     assert invoke(*base, "--source", "oracle").exit_code == 0
     oracle = store.resolve("latest", "generate")
-    group = hs.open_group(parts["extract"].path / "hidden.zarr")
+    group = hs.open_group(parts["extract"])
     held = np.asarray(group["input_ids"].oindex[hs.split_indices(group, "validation")[:4]])[:, 1:]
     eos = __import__("transformers").AutoTokenizer.from_pretrained(parts["extract"].config["model"]).eos_token_id
     assert _samples(oracle) == [gen_stage_truncate(row.tolist(), eos) for row in held]
@@ -883,8 +883,8 @@ def test_claims_table_reads_each_budget_from_comparisons_with_every_baseline(tmp
         verdict = {"budget": budget, "claim_3": claim, "baselines": [{"baseline": "SED", "outcome": claim}]}
         result = {"verdicts": [verdict], "summary": [ours], "ours": "DiHAL (l*=1)", "seeds": [0]}
         result["held_out_entropy"] = 3.0
-        with store.writing("compare", {"rows": list(rows), "budgets": [budget]}, {}) as art:
-            art.file("compare.json").write_text(json.dumps(result))
+        write = lambda art: art.file("compare.json").write_text(json.dumps(result))
+        store.run_stage(Job("compare", 1, {"rows": list(rows), "budgets": [budget]}, {}, write))
 
     assert summarize.claim_compare(store) == ("not run", "-")
     comparison((), 1, "holds partly")
@@ -915,8 +915,8 @@ def test_claims_table_names_lm_written_rows_and_each_cost_class(tmp_path):
     result = {"summary": summary, "ours": "DiHAL (l*=1)", "seeds": [0], "held_out_entropy": 3.0}
     result["verdicts"] = [{"budget": 1, "claim_3": "partly", "baselines": []}]
     result["verdicts_by_class"] = classes
-    with store.writing("compare", {"rows": [], "budgets": [1]}, {}) as art:
-        art.file("compare.json").write_text(json.dumps(result))
+    write = lambda art: art.file("compare.json").write_text(json.dumps(result))
+    store.run_stage(Job("compare", 1, {"rows": [], "budgets": [1]}, {}, write))
     ours, verdict = summarize.claim_compare(store)
     assert ours.endswith("LM-written (prior gain < 1.5, decides nothing): CoDAR (gain 0.55)"), ours
     assert verdict == "1x: partly (by cost class: one-pass independent: holds, token-by-token causal: not decided)"
@@ -973,7 +973,7 @@ def test_causal_with_the_oracle_prior_and_a_huge_gamma_writes_the_held_out_text(
 
     hidden = ["--recovery", "hidden", "--bridge", parts["bridge"].id, "--source", "oracle"]
     causal = _parallel(parts, *hidden, "--readout", "causal", "--guidance", "1e9")
-    group = hs.open_group(parts["extract"].path / "hidden.zarr")
+    group = hs.open_group(parts["extract"])
     ids = np.asarray(group["input_ids"].oindex[hs.split_indices(group, "validation")[:4]])[:, 1:]
     eos = __import__("transformers").AutoTokenizer.from_pretrained(parts["extract"].config["model"]).eos_token_id
     assert causal["tokens"] == [truncate_at_eos(row.tolist(), eos) for row in ids]

@@ -42,7 +42,7 @@ def test_stored_layers_equal_reference_forward(kind, tiny_dirs, root):
     )
     assert res.exit_code == 0, res.output
     art = _only_artifact(root)
-    group = hs.open_group(art.path / "hidden.zarr")
+    group = hs.open_group(art)
     model = AutoModelForCausalLM.from_pretrained(tiny_dirs[kind]).eval()
     L = len(model.model.layers)
     assert hs.stored_layers(group) == list(range(L + 1))
@@ -84,7 +84,7 @@ def test_layer_subset_stops_early_and_names_convention(tiny_dirs, root):
         "cpu",
     )
     assert res.exit_code == 0, res.output
-    group = hs.open_group(_only_artifact(root).path / "hidden.zarr")
+    group = hs.open_group(_only_artifact(root))
     assert hs.stored_layers(group) == [0, 2]
     assert "before the final norm" in group.attrs["layer_convention"]
 
@@ -99,8 +99,8 @@ def test_rerun_is_cache_hit_and_force_recomputes(tiny_dirs, root):
     assert forced.exit_code == 0 and "cache hit" not in forced.output
 
 
-def _store_arrays(path):
-    group = hs.open_group(path / "hidden.zarr")
+def _store_arrays(art):
+    group = hs.open_group(art)
     names = [f"layers/{l}" for l in hs.stored_layers(group)] + ["input_ids", "attention_mask", "split", "committed"]
     return {name: np.asarray(group[name][:]) for name in names}
 
@@ -124,12 +124,12 @@ def test_killed_extraction_resumes_to_identical_store(tiny_dirs, tmp_path):
     assert killed.returncode == -signal.SIGKILL
     art = _only_artifact(tmp_path / "a")
     assert art.status == "running"
-    assert hs.committed_chunks(hs.open_group(art.path / "hidden.zarr")).sum() == 2
+    assert hs.committed_chunks(hs.open_group(art)).sum() == 2
     resumed = run_cli(*args, "--root", str(tmp_path / "a"))
     assert resumed.returncode == 0, resumed.stderr
     assert "resuming: 2 of 6 chunks" in resumed.stderr
     run_cli(*args, "--root", str(tmp_path / "b"), check=True)
-    a, b = _store_arrays(_only_artifact(tmp_path / "a").path), _store_arrays(_only_artifact(tmp_path / "b").path)
+    a, b = _store_arrays(_only_artifact(tmp_path / "a")), _store_arrays(_only_artifact(tmp_path / "b"))
     assert a.keys() == b.keys()
     for name in a:
         np.testing.assert_array_equal(a[name], b[name], err_msg=name)
@@ -177,7 +177,7 @@ def test_two_processes_shard_to_the_same_store(tiny_dirs, tmp_path):
     run_cli(*args, "--root", str(tmp_path / "single"), check=True)
     dist_art = _only_artifact(tmp_path / "dist")
     assert dist_art.manifest["world_size"] == 2 and dist_art.complete
-    a, b = _store_arrays(dist_art.path), _store_arrays(_only_artifact(tmp_path / "single").path)
+    a, b = _store_arrays(dist_art), _store_arrays(_only_artifact(tmp_path / "single"))
     for name in a:
         np.testing.assert_allclose(a[name], b[name], atol=1e-3, err_msg=name)
 
@@ -281,7 +281,7 @@ def test_builtin_smollm2_all_layers_and_cache_hit(root):
     )
     first = invoke(*args)
     assert first.exit_code == 0, first.output
-    group = hs.open_group(_only_artifact(root).path / "hidden.zarr")
+    group = hs.open_group(_only_artifact(root))
     assert hs.stored_layers(group) == list(range(31))
     for layer in range(31):
         assert group[f"layers/{layer}"].shape == (32, 64, 576)
@@ -308,7 +308,7 @@ def test_float16_overflow_is_detected_with_the_fix_named(tmp_path, root):
     assert art.manifest["metrics"]["store_dtypes"]["0"] == "float16"
     scale = art.manifest["metrics"]["store_scales"]["0"]
     assert scale == 2.0 ** round(np.log2(scale)) and scale > 1
-    group = hs.open_group(art.path / "hidden.zarr")
+    group = hs.open_group(art)
     assert str(group["layers/0"].dtype) == "float16" and group["layers/0"].attrs["scale"] == scale
     ids = torch.from_numpy(np.asarray(group["input_ids"][:]).astype(np.int64))
     with torch.no_grad():  # an independent forward; the embeddings are layer 0
@@ -346,10 +346,11 @@ def test_disk_estimate_refuses_when_space_is_short(tiny_dirs, root, monkeypatch)
 
     usage = namedtuple("usage", "total used free")
     monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10**6, 10**6 - 100, 100))
-    res = invoke(
-        "extract", "--model", str(tiny_dirs["llama"]), "--max-sequences", "8", "--seq-len", "16", "--device", "cpu"
-    )
-    assert res.exit_code == 2 and "GiB free" in res.output and "--force" in res.output
+    args = ["extract", "--model", str(tiny_dirs["llama"]), "--max-sequences", "8", "--seq-len", "16", "--device", "cpu"]
+    res = invoke(*args)
+    assert res.exit_code == 2 and "GiB free" in res.output and "--skip-disk-check" in res.output
+    assert invoke(*args, "--force").exit_code == 2  # --force recomputes; it does not skip the check
+    assert invoke(*args, "--skip-disk-check").exit_code == 0
 
 
 @pytest.fixture(scope="module")
@@ -377,7 +378,7 @@ def test_a_float16_overflow_stops_with_the_layer_and_the_dtype_to_use(overflowin
     (failed,) = ArtifactStore(root).all("extract")
     assert failed.status == "failed" and "layer 2" in failed.manifest["error"]
     zarr_dir = failed.path / "hidden.zarr"
-    assert not zarr_dir.exists() or not hs.committed_chunks(hs.open_group(zarr_dir)).any()
+    assert not zarr_dir.exists() or not hs.committed_chunks(hs.open_group(failed)).any()
     # any stage that reads the model in float16 says the same, here the backbone's own samples
     res = invoke(
         "generate",

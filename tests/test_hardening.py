@@ -12,9 +12,7 @@ import pytest
 
 from dihal.artifacts import hidden_states as hs
 from dihal.artifacts.store import ArtifactStore
-from tests.conftest import invoke, run_cli
-
-TINY_BRIDGE = ["--protocol", "sweep-tiny", "--width", "16", "--depth", "1", "--heads", "2", "--batch-size", "4"]
+from tests.conftest import TINY_BRIDGE, _extract, invoke, run_cli
 
 
 def _one_error_line(res, needle: str, during_work: bool = False) -> None:
@@ -27,21 +25,6 @@ def _one_error_line(res, needle: str, during_work: bool = False) -> None:
     assert during_work or len(lines) == 1, res.output
     assert needle in errors[0], res.output
     assert "Traceback" not in res.output
-
-
-def _extract(tiny_dirs, *extra):
-    return [
-        "extract",
-        "--model",
-        str(tiny_dirs["llama"]),
-        "--max-sequences",
-        "8",
-        "--seq-len",
-        "16",
-        "--device",
-        "cpu",
-        *extra,
-    ]
 
 
 BAD_FILES = {
@@ -107,28 +90,6 @@ def test_numeric_flags_of_every_stage(args, needle, root):
 
 def test_empty_store_names_the_command_to_run(root):
     _one_error_line(invoke("generate", "--bridge", "latest"), "run `dihal train-bridge` first")
-
-
-# -- a small chain shared by the store tests ----------------------------------------------------------
-@pytest.fixture(scope="session")
-def chain_store(tiny_dirs, tmp_path_factory):
-    """extract -> train-bridge (4 steps), made once per session (per xdist worker); `chain` copies it."""
-    path = tmp_path_factory.mktemp("chain") / "runs"
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("DIHAL_ROOT", str(path))
-        args = _extract(tiny_dirs, "--layers", "0,2", "--max-sequences", "12", "--val-fraction", "0.25")
-        assert invoke(*args).exit_code == 0
-        res = invoke("train-bridge", "--layer", "2", "--extract", "latest", *TINY_BRIDGE, "--train-steps", "4")
-        assert res.exit_code == 0, res.output
-    return path
-
-
-@pytest.fixture()
-def chain(chain_store, root):
-    """The session's chain copied into this test's fresh store; returns (store, extract, bridge)."""
-    shutil.copytree(chain_store, root)
-    store = ArtifactStore(root)
-    return store, store.resolve("latest", "extract"), store.resolve("latest", "bridge")
 
 
 def test_every_stage_reports_a_cache_hit(chain, tiny_dirs):
@@ -277,12 +238,13 @@ def test_out_of_gpu_memory_is_one_line_and_marks_the_artifact_failed(tiny_dirs, 
     assert failed.status == "failed" and "out of GPU memory" in failed.manifest["error"]
     monkeypatch.setattr(bridge.BridgeTask, "loss", real_loss)
     assert invoke(*train).exit_code == 0 and ArtifactStore(root).resolve("latest", "bridge").complete
-    # outside an artifact (loading a model that does not fit): the command's name, the same rule
+    # a model that does not fit, loaded under the artifact's lock: the same rule, that artifact failed
     from dihal.stages.lm import models
 
     monkeypatch.setattr(models, "_from_pretrained", lambda *a, **k: too_big(None))
     res = invoke(*_extract(tiny_dirs, "--max-sequences", "12"))
-    _one_error_line(res, "out of GPU memory in extract; lower --train-batch / --batch-size")
+    _one_error_line(res, "out of GPU memory in extract at batch 8; lower --train-batch / --batch-size", True)
+    assert [a.status for a in ArtifactStore(root).all("extract")].count("failed") == 1
 
 
 def _mount_tmpfs(path, options: str) -> bool:
@@ -298,7 +260,9 @@ def test_real_full_disk_and_read_only_root(tiny_dirs, tmp_path):
         pytest.skip("mounting a tmpfs needs root")
     try:
         res = invoke(
-            *_extract(tiny_dirs, "--max-sequences", "64", "--store-dtype", "float32", "--force", "--root", str(small))
+            *_extract(tiny_dirs, "--max-sequences", "64", "--store-dtype", "float32", "--skip-disk-check"),
+            "--root",
+            str(small),
         )
         _one_error_line(res, "no space left on device", during_work=True)
         assert ArtifactStore(small).all("extract")[0].status in ("failed", "running")
@@ -318,16 +282,28 @@ def test_root_under_a_file_is_one_line(tiny_dirs, tmp_path):
     )
 
 
-def test_a_second_identical_extract_refuses_while_the_first_writes(tiny_dirs, root):
-    from dihal.stages import extract as ex
+def test_a_second_identical_extract_waits_for_the_first_then_takes_its_lock(tiny_dirs, root):
+    """The lock is taken before the cache is checked again: a second identical command waits (and says so)
+    while another process holds the artifact's lock, then goes on once it is free."""
+    import threading
 
     args = _extract(tiny_dirs)
-    plan_id = None
-    dry = invoke(*args, "--dry-run")
-    plan_id = dry.output.split("artifact extract/")[1].split()[0]
-    with ArtifactStore(root).lock("extract", plan_id):  # as if another process were extracting it
-        _one_error_line(invoke(*args), "another process is writing", during_work=True)
-    assert ex.STAGE == "extract" and invoke(*args).exit_code == 0
+    plan_id = invoke(*args, "--dry-run").output.split("artifact extract/")[1].split()[0]
+    held, release = threading.Event(), threading.Event()
+
+    def holder():  # as if another process were extracting it for a moment
+        with ArtifactStore(root).lock("extract", plan_id):
+            held.set()
+            release.wait(30)
+
+    thread = threading.Thread(target=holder)
+    thread.start()
+    held.wait(10)
+    threading.Timer(1.0, release.set).start()
+    res = invoke(*args)
+    thread.join()
+    assert res.exit_code == 0 and "another process is writing" in res.output and "waiting" in res.output, res.output
+    assert ArtifactStore(root).load("extract", plan_id).complete
 
 
 # -- what a piped log and an 80-column terminal show ------------------------------------------------------
@@ -467,7 +443,6 @@ class CustomForCausalLM(LlamaForCausalLM):
 
 @pytest.mark.slow
 def test_model_code_runs_only_with_trust_remote_code(tiny_dirs, tmp_path):
-    import shutil
 
     model_dir = tmp_path / "custom"
     shutil.copytree(tiny_dirs["llama"], model_dir)

@@ -225,9 +225,20 @@ def test_no_cli_default_differs_from_its_config():
 PARENT = {"extract": "0123456789ab"}
 
 
+def schema2_id(stage, config, parents):
+    """The id a config had under schema 2, before every key held its stage's CACHE_VERSION (issue 45):
+    the resolved configs below are pinned as they were hashed then."""
+    return artifact_id(stage, config, parents, schema=2)
+
+
 def test_artifact_ids_do_not_move():
-    """Ids computed before the configs moved into stages/configs.py (the landed main)."""
-    from dihal.stages.extract import artifact_id_for
+    """Resolved configs as the landed main hashed them (before the configs moved into stages/configs.py),
+    and the ids they have now: schema 3 hashes each stage's CACHE_VERSION into every key (docs/history.md)."""
+    from dihal.artifacts.store import Job
+    from dihal.stages import bridge as br
+    from dihal.stages import extract as ex
+
+    artifact_id_for = lambda cfg: schema2_id("extract", ex.resolved_config(cfg), ex.source_parents(cfg))
 
     data = C.DataConfig(dataset="/data/corpus.txt", seq_len=32)
     float32 = C.ExtractConfig(model="smollm2-135m", layers="0,3", store_dtype="float32", data=data)
@@ -236,13 +247,13 @@ def test_artifact_ids_do_not_move():
     # than the landed main's 41fc8ad98336 (README, Artifacts)
     assert artifact_id_for(C.ExtractConfig(model="smollm2-135m", layers="0,3", data=data)) == "4264ada3be75"
     bridge = C.BridgeConfig.from_protocol("cpu-small", layer=3)
-    assert artifact_id("bridge", C.part_hash(bridge), PARENT) == "bd3dce03b649"  # condition_from at its default
+    assert schema2_id("bridge", C.part_hash(bridge), PARENT) == "bd3dce03b649"  # condition_from at its default
     bridge2 = C.BridgeConfig.from_protocol(
         "sweep-tiny", layer=2, steps=40, width=64, condition_noise=0.5, precision="bfloat16", device="cuda"
     )
-    assert artifact_id("bridge", C.part_hash(bridge2), PARENT) == "d1ba952ccba3"
+    assert schema2_id("bridge", C.part_hash(bridge2), PARENT) == "d1ba952ccba3"
     assert (
-        artifact_id(
+        schema2_id(
             "bridge",
             C.part_hash(
                 C.BridgeConfig.from_protocol("cpu-small", layer=3, condition_from="prior", condition_noise=0.5)
@@ -252,44 +263,49 @@ def test_artifact_ids_do_not_move():
         != "bd3dce03b649"
     )
     prior = C.PriorConfig.from_protocol("compare-cpu", layer=0, self_condition=True)
-    assert artifact_id("prior", C.part_hash(prior), PARENT) == "b959c4f12aa6"  # latent False is not hashed
+    assert schema2_id("prior", C.part_hash(prior), PARENT) == "b959c4f12aa6"  # latent False is not hashed
     latent = C.PriorConfig.from_protocol("compare-cpu", latent=True)
-    assert artifact_id("prior", C.part_hash(latent), PARENT) != artifact_id("prior", C.part_hash(prior), PARENT)
+    assert schema2_id("prior", C.part_hash(latent), PARENT) != schema2_id("prior", C.part_hash(prior), PARENT)
     # the decoder's network changed (section 5 rev 2: the frozen table), so its config gained a revision
     decoder = C.DecoderTrainConfig.from_protocol("compare-cpu")
-    assert artifact_id("decoder", C.part_hash(decoder), PARENT) == "a8a443db7c36"  # the landed main's
+    assert schema2_id("decoder", C.part_hash(decoder), PARENT) == "a8a443db7c36"  # the landed main's
     from dihal.stages import decoder as dec
 
-    assert artifact_id("decoder", dec.hashed(decoder), PARENT) != "a8a443db7c36"
-    assert dec.hashed(decoder) == {**C.part_hash(decoder), "revision": dec.REVISION}
+    assert schema2_id("decoder", {**C.part_hash(decoder), "revision": 2}, PARENT) != "a8a443db7c36"
+    assert dec.CACHE_VERSION == 2  # the revision became the decoder's CACHE_VERSION
     # an AR generation hashes the temperature it uses: at the defaults, the landed main's ids
     # (computed with its configs.py: fc16c39bd5d2 and a8e2c81d9800); a parallel one moved (README)
     on_bridge = {"bridge": "0123456789ab"}
-    assert artifact_id("generate", C.GenerateConfig(num_samples=16).hashed(), on_bridge) == "fc16c39bd5d2"
+    assert schema2_id("generate", C.GenerateConfig(num_samples=16).hashed(), on_bridge) == "fc16c39bd5d2"
     greedy = C.GenerateConfig(num_samples=16, temperature=0.0, top_p=0.9)
-    assert artifact_id("generate", greedy.hashed(), on_bridge) == "a8e2c81d9800"
+    assert schema2_id("generate", greedy.hashed(), on_bridge) == "a8e2c81d9800"
     gen = C.GenerateConfig(mode="parallel", recovery="hidden", num_samples=16)
-    assert artifact_id("generate", gen.hashed(), {"prior": "0123456789ab"}) != "ec66f62b7c09"
+    assert schema2_id("generate", gen.hashed(), {"prior": "0123456789ab"}) != "ec66f62b7c09"
     from dihal.stages import score as sc
 
     later = ("r2_penalty", "select")  # fields added since
     score = {k: v for k, v in asdict(C.ScoreConfig(tokens=512, bootstrap=2)).items() if k not in later}
     score |= {"candidates": [1, 2, 3], "device": None}
-    assert artifact_id("score", score, PARENT) == "a0aa95eb4ce8"  # the config as the landed main hashed it
+    assert schema2_id("score", score, PARENT) == "a0aa95eb4ce8"  # the config as the landed main hashed it
     # a score now also hashes the registered proxies (r2_token, r2_context and their penalties are
     # columns) and the penalty grid GCV chooses from: 4cbcff973dcf with the fixed penalty (README). GCV,
     # at the geometry's positions, is --r2-penalty gcv now, and a score of it keeps that id; the default
     # 5-fold rule, at positions of its own, hashes in (docs/history.md); so would --select r2_token
     gcv = C.ScoreConfig(tokens=512, bootstrap=2, r2_penalty="gcv")
-    assert artifact_id("score", sc.config_dict(gcv, [1, 2, 3]), PARENT) == "efbe8a0948fd"
-    kfold = artifact_id("score", sc.config_dict(C.ScoreConfig(tokens=512, bootstrap=2), [1, 2, 3]), PARENT)
-    assert kfold not in ("efbe8a0948fd", artifact_id("score", sc.config_dict(gcv, [1, 2]), PARENT))
+    assert schema2_id("score", sc.config_dict(gcv, [1, 2, 3]), PARENT) == "efbe8a0948fd"
+    kfold = schema2_id("score", sc.config_dict(C.ScoreConfig(tokens=512, bootstrap=2), [1, 2, 3]), PARENT)
+    assert kfold not in ("efbe8a0948fd", schema2_id("score", sc.config_dict(gcv, [1, 2]), PARENT))
     picked = sc.config_dict(C.ScoreConfig(tokens=512, bootstrap=2, select="r2_token"), [1, 2, 3])
-    assert artifact_id("score", picked, PARENT) != kfold
+    assert schema2_id("score", picked, PARENT) != kfold
     sweep = C.SweepConfig(layers=(1, 2), overrides=(("steps", 20), ("width", 32)))
-    assert artifact_id("sweep", asdict(sweep), PARENT) == "6204bf89a0bb"
+    assert schema2_id("sweep", asdict(sweep), PARENT) == "6204bf89a0bb"
     # section 5 revision 2 gave the comparison its grid, controls and budgets: a new id (README)
-    assert artifact_id("compare", asdict(C.CompareConfig(overrides=(("steps", 20),))), PARENT) != "59141e67990c"
+    assert schema2_id("compare", asdict(C.CompareConfig(overrides=(("steps", 20),))), PARENT) != "59141e67990c"
+
+    # schema 3: the same configs under their stages' CACHE_VERSION (every id moved once, docs/history.md)
+    assert ex.artifact_id_for(float32) == "81d08198107b"
+    assert Job("bridge", br.CACHE_VERSION, C.part_hash(bridge), PARENT).id == "b027ee570f95"
+    assert Job("bridge", br.CACHE_VERSION + 1, C.part_hash(bridge), PARENT).id != "b027ee570f95"
 
 
 def test_recipe_overrides_keep_their_order_on_the_command_line(tiny_dirs):

@@ -63,7 +63,7 @@ def test_a_generate_artifact_as_a_dataset_keeps_its_token_ids(tiny_dirs, root):
     art = _extract(tiny_dirs["llama"], "--dataset", f"generate:{gen_id[:6]}")  # a prefix is resolved
     assert art.manifest["parents"] == {"generate": gen_id}  # the lineage names the model's text
     assert art.config["data"]["dataset"] == f"generate:{gen_id}"
-    group = hs.open_group(art.path / "hidden.zarr")
+    group = hs.open_group(art)
     ids, split = np.asarray(group["input_ids"][:]), np.asarray(group["split"][:])
     start, eos = 1, 2  # the tiny tokenizer's <bos> and <eos>
     docs = [r["token_ids"] + ([eos] if r["n_tokens"] < SEQ_LEN - 1 else []) for r in rows]
@@ -87,7 +87,7 @@ def test_a_mix_draws_the_stated_shares(tiny_dirs, root):
         "--max-sequences",
         "80",
     )
-    group = hs.open_group(art.path / "hidden.zarr")
+    group = hs.open_group(art)
     ids, split = np.asarray(group["input_ids"][:]), np.asarray(group["split"][:])
     source = np.load(art.file("source.npy"))
     assert ids.shape == (80, SEQ_LEN) and source.shape == (80,)
@@ -238,7 +238,7 @@ def test_prompts_drawn_from_the_corpus_are_recorded_and_trained_on_as_read(tiny_
     assert all(r["prompt"] in firsts for r in rows)  # each prompt opens a pydoc document
     assert all(r["prompt_ids"][0] == 1 and len(r["prompt_ids"]) >= 2 for r in rows)  # start token, then the prompt
     art = _extract(tiny_dirs["llama"], "--dataset", f"generate:{gen_id}", "--val-fraction", "0")
-    ids = np.asarray(hs.open_group(art.path / "hidden.zarr")["input_ids"][:])
+    ids = np.asarray(hs.open_group(art)["input_ids"][:])
     docs = [r["prompt_ids"][1:] + r["token_ids"] + ([2] if r["n_tokens"] < 6 else []) for r in rows]
     assert ids.tolist() == _chunks(docs, 1)
     res = invoke(
@@ -324,7 +324,7 @@ def test_own_text_trains_the_bridge_on_the_backbones_own_samples_at_its_share(ti
     assert (data["dataset"], data["also"], data["mix"]) == ("pydoc", [f"generate:{gen.id}"], [0.5, 0.5])
     assert f"also=('generate:{gen.id}',)" in plan.output  # the dry run named the samples it then made
     split, source = (
-        np.asarray(hs.open_group(extract.path / "hidden.zarr")["split"][:]),
+        np.asarray(hs.open_group(extract)["split"][:]),
         np.load(extract.file("source.npy")),
     )
     assert [int(((split == 0) & (source == s)).sum()) for s in (0, 1)] == [18, 18]  # 36 train sequences, halved

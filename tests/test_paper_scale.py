@@ -45,7 +45,7 @@ def test_whole_chain_through_the_cli_excludes_position_0(kind, start_kind, tiny_
     ex = store.resolve("latest", "extract")
     start = ex.manifest["metrics"]["start_token"]
     assert start["kind"] == start_kind and (start_kind != "bos") == (tok.bos_token_id is None)
-    group = hs.open_group(ex.path / "hidden.zarr")
+    group = hs.open_group(ex)
     ids = np.asarray(group["input_ids"][:])
     assert (ids[:, 0] == start["id"]).all() and (ids[:, 1:] != start["id"]).any()
 

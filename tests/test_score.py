@@ -218,7 +218,7 @@ def test_score_cli_writes_table_positions_plot(tiny_extract):
     # the stored positions let anyone recompute a layer's numbers
     from dihal.artifacts import hidden_states as hs
 
-    group = hs.open_group(ArtifactStore(tiny_extract).resolve("latest", "extract").path / "hidden.zarr")
+    group = hs.open_group(ArtifactStore(tiny_extract).resolve("latest", "extract"))
     x = torch.from_numpy(hs.read_positions(group, 2, positions["sequence"], positions["position"])).double()
     again = sc.layer_proxies(x, sc.ScoreConfig(tokens=300, k=10, pairs=500), sc.sample_pairs(300, 500, 0))
     assert again["m_curv"] == pytest.approx(table.loc[table.layer == 2, "m_curv"].item(), rel=1e-9)
@@ -273,7 +273,7 @@ def test_extract_keeps_a_uniform_pool_that_the_score_reads(tiny_dirs, root):
     ]
     assert invoke(*args).exit_code == 0
     ex = ArtifactStore(root).resolve("latest", "extract")
-    group = hs.open_group(ex.path / "hidden.zarr")
+    group = hs.open_group(ex)
     split = np.asarray(group["split"][:])
     for layer in (0, 3):
         seqs, positions, states = hs.read_pool(group, layer)
@@ -356,7 +356,7 @@ def test_score_bootstrap_and_robust_through_the_cli(tiny_extract):
     assert table["l_star_freq"].sum() == pytest.approx(1.0) and table["l_star_robust_freq"].sum() == pytest.approx(1.0)
     assert out["l_star_frequency"] == table.loc[out["l_star"], "l_star_freq"]
     # draw 2 recomputed by hand from the extract's pool: the same positions give the same proxies
-    group = hs.open_group(store.resolve("latest", "extract").path / "hidden.zarr")
+    group = hs.open_group(store.resolve("latest", "extract"))
     _, _, states = hs.read_pool(group, 2)
     pick = np.sort(sc.draw_rng(0, 2).choice(len(states), size=200, replace=False))
     cfg = sc.ScoreConfig(tokens=200, k=8, pairs=300, outlier_mads=4.0)

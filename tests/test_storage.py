@@ -32,7 +32,7 @@ def test_auto_keeps_float16_and_position_0_exact(sink_model, root):
     res = invoke("extract", "--model", str(path), "--max-sequences", "12", "--seq-len", "16", "--device", "cpu")
     assert res.exit_code == 0, res.output
     art = ArtifactStore(root).resolve("latest", "extract")
-    group = hs.open_group(art.path / "hidden.zarr")
+    group = hs.open_group(art)
     assert set(hs.layer_dtypes(group).values()) == {"float16"}  # chosen from positions >= 1
     ids = torch.from_numpy(np.asarray(group["input_ids"][:]).astype(np.int64))
     with torch.no_grad():  # an independent forward: HF's hidden_states[l] is layer l for l < L

@@ -233,15 +233,10 @@ def train(task: Task, net: nn.Module, cfg: LoopConfig, directory: Path, progress
     optimizer = torch.optim.AdamW(net.parameters(), lr=cfg.lr, betas=(0.9, 0.99), weight_decay=cfg.weight_decay)
     ema = EMA(net, cfg.ema)
     metrics_path = directory / "metrics.jsonl"
-    first_step, log = 0, []
-    state = files.load_state(directory)
-    if state is not None:  # tensors go to the training device (the EMA update mixes them with the net's)
-        net.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        ema.params = {k: v.to(device) for k, v in state["ema"].items()}
-        first_step, log = state["step"], state["log"]
-        if rank == 0:
-            files.write_jsonl(metrics_path, log)
+    first_step, log = resume(directory, net, optimizer, ema, device)
+    if rank == 0:  # metrics.jsonl holds the checkpoint's steps: once each, in order, whatever was killed when
+        files.write_jsonl(metrics_path, log)
+        if first_step:
             progress.log(f"resuming {name} training at step {first_step} of {total}")
     model = nn.parallel.DistributedDataParallel(net, broadcast_buffers=False) if world > 1 else net
     loader = Loader(task, schedule, rank, world, first_step)
@@ -287,17 +282,8 @@ def train(task: Task, net: nn.Module, cfg: LoopConfig, directory: Path, progress
                     row["val_loss"] = ema_validate(task, net, ema)
                 log.append(row)
                 files.append_jsonl(metrics_path, row)
-                if (step + 1) % fit["checkpoint_every"] == 0 and step + 1 < total:
-                    files.save_state(
-                        directory,
-                        {
-                            "step": step + 1,
-                            "model": net.state_dict(),
-                            "optimizer": optimizer.state_dict(),
-                            "ema": ema.params,
-                            "log": log,
-                        },
-                    )
+                if (step + 1) % fit["checkpoint_every"] == 0 or step + 1 == total:
+                    save(directory, step + 1, net, optimizer, ema, log)  # the last one: a kill after it redoes nothing
                 progress.advance(
                     1,
                     loss=mean_loss,
@@ -310,8 +296,7 @@ def train(task: Task, net: nn.Module, cfg: LoopConfig, directory: Path, progress
         progress.stop()
         files.save_tensors(directory / "weights.safetensors", net.state_dict())
         files.save_tensors(directory / "weights_ema.safetensors", ema.params)
-        (directory / files.STATE_FILE).unlink(missing_ok=True)
-    barrier()
+    barrier()  # the resume state goes once the artifact is complete (store.Artifact.finish)
     return {
         "steps": total,
         "epochs_seen": total / schedule.per_epoch,
@@ -326,6 +311,24 @@ def train(task: Task, net: nn.Module, cfg: LoopConfig, directory: Path, progress
     }
 
 
+def save(directory: Path, step: int, net: nn.Module, optimizer, ema: EMA, log: list[dict]) -> None:
+    """The resume state after `step` steps (no pickle: files.save_state); resume() reads it back."""
+    state = {"step": step, "model": net.state_dict(), "optimizer": optimizer.state_dict(), "ema": ema.params}
+    files.save_state(directory, {**state, "log": log})
+
+
+def resume(directory: Path, net: nn.Module, optimizer, ema: EMA, device: torch.device) -> tuple[int, list[dict]]:
+    """(first step, log so far) from the resume state save() wrote, loaded into net, optimizer and EMA;
+    (0, []) without one. A state at the last step (a kill before completion) leaves no step to run."""
+    state = files.load_state(directory)
+    if state is None:
+        return 0, []
+    net.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    ema.params = {k: v.to(device) for k, v in state["ema"].items()}  # the EMA update mixes them with the net's
+    return state["step"], state["log"]
+
+
 def _global_mean(summed: torch.Tensor, global_size: int, world: int) -> float:
     if world > 1:
         summed = summed.clone()
@@ -334,21 +337,20 @@ def _global_mean(summed: torch.Tensor, global_size: int, world: int) -> float:
 
 
 def write_trained(
-    store, stage: str, config: dict, parents: dict, extract, cfg, train_fn, *, force: bool, progress: Progress
+    store, stage: str, version: int, config: dict, parents: dict, extract, cfg, train_fn, *, force: bool, progress
 ):
-    """The artifact of a trained part under one or many ranks: rank 0 owns it (lock, manifest,
-    files) while every rank runs train_fn(artifact, progress) -> metrics; others get a NullProgress."""
-    from dihal.artifacts.store import artifact_id
+    """The artifact of a trained part under one or many ranks (store.run_stage): rank 0 owns it (lock,
+    manifest, files) while every rank runs train_fn(artifact, progress) -> metrics; others get a NullProgress."""
+    from dihal.artifacts.store import Job
+    from dihal.stages.runtime.dist import group
     from dihal.stages.runtime.progress import NullProgress
 
+    def work(art) -> None:
+        lead = distributed()[0] == 0
+        metrics = train_fn(art, progress if lead else NullProgress())
+        if lead:
+            art.manifest["metrics"] = metrics
+
     extra = {"model": extract.manifest.get("model"), "extract_config": extract.config}
-    if distributed()[0] != 0:
-        barrier()  # rank 0 has opened the artifact
-        train_fn(store.load(stage, artifact_id(stage, config, parents)), NullProgress())
-        barrier()  # rank 0 has finished it
-        return store.load(stage, artifact_id(stage, config, parents))
-    with store.writing(stage, config, parents, force=force, seed=cfg.seed, device=cfg.device, extra=extra) as art:
-        barrier()
-        art.manifest["metrics"] = train_fn(art, progress)
-    barrier()
-    return art
+    job = Job(stage, version, config, parents, work, seed=cfg.seed, device=cfg.device, extra=extra, every_rank=True)
+    return store.run_stage(job, force=force, progress=progress, group=group())

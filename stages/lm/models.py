@@ -140,7 +140,9 @@ def gguf_to_safetensors(gguf_path: Path) -> tuple[Path, str]:
     """Convert once; later loads read the cached safetensors directory (about a second)."""
     sha = file_sha256(gguf_path)
     out = cache_dir() / "models" / sha[:16]
+    clean_conversions(out.parent)
     if (out / "dihal_source.json").exists():
+        check_conversion(out)
         return out, sha
     from rich.console import Console
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -155,7 +157,8 @@ def gguf_to_safetensors(gguf_path: Path) -> tuple[Path, str]:
     tmp = out.with_name(f"{out.name}.tmp{os.getpid()}")  # per process: two first loads may race
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
-    (tmp / "dihal_source.json").write_text(json.dumps({"gguf": str(gguf_path), "sha256": sha}))
+    weights = {p.name: file_sha256(p) for p in sorted(tmp.glob("*.safetensors"))}  # checked at every load
+    (tmp / "dihal_source.json").write_text(json.dumps({"gguf": str(gguf_path), "sha256": sha, "weights": weights}))
     import shutil
 
     if out.exists() and not (out / "dihal_source.json").exists():  # an interrupted conversion's leftovers
@@ -167,6 +170,50 @@ def gguf_to_safetensors(gguf_path: Path) -> tuple[Path, str]:
         if not (out / "dihal_source.json").exists():
             raise
     return out, sha
+
+
+def clean_conversions(models: Path) -> None:
+    """Remove what interrupted conversions left: a temporary folder whose process is gone (half a GB
+    each for the builtins), and a folder the final rename never completed."""
+    for tmp in models.glob("*.tmp*") if models.is_dir() else ():
+        pid = tmp.name.rsplit(".tmp", 1)[-1]
+        if pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
+            import shutil
+
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+_CHECKED: set[tuple] = set()  # conversions whose weights matched their checksums in this process
+
+
+def check_conversion(out: Path) -> None:
+    """The converted weights are the bytes the conversion wrote (their sha256 is in dihal_source.json),
+    once per process; a mismatch is one line naming the folder to delete."""
+    source = json.loads((out / "dihal_source.json").read_text())
+    recorded = source.get("weights")
+    if recorded is None:  # converted before checksums were recorded
+        return
+    stat = lambda p: (p.stat().st_size, p.stat().st_mtime_ns) if p.exists() else None
+    state = tuple((n, stat(out / n)) for n in sorted(recorded))
+    if (str(out), state) in _CHECKED:
+        return
+    for name, digest in recorded.items():
+        if not (out / name).is_file() or file_sha256(out / name) != digest:
+            raise DihalError(
+                f"converted model {out / name} does not match the checksum its conversion recorded (corrupt or "
+                f"edited); delete {out} and it is converted again"
+            )
+    _CHECKED.add((str(out), state))
 
 
 def _hub_reachable(timeout: float = 3.0) -> bool:

@@ -99,3 +99,29 @@ def local():
         yield
     finally:
         _LOCAL["depth"] -= 1
+
+
+class Group:
+    """What the store's runner needs of the process group: this rank, a word from rank 0, a barrier."""
+
+    def __init__(self, rank: int, size: int):
+        self.rank, self.size = rank, size
+
+    def broadcast(self, word):
+        box = [word]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def barrier(self) -> None:
+        dist.barrier()
+
+    def solo(self):
+        """Rank 0's work of a stage that does not split itself: one process (local()) while the others wait."""
+        return local()
+
+
+def group() -> Group | None:
+    """The process group of data-parallel work for ArtifactStore.run_stage; None for one process
+    (outside torchrun, or inside local())."""
+    rank, size = distributed()
+    return Group(rank, size) if size > 1 else None

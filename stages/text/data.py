@@ -143,6 +143,32 @@ def is_generated(spec: str) -> bool:
     return spec.startswith(GENERATED)
 
 
+_DIGESTS: dict[tuple, str] = {}  # (path, size, mtime_ns) -> sha256, for this process
+
+
+def content_digests(cfg: DataConfig) -> dict[str, str]:
+    """{spec: sha256 over the names and bytes of its files} for every local source: what an extract id
+    hashes, so an edited file makes another id (a file's size and mtime only skip re-reading it in
+    one process; its content decides)."""
+    from dihal.artifacts.store import file_sha256
+
+    out = {}
+    for spec in cfg.sources:
+        if spec == "pydoc" or is_generated(spec) or not is_local_spec(spec):
+            continue
+        digest, found = hashlib.sha256(), _local_files(spec)
+        if not found:  # check() says so in one line
+            continue
+        for path in found:
+            st = path.stat()
+            key = (str(path.resolve()), st.st_size, st.st_mtime_ns)
+            if key not in _DIGESTS:
+                _DIGESTS[key] = file_sha256(path)
+            digest.update(f"{path.name}\0{_DIGESTS[key]}\n".encode())
+        out[spec] = digest.hexdigest()
+    return out
+
+
 def check(cfg: DataConfig) -> None:
     """Local data: every record's text is a string and at least one is non-empty. Builtins, hub
     streams and generate artifacts are checked as they are read."""
