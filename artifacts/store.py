@@ -46,7 +46,9 @@ from dihal.artifacts.errors import DihalError
 SCHEMA_VERSION = 3  # 2: keyword configs, per-file checksums; 3: CACHE_VERSION in every key, manifest digest
 DEFAULT_ROOT = "runs"
 STRICT_ENV = "DIHAL_STRICT_CACHE"  # "1": a cache hit made by other code is recomputed (--strict-cache)
-SCRATCH = ("state.safetensors",)  # a part's resume state: never recorded, removed once complete
+RESERVE = ".reserve"  # beside a running manifest: freed first to record a failure on a full disk
+RESERVE_BYTES = 1 << 16  # a failed manifest is a few KiB
+SCRATCH = ("state.safetensors", RESERVE)  # resume state and the reserve: never recorded, removed once complete
 UNFINISHED = (".tmp", ".partial")  # a write cut short (ours, and Zarr's atomic writes): never recorded
 COMMANDS = {  # stage -> the `dihal` command that makes it
     "extract": "extract",
@@ -356,6 +358,7 @@ class Artifact:
                 p.unlink(missing_ok=True)
 
     def fail(self, message: str) -> None:
+        (self.path / RESERVE).unlink(missing_ok=True)  # on a full disk, the room the manifest needs
         self.manifest["status"] = "failed"
         self.manifest["error"] = message
         self.manifest["finished"] = _now()
@@ -552,6 +555,7 @@ class ArtifactStore:
             for p in [q for q in art.path.rglob("*") if q.is_file() and unfinished(q)]:
                 p.unlink(missing_ok=True)
         art.path.mkdir(parents=True, exist_ok=True)
+        (art.path / RESERVE).write_bytes(b"\0" * RESERVE_BYTES)  # so that a full disk can still say "failed"
         previous = art.manifest
         art.previous = previous
         art.manifest = {
@@ -629,9 +633,12 @@ class ArtifactStore:
                         force=replace,
                     )
                 except OSError as exc:
-                    raise DihalError(
-                        f"cannot write under {self.root} ({_reason(exc)}); choose a writable --root"
-                    ) from None
+                    fix = (
+                        "free space, then rerun"
+                        if exc.errno in (errno.ENOSPC, errno.EDQUOT)
+                        else "choose a writable --root"
+                    )
+                    raise DihalError(f"cannot write under {self.root} ({_reason(exc)}); {fix}") from None
                 tell("work" if job.every_rank and group is not None else "wait")
                 solo = group.solo() if group is not None and not job.every_rank else contextlib.nullcontext()
                 with failing(art):

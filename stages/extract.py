@@ -294,8 +294,8 @@ def _extract(cfg: ExtractConfig, store, art: Artifact, loaded, check_disk: bool,
         free = shutil.disk_usage(store.root).free
         if check_disk and max(est - written, 0) > free:
             raise DihalError(
-                f"extraction needs about {max(est - written, 0) / 2**30:.2f} GiB more but {store.root} has "
-                f"{free / 2**30:.2f} GiB free; free space, lower --max-sequences or pass --skip-disk-check"
+                f"extraction needs about {_size(max(est - written, 0))} more but {store.root} has {_size(free)} "
+                "free; free space, lower --max-sequences or pass --skip-disk-check"
             )
         art.manifest.update(
             model=loaded.identity,
@@ -349,6 +349,10 @@ def _extract(cfg: ExtractConfig, store, art: Artifact, loaded, check_disk: bool,
             "store_scales": {k: v for k, v in hs.layer_scales(group).items() if v != 1.0},
             "start_token": packed.start_token,
         }
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
 def resolve_sources(cfg: ExtractConfig, store: ArtifactStore) -> ExtractConfig:

@@ -348,7 +348,7 @@ def test_disk_estimate_refuses_when_space_is_short(tiny_dirs, root, monkeypatch)
     monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10**6, 10**6 - 100, 100))
     args = ["extract", "--model", str(tiny_dirs["llama"]), "--max-sequences", "8", "--seq-len", "16", "--device", "cpu"]
     res = invoke(*args)
-    assert res.exit_code == 2 and "GiB free" in res.output and "--skip-disk-check" in res.output
+    assert res.exit_code == 2 and "MiB free" in res.output and "--skip-disk-check" in res.output
     assert invoke(*args, "--force").exit_code == 2  # --force recomputes; it does not skip the check
     assert invoke(*args, "--skip-disk-check").exit_code == 0
 
