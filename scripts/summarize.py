@@ -94,7 +94,7 @@ def rows_for(store: ArtifactStore) -> list[tuple[str, str]]:
 def plots_for(store: ArtifactStore) -> list[str]:
     arts = ((latest(store, "score"), "scores.png"), (main_bridge(store), "loss_curve.png"))
     arts += ((latest(store, "sweep"), "sweep.png"),)
-    return [str(a.path / name) for a, name in arts if a is not None and (a.path / name).exists()]
+    return [str(a.file(name)) for a, name in arts if a is not None and a.file(name).exists()]
 
 
 def main(root: str, out: str) -> None:
@@ -136,7 +136,7 @@ def claim_rho(store: ArtifactStore) -> tuple[str, str]:
     sweep = latest(store, "sweep")
     if not sweep:
         return "not run", "-"
-    variants = {v["variant"]: v for v in json.loads((sweep.path / "summary.json").read_text())["variants"]}
+    variants = {v["variant"]: v for v in json.loads(sweep.file("summary.json").read_text())["variants"]}
     s, depth = variants["S"], variants["-depth (baseline)"]
     ours = (
         f"rho {s['rho']:.2f} [{s['rho_lo']:.2f}, {s['rho_hi']:.2f}]; shallow {s['rho_shallow']:.2f}; "

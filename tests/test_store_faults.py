@@ -1,0 +1,432 @@
+"""The store's promise under faults (issue 45): same id, same bytes; nothing that looks complete is
+incomplete; corruption is found before it is used. Each test reproduces one of the issue's findings
+with a real kill -9, a real edit, a flipped byte or a full disk, and checks what a user sees."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from dihal.artifacts import hidden_states as hs
+from dihal.artifacts import store as store_mod
+from dihal.artifacts.store import ArtifactStore
+from tests.conftest import ROOT, TINY_BRIDGE, _extract, invoke, run_cli
+from tests.test_hardening import _one_error_line
+
+
+def _cli(*args: str, delay: float | None = None) -> subprocess.Popen:
+    entry = ["-m", "dihal.cli"] if delay is None else ["-m", "tests.slow_load", str(delay)]
+    return subprocess.Popen(
+        [sys.executable, *entry, *args], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+
+
+def _flip(path, offset: int = -1, mask: int = 0x01) -> None:
+    data = bytearray(path.read_bytes())
+    data[offset] ^= mask
+    path.write_bytes(bytes(data))
+
+
+def _chunks(art, layer: int):
+    return sorted(p for p in (art.path / "hidden.zarr" / "layers" / str(layer) / "c").rglob("*") if p.is_file())
+
+
+def _verify_all(root) -> subprocess.CompletedProcess:
+    return run_cli("runs", "verify", "--all", "--root", str(root))
+
+
+# -- 1. a second identical command -------------------------------------------------------------------------
+@pytest.mark.slow
+def test_a_second_identical_command_never_reopens_a_complete_artifact(tiny_dirs, tmp_path):
+    """A starts; B, the same command, starts just after and (like an 8B model) takes seconds to load, so A
+    completes meanwhile; B is killed at a random point. On the old code B reopened A's complete artifact
+    (status running, checksums gone) and a kill left it so; now B waits on the lock and takes A's result."""
+    rng = random.Random(45)
+    for trial in range(3):
+        root = tmp_path / f"t{trial}"
+        args = [*_extract(tiny_dirs, "--max-sequences", "48", "--batch-size", "4"), "--root", str(root)]
+        first = _cli(*args)
+        time.sleep(0.3)
+        second = _cli(*args, delay=3.0)
+        assert first.wait(120) == 0, first.communicate()
+        done = ArtifactStore(root).resolve("latest", "extract")
+        finished = done.manifest["finished"]
+        try:
+            second.wait(rng.uniform(0.2, 5.0))
+        except subprocess.TimeoutExpired:
+            second.send_signal(signal.SIGKILL)
+        second.wait(60)
+        again = ArtifactStore(root).load("extract", done.id)
+        assert again.complete and again.manifest["finished"] == finished, again.manifest.get("status")
+        verified = _verify_all(root)
+        assert verified.returncode == 0 and "1 of 1 artifacts verified" in verified.stdout, verified.stdout
+
+
+# -- 2. a local dataset's content is in the id ---------------------------------------------------------------
+def _corpus(path, words: str) -> None:
+    path.write_text("\n\n".join(f"{words} paragraph {i} " + "text " * 20 for i in range(40)))
+
+
+def test_an_edited_local_dataset_is_another_extract_not_a_cache_hit(tiny_dirs, root, tmp_path):
+    corpus = tmp_path / "corpus.txt"
+    _corpus(corpus, "alpha")
+    args = _extract(tiny_dirs, "--dataset", str(corpus))
+    first = invoke(*args)
+    assert first.exit_code == 0, first.output
+    _corpus(corpus, "beta")
+    os.utime(corpus, ns=(0, 0))  # even with the same mtime: the content decides
+    second = invoke(*args)
+    assert second.exit_code == 0 and "cache hit" not in second.output, second.output
+    a, b = ArtifactStore(root).all("extract")
+    assert a.id != b.id and a.config["data_sha256"] != b.config["data_sha256"]
+    ids = [np.asarray(hs.open_group(x)["input_ids"][:]) for x in (a, b)]
+    assert not np.array_equal(*ids)
+
+
+@pytest.mark.slow
+def test_an_edited_dataset_after_a_kill_is_extracted_anew_not_mixed(tiny_dirs, tmp_path):
+    """Killed at chunk 2 of 6, the file edited, the same command rerun: once 'resuming: 2 of 6' mixed the
+    old corpus with the new; now it is another id, extracted whole from the new file."""
+    corpus = tmp_path / "corpus.txt"
+    _corpus(corpus, "alpha")
+    args = [*_extract(tiny_dirs, "--dataset", str(corpus), "--max-sequences", "24", "--batch-size", "4")]
+    killed = run_cli(*args, "--root", str(tmp_path / "a"), kill_after=2)
+    assert killed.returncode == -signal.SIGKILL
+    _corpus(corpus, "beta")
+    resumed = run_cli(*args, "--root", str(tmp_path / "a"))
+    assert resumed.returncode == 0 and "resuming" not in resumed.stderr, resumed.stderr
+    fresh = run_cli(*args, "--root", str(tmp_path / "b"), check=True)
+    assert fresh.returncode == 0
+    made = ArtifactStore(tmp_path / "a").resolve("latest", "extract")
+    clean = ArtifactStore(tmp_path / "b").resolve("latest", "extract")
+    assert made.id == clean.id
+    for name in ("input_ids", "layers/2"):
+        assert np.array_equal(hs.open_group(made)[name][:], hs.open_group(clean)[name][:])
+
+
+def test_a_resume_whose_packed_data_changed_is_refused(tiny_dirs, root, monkeypatch):
+    """A source whose content the id cannot hash (a hub stream) changed between a failure and the resume:
+    one line, and nothing mixed."""
+    from dihal.stages import extract as ex
+    from dihal.stages.text import data as data_mod
+
+    real_write, writes = hs.write_chunk, {"n": 0}
+
+    def fail_second(*a, **k):
+        writes["n"] += 1
+        if writes["n"] == 2:
+            raise OSError(28, "No space left on device")
+        return real_write(*a, **k)
+
+    monkeypatch.setattr(hs, "write_chunk", fail_second)
+    args = _extract(tiny_dirs, "--max-sequences", "16", "--batch-size", "4")
+    assert invoke(*args).exit_code == 2
+    monkeypatch.setattr(hs, "write_chunk", real_write)
+    real_pack = data_mod.pack
+
+    def other_stream(*a, **k):
+        packed = real_pack(*a, **k)
+        packed.fingerprint = "f" * 64
+        return packed
+
+    monkeypatch.setattr(ex.data_mod, "pack", other_stream)
+    _one_error_line(invoke(*args), "changed since it started", during_work=True)
+
+
+# -- 3. code that changes results ------------------------------------------------------------------------------
+def test_a_cache_hit_made_by_other_code_is_named_and_strict_cache_recomputes_it(chain, tiny_dirs, monkeypatch):
+    store, ex, _ = chain
+    args = _extract(tiny_dirs, "--layers", "0,2", "--max-sequences", "12", "--val-fraction", "0.25")
+    assert ex.id in invoke(*args, "--dry-run").output
+    ours = store_mod.code_identity()
+    monkeypatch.setattr(store_mod, "code_identity", lambda: {**ours, "git_sha": "0123456789" * 4})
+    hit = invoke(*args)
+    assert hit.exit_code == 0 and "cache hit" in hit.output and "made by other code (git" in hit.output, hit.output
+    strict = invoke("--strict-cache", *args)
+    assert strict.exit_code == 0 and "cache hit" not in strict.output and "recomputing" in strict.output
+    remade = ArtifactStore(store.root).load("extract", ex.id)
+    assert remade.complete and remade.manifest["git_sha"] == "0123456789" * 4
+    assert remade.manifest["finished"] != ex.manifest["finished"]
+    again = invoke("--strict-cache", *args)
+    assert "cache hit" in again.output and "other code" not in again.output  # made by this code now
+
+
+# -- 4. corrupt payloads are never read ---------------------------------------------------------------------
+BRIDGE_AGAIN = ["train-bridge", "--layer", "2", "--extract", "latest", *TINY_BRIDGE, "--train-steps", "5"]
+
+
+def test_a_flipped_bit_in_a_zarr_chunk_stops_the_reader_with_one_line(chain):
+    store, ex, _ = chain
+    chunk = _chunks(ex, 2)[0]
+    _flip(chunk, offset=len(chunk.read_bytes()) // 2)
+    res = invoke(*BRIDGE_AGAIN)
+    _one_error_line(res, "does not match the checksum recorded at completion", during_work=True)
+    assert str(chunk) in res.output and "dihal runs verify" in res.output
+    (failed,) = [a for a in ArtifactStore(store.root).all("bridge") if a.config["steps"] == 5]
+    assert failed.status == "failed"
+
+
+def test_a_deleted_zarr_chunk_is_an_error_never_zeros(chain):
+    store, ex, _ = chain
+    chunk = _chunks(ex, 2)[-1]
+    chunk.unlink()
+    res = invoke(*BRIDGE_AGAIN)
+    _one_error_line(res, "is missing: a chunk recorded at completion, never read as zeros", during_work=True)
+
+
+def test_a_flipped_exponent_bit_in_a_bridges_weights_stops_generate(chain):
+    store, _, br = chain
+    weights = br.path / "weights_ema.safetensors"
+    _flip(weights, offset=-2, mask=0x40)  # an exponent bit of the last float32
+    res = invoke("generate", "--bridge", br.id, "--num-samples", "2", "--max-new-tokens", "3", "--device", "cpu")
+    _one_error_line(res, "weights_ema.safetensors does not match the checksum", during_work=True)
+    assert [a.status for a in ArtifactStore(store.root).all("generate")] == ["failed"]
+
+
+# -- 5. corrupt headers and manifests --------------------------------------------------------------------------
+def test_a_bad_safetensors_header_is_one_line_and_the_reader_failed(chain):
+    store, _, br = chain
+    stats = br.path / "stats.safetensors"
+    stats.write_bytes(b"\xff" * 8 + stats.read_bytes()[8:])  # a header length past the file
+    res = invoke("evaluate", "--bridge", br.id, "--sample-steps", "2", "--limit", "2", "--device", "cpu")
+    _one_error_line(res, "stats.safetensors does not match the checksum", during_work=True)
+    assert [a.status for a in ArtifactStore(store.root).all("evaluate")] == ["failed"]
+
+
+def test_a_manifest_that_is_not_json_shows_as_corrupt_and_breaks_nothing_else(chain):
+    store, ex, br = chain
+    br.manifest_path.write_text(br.manifest_path.read_text()[:-40])
+    listed = run_cli("runs", "list", "--root", str(store.root))
+    assert listed.returncode == 0 and "Traceback" not in listed.stderr
+    assert next(line for line in listed.stdout.splitlines() if br.id in line).split()[2] == "corrupt"
+    verified = _verify_all(store.root)
+    assert verified.returncode == 1 and "Traceback" not in verified.stderr
+    assert f"bridge/{br.id}: 1 problem(s): status is corrupt" in verified.stdout
+    assert f"extract/{ex.id}: ok" in verified.stdout and "1 of 2 artifacts verified" in verified.stdout
+    single = run_cli("runs", "verify", br.id, "--root", str(store.root))
+    assert single.returncode == 1 and "manifest.json is unreadable" in single.stdout
+    gen = invoke("generate", "--bridge", br.id, "--num-samples", "2", "--max-new-tokens", "3", "--device", "cpu")
+    _one_error_line(gen, f"bridge/{br.id} is corrupt")
+    rerun = invoke("train-bridge", "--layer", "2", "--extract", ex.id, *TINY_BRIDGE, "--train-steps", "4")
+    _one_error_line(rerun, "rerun the command that made it with --force")
+    forced = invoke("train-bridge", "--layer", "2", "--extract", ex.id, *TINY_BRIDGE, "--train-steps", "4", "--force")
+    assert forced.exit_code == 0 and ArtifactStore(store.root).load("bridge", br.id).complete
+
+
+def test_a_manifest_edited_to_other_valid_json_is_corrupt(chain):
+    store, _, br = chain
+    manifest = json.loads(br.manifest_path.read_text())
+    manifest["config"]["width"] += 1  # the issue's 64 -> 65
+    br.manifest_path.write_text(json.dumps(manifest))
+    res = run_cli("runs", "verify", br.id, "--root", str(store.root))
+    assert res.returncode == 1 and "digest mismatch" in res.stdout, res.stdout
+    manifest = json.loads(br.manifest_path.read_text())
+    manifest["metrics"]["val_loss"] = 0.0
+    manifest.pop("digest")  # no digest to compare with: the config still has to hash to the id
+    manifest["config"]["width"] -= 1
+    manifest["config"]["depth"] += 1
+    br.manifest_path.write_text(json.dumps(manifest))
+    res = run_cli("runs", "verify", br.id, "--root", str(store.root))
+    assert res.returncode == 1 and "does not hash to its id" in res.stdout, res.stdout
+
+
+# -- 6. a full disk ---------------------------------------------------------------------------------------------
+def _used(path) -> int:
+    """Bytes in use on the file system at path, as it counts them (whole pages)."""
+    st = os.statvfs(path)
+    return (st.f_blocks - st.f_bfree) * st.f_frsize
+
+
+def _mount(path, size: str, remount: bool = False) -> bool:
+    path.mkdir(parents=True, exist_ok=True)
+    options = f"remount,size={size}" if remount else f"size={size}"
+    return (
+        subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)], capture_output=True).returncode == 0
+    )
+
+
+@pytest.mark.slow
+def test_a_full_disk_is_one_line_failed_and_resumes_with_the_space_the_rest_needs(tiny_dirs, tmp_path):
+    """extract on a disk that fills: one line, failed. With room for the rest (less than the whole estimate)
+    the plain command resumes, where once only --force, which also deleted, got past the check. train-bridge
+    on a full disk: one line and failed (was a SafetensorError traceback, left running), then resumes."""
+    small = tmp_path / "small"
+    args = [
+        *_extract(tiny_dirs, "--max-sequences", "48", "--batch-size", "4", "--layers", "0,2"),
+        "--root",
+        str(small / "runs"),
+    ]
+    args += ["--store-dtype", "float32", "--val-fraction", "0.25"]
+    plan = invoke(*args, "--dry-run").output
+    estimate = float(plan.split("estimated size ")[1].split()[0]) * (1024 if "KiB" in plan else 1024**2)
+    if not _mount(small, str(int(estimate * 0.6) + 96 * 1024)):  # a good part of it (and the 64 KiB reserve)
+        pytest.skip("mounting a tmpfs needs root (CAP_SYS_ADMIN)")
+    try:
+        res = invoke(*args, "--skip-disk-check")
+        _one_error_line(res, "no space left on device", during_work=True)
+        (art,) = ArtifactStore(small / "runs").all("extract")
+        assert art.status == "failed"
+        written = store_mod.dir_size(art.path)
+        used = _used(small)
+        room = used + int((estimate - written) * 1.5) + 16 * 1024
+        assert room - used < estimate  # the whole estimate would not fit: only what is left does
+        assert _mount(small, str(room), remount=True)
+        resumed = invoke(*args)
+        assert resumed.exit_code == 0 and "resuming" in resumed.output, resumed.output
+        done = ArtifactStore(small / "runs").resolve("latest", "extract")
+        assert _verify_all(small / "runs").returncode == 0
+        assert _mount(small, str(_used(small) + 128 * 1024), remount=True)  # the manifests, not the weights
+        train = ["train-bridge", "--layer", "2", "--extract", done.id, *TINY_BRIDGE, "--width", "64"]
+        train += ["--train-steps", "10", "--root", str(small / "runs")]
+        res = invoke(*train)
+        _one_error_line(res, "no space left on device", during_work=True)
+        (bridge,) = ArtifactStore(small / "runs").all("bridge")
+        assert bridge.status == "failed"
+        assert _mount(small, "64m", remount=True)
+        again = invoke(*train)
+        assert again.exit_code == 0 and ArtifactStore(small / "runs").load("bridge", bridge.id).complete
+    finally:
+        subprocess.run(["umount", str(small)], capture_output=True)
+
+
+# -- 7. no traces of a kill -------------------------------------------------------------------------------------
+def _bridge_args(root) -> list[str]:
+    return [
+        "train-bridge",
+        "--layer",
+        "2",
+        "--extract",
+        "latest",
+        *TINY_BRIDGE,
+        "--train-steps",
+        "10",
+        "--root",
+        str(root),
+    ]
+
+
+@pytest.mark.slow
+def test_kills_during_training_leave_each_step_once_and_the_last_kill_redoes_nothing(chain_store, tmp_path):
+    """Killed before the first checkpoint, between checkpoints, and after the last step (the final state
+    and weights written, the artifact not yet complete): metrics.jsonl has steps 1..N once each, in
+    order; after the last kill no step is trained again; the weights equal an uninterrupted run's."""
+    import shutil
+
+    from dihal.artifacts import files
+
+    reference = tmp_path / "reference"
+    shutil.copytree(chain_store, reference)
+    run_cli(*_bridge_args(reference), check=True)
+    want = ArtifactStore(reference).resolve("latest", "bridge")
+    for after in (1, 3, 10):
+        root = tmp_path / f"k{after}"
+        shutil.copytree(chain_store, root)
+        killed = run_cli(*_bridge_args(root), kill_after=after)
+        assert killed.returncode == -signal.SIGKILL
+        resumed = run_cli(*_bridge_args(root), check=True)
+        if after == 10:
+            assert "resuming bridge L2 training at step 10 of 10" in resumed.stderr, resumed.stderr
+        got = ArtifactStore(root).load("bridge", want.id)
+        assert got.complete
+        steps = [r["step"] for r in files.read_jsonl(got.file("metrics.jsonl"))]
+        assert steps == list(range(1, 11)), (after, steps)
+        for name in ("weights.safetensors", "weights_ema.safetensors"):
+            a, b = files.load_tensors(got.file(name)), files.load_tensors(want.file(name))
+            assert all(np.array_equal(a[k].numpy(), b[k].numpy()) for k in b), (after, name)
+        assert not (got.path / files.STATE_FILE).exists()
+        assert _verify_all(root).returncode == 0
+
+
+@pytest.mark.slow
+def test_kill_9_at_random_points_of_generate_leaves_nothing_half_written(chain_store, tmp_path):
+    import shutil
+
+    rng = random.Random(7)
+    gen = ["generate", "--bridge", "latest", "--num-samples", "6", "--max-new-tokens", "4", "--batch-size", "1"]
+    gen += ["--device", "cpu"]  # one sample a batch: progress (and the kill) after each
+    reference = tmp_path / "reference"
+    shutil.copytree(chain_store, reference)
+    run_cli(*gen, "--root", str(reference), check=True)
+    want = ArtifactStore(reference).resolve("latest", "generate")
+    for trial in range(2):
+        root = tmp_path / f"g{trial}"
+        shutil.copytree(chain_store, root)
+        killed = run_cli(*gen, "--root", str(root), kill_after=rng.randint(1, 5))
+        assert killed.returncode == -signal.SIGKILL
+        assert ArtifactStore(root).all("generate")[0].status == "running"
+        run_cli(*gen, "--root", str(root), check=True)
+        got = ArtifactStore(root).load("generate", want.id)
+        rows = lambda art: [
+            json.loads(line)["token_ids"] for line in art.file("samples.jsonl").read_text().splitlines()
+        ]
+        assert got.complete and rows(got) == rows(want)
+        assert _verify_all(root).returncode == 0
+
+
+def test_cut_short_writes_are_never_recorded_and_are_cleaned_on_resume(tiny_dirs, root, monkeypatch):
+    real_write, writes = hs.write_chunk, {"n": 0}
+
+    def fail_second(*a, **k):
+        writes["n"] += 1
+        if writes["n"] == 2:
+            raise OSError(28, "No space left on device")
+        return real_write(*a, **k)
+
+    monkeypatch.setattr(hs, "write_chunk", fail_second)
+    args = _extract(tiny_dirs, "--max-sequences", "16", "--batch-size", "4")
+    assert invoke(*args).exit_code == 2
+    monkeypatch.setattr(hs, "write_chunk", real_write)
+    (art,) = ArtifactStore(root).all("extract")
+    left = [art.path / "hidden.zarr" / "layers" / "2" / "c" / "0.0f3a.partial", art.path / "source.npy.tmp"]
+    for path in left:  # what a kill inside Zarr's atomic write, or inside ours, leaves
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(b"half")
+    assert invoke(*args).exit_code == 0
+    done = ArtifactStore(root).load("extract", art.id)
+    assert done.complete and not any(p.exists() for p in left)
+    assert not [n for n in done.manifest["files"] if n.endswith((".partial", ".tmp"))]
+    assert done.verify() == []
+
+
+def test_a_folder_without_a_manifest_is_listed_and_collected(root):
+    orphan = root / "bridge" / "0123456789ab"
+    orphan.mkdir(parents=True)
+    (orphan / "weights.safetensors").write_bytes(b"x")
+    listed = run_cli("runs", "list", "--root", str(root))
+    assert "0123456789ab" in listed.stdout and "no manifest" in listed.stdout, listed.stdout
+    os.utime(orphan, (time.time() - 120, time.time() - 120))
+    assert "0 artifact(s) removed" in run_cli("runs", "gc", "--older-than", "1h", "--root", str(root)).stdout
+    gone = run_cli("runs", "gc", "--older-than", "1m", "--root", str(root))
+    assert "removed bridge/0123456789ab (no manifest)" in gone.stdout and not orphan.exists()
+
+
+def test_interrupted_conversions_are_removed_and_converted_weights_are_checked(tmp_path):
+    from dihal.artifacts.errors import DihalError
+    from dihal.stages.lm import models
+
+    models_dir = tmp_path / "models"
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    stale, live = models_dir / f"abc.tmp{dead.pid}", models_dir / f"abd.tmp{os.getpid()}"
+    for path in (stale, live):
+        path.mkdir(parents=True)
+        (path / "model.safetensors").write_bytes(b"0" * 100)
+    models.clean_conversions(models_dir)
+    assert not stale.exists() and live.exists()
+    out = models_dir / "abc"
+    out.mkdir()
+    (out / "model.safetensors").write_bytes(b"weights")
+    digest = store_mod.file_sha256(out / "model.safetensors")
+    (out / "dihal_source.json").write_text(json.dumps({"weights": {"model.safetensors": digest}}))
+    models.check_conversion(out)
+    (out / "model.safetensors").write_bytes(b"weighTs")
+    with pytest.raises(DihalError, match=f"delete {out} and it is converted again"):
+        models.check_conversion(out)
