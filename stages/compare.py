@@ -473,5 +473,5 @@ def run(
         )
         write(art, cfg, plan, got, stats, ours, time.time() - start)
 
-    job = Job(STAGE, CACHE_VERSION, config, parents, work, None, None, cfg.device, extra)
+    job = Job(STAGE, CACHE_VERSION, config, parents, work, device=cfg.device, extra=extra)
     return store.run_stage(job, force=force, progress=progress, group=dist.group())

@@ -96,9 +96,8 @@ def run(
         art.file("confirm.json").write_text(json.dumps(result, indent=2, default=float))
         art.manifest["metrics"] = {"layers": layers, "evaluator": config["evaluator"], "seeds": list(cfg.seeds)}
 
-    job = Job(
-        STAGE, CACHE_VERSION, config, parents, work, None, None, cfg.device, {"model": extract.manifest.get("model")}
-    )
+    extra = {"model": extract.manifest.get("model")}
+    job = Job(STAGE, CACHE_VERSION, config, parents, work, device=cfg.device, extra=extra)
     return store.run_stage(job, force=force, progress=progress, group=dist.group())
 
 

@@ -151,17 +151,8 @@ def run_fidelity(
         art.file("results.json").write_text(json.dumps({**summary, "fidelity": rows}, indent=2))
         art.manifest["metrics"] = {**summary, "fidelity": rows}
 
-    job = Job(
-        STAGE,
-        CACHE_VERSION,
-        config,
-        parents,
-        work,
-        None,
-        cfg.seed,
-        cfg.device,
-        {"model": bridge_art.manifest.get("model")},
-    )
+    extra = {"model": bridge_art.manifest.get("model")}
+    job = Job(STAGE, CACHE_VERSION, config, parents, work, seed=cfg.seed, device=cfg.device, extra=extra)
     return store.run_stage(job, force=force, group=dist.group())
 
 
@@ -312,7 +303,6 @@ def run_samples(
         art.file("results.json").write_text(json.dumps({"evaluator": spec, "rows": rows}, indent=2))
         art.manifest["metrics"] = {"evaluator": spec, "rows": rows}
 
-    job = Job(
-        STAGE, CACHE_VERSION, config, parents, work, None, None, cfg.device, {"model": gen_art.manifest.get("model")}
-    )
+    extra = {"model": gen_art.manifest.get("model")}
+    job = Job(STAGE, CACHE_VERSION, config, parents, work, device=cfg.device, extra=extra)
     return store.run_stage(job, force=force, group=dist.group())

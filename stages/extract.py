@@ -265,7 +265,9 @@ def run(
         _extract(cfg, store, art, loaded, check_disk, progress)
 
     config, parents = resolved_config(cfg), source_parents(cfg)
-    job = Job(STAGE, CACHE_VERSION, config, parents, work, checks, cfg.data.seed, cfg.device, every_rank=True)
+    job = Job(
+        STAGE, CACHE_VERSION, config, parents, work, checks, seed=cfg.data.seed, device=cfg.device, every_rank=True
+    )
     return store.run_stage(job, force=force, progress=progress, group=dist.group())
 
 

@@ -218,7 +218,8 @@ def run(
         art.manifest["decoding"] = decoding.describe(cfg.decoding_temperature, cfg.top_p, cfg.top_k)
 
     extra = {"model": bridge_art.manifest.get("model"), "extract_config": bridge_art.manifest.get("extract_config")}
-    job = Job(STAGE, CACHE_VERSION, cfg.hashed(), {"bridge": bridge_art.id}, work, None, cfg.seed, cfg.device, extra)
+    parents = {"bridge": bridge_art.id}
+    job = Job(STAGE, CACHE_VERSION, cfg.hashed(), parents, work, seed=cfg.seed, device=cfg.device, extra=extra)
     return store.run_stage(job, force=force, progress=progress, group=dist.group())
 
 
@@ -259,5 +260,5 @@ def run_original(
         art.manifest["decoding"] = decoding.describe(cfg.decoding_temperature, cfg.top_p, cfg.top_k)
 
     extra = {"extract_config": {"model": cfg.model, "revision": None}}  # what origin() reads
-    job = Job(STAGE, CACHE_VERSION, cfg.hashed(), {}, work, None, cfg.seed, cfg.device, extra)
+    job = Job(STAGE, CACHE_VERSION, cfg.hashed(), {}, work, seed=cfg.seed, device=cfg.device, extra=extra)
     return store.run_stage(job, force=force, progress=progress, group=dist.group())

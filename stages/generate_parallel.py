@@ -253,5 +253,5 @@ def run_parallel(
         }
         art.manifest["decoding"] = decoding.describe(cfg.decoding_temperature, cfg.top_p, cfg.top_k)
 
-    job = Job(STAGE, CACHE_VERSION, config, parents, work, None, cfg.seed, cfg.device, extra)
+    job = Job(STAGE, CACHE_VERSION, config, parents, work, seed=cfg.seed, device=cfg.device, extra=extra)
     return store.run_stage(job, force=force, progress=progress, group=dist.group())

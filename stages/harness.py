@@ -126,17 +126,8 @@ def run(
             "layer": hybrid.config.layer,
         }
 
-    job = Job(
-        STAGE,
-        CACHE_VERSION,
-        config,
-        parents,
-        work,
-        None,
-        cfg.seed,
-        cfg.device,
-        {"model": bridge_art.manifest.get("model")},
-    )
+    extra = {"model": bridge_art.manifest.get("model")}
+    job = Job(STAGE, CACHE_VERSION, config, parents, work, seed=cfg.seed, device=cfg.device, extra=extra)
     return store.run_stage(job, force=force, progress=progress, group=dist.group())
 
 

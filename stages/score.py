@@ -663,17 +663,8 @@ def run(
                 metrics[f"l_star{suffix}_frequency"] = float(freq[winner])
         art.manifest["metrics"] = metrics
 
-    job = Job(
-        STAGE,
-        CACHE_VERSION,
-        config,
-        parents,
-        work,
-        None,
-        cfg.seed,
-        cfg.device,
-        {"model": extract.manifest.get("model")},
-    )
+    extra = {"model": extract.manifest.get("model")}
+    job = Job(STAGE, CACHE_VERSION, config, parents, work, seed=cfg.seed, device=cfg.device, extra=extra)
     return store.run_stage(job, force=force, progress=progress, group=dist.group())
 
 

@@ -100,7 +100,7 @@ def run(
         art.manifest["metrics"] = {k: v for k, v in summary.items() if k != "variants"}
 
     extra = {"model": extract.manifest.get("model")}
-    job = Job(STAGE, CACHE_VERSION, config, parents, work, None, min(cfg.seeds), cfg.device, extra)
+    job = Job(STAGE, CACHE_VERSION, config, parents, work, seed=min(cfg.seeds), device=cfg.device, extra=extra)
     rank, world = dist.distributed()
     if world > 1 and store.cached(job, force=force) is None:  # torchrun: rank r trains bridges r, r + W, ...
         with dist.local():

@@ -112,12 +112,8 @@ def test_an_edited_dataset_after_a_kill_is_extracted_anew_not_mixed(tiny_dirs, t
         assert np.array_equal(hs.open_group(made)[name][:], hs.open_group(clean)[name][:])
 
 
-def test_a_resume_whose_packed_data_changed_is_refused(tiny_dirs, root, monkeypatch):
-    """A source whose content the id cannot hash (a hub stream) changed between a failure and the resume:
-    one line, and nothing mixed."""
-    from dihal.stages import extract as ex
-    from dihal.stages.text import data as data_mod
-
+def _fail_at_the_second_chunk(args, monkeypatch) -> None:
+    """Run `args` (an extract) with its second chunk write failing as a full disk does: exit 2."""
     real_write, writes = hs.write_chunk, {"n": 0}
 
     def fail_second(*a, **k):
@@ -127,9 +123,18 @@ def test_a_resume_whose_packed_data_changed_is_refused(tiny_dirs, root, monkeypa
         return real_write(*a, **k)
 
     monkeypatch.setattr(hs, "write_chunk", fail_second)
-    args = _extract(tiny_dirs, "--max-sequences", "16", "--batch-size", "4")
     assert invoke(*args).exit_code == 2
     monkeypatch.setattr(hs, "write_chunk", real_write)
+
+
+def test_a_resume_whose_packed_data_changed_is_refused(tiny_dirs, root, monkeypatch):
+    """A source whose content the id cannot hash (a hub stream) changed between a failure and the resume:
+    one line, and nothing mixed."""
+    from dihal.stages import extract as ex
+    from dihal.stages.text import data as data_mod
+
+    args = _extract(tiny_dirs, "--max-sequences", "16", "--batch-size", "4")
+    _fail_at_the_second_chunk(args, monkeypatch)
     real_pack = data_mod.pack
 
     def other_stream(*a, **k):
@@ -299,18 +304,7 @@ def test_a_full_disk_is_one_line_failed_and_resumes_with_the_space_the_rest_need
 
 # -- 7. no traces of a kill -------------------------------------------------------------------------------------
 def _bridge_args(root) -> list[str]:
-    return [
-        "train-bridge",
-        "--layer",
-        "2",
-        "--extract",
-        "latest",
-        *TINY_BRIDGE,
-        "--train-steps",
-        "10",
-        "--root",
-        str(root),
-    ]
+    return [*BRIDGE_AGAIN[:-1], "10", "--root", str(root)]
 
 
 @pytest.mark.slow
@@ -372,18 +366,8 @@ def test_kill_9_at_random_points_of_generate_leaves_nothing_half_written(chain_s
 
 
 def test_cut_short_writes_are_never_recorded_and_are_cleaned_on_resume(tiny_dirs, root, monkeypatch):
-    real_write, writes = hs.write_chunk, {"n": 0}
-
-    def fail_second(*a, **k):
-        writes["n"] += 1
-        if writes["n"] == 2:
-            raise OSError(28, "No space left on device")
-        return real_write(*a, **k)
-
-    monkeypatch.setattr(hs, "write_chunk", fail_second)
     args = _extract(tiny_dirs, "--max-sequences", "16", "--batch-size", "4")
-    assert invoke(*args).exit_code == 2
-    monkeypatch.setattr(hs, "write_chunk", real_write)
+    _fail_at_the_second_chunk(args, monkeypatch)
     (art,) = ArtifactStore(root).all("extract")
     left = [art.path / "hidden.zarr" / "layers" / "2" / "c" / "0.0f3a.partial", art.path / "source.npy.tmp"]
     for path in left:  # what a kill inside Zarr's atomic write, or inside ours, leaves
