@@ -40,6 +40,8 @@ def extract(
     dataset_config: str | None = o.opt(DataConfig, "dataset_config"),
     split: str = o.opt(DataConfig, "split", help="Hub split to stream."),
     text_field: str = o.opt(DataConfig, "text_field"),
+    dolma_shards: int = o.opt(DataConfig, "dolma_shards", help="dolma: sources: shards chosen of each Dolma source."),
+    shuffle_buffer: int = o.opt(DataConfig, "shuffle_buffer", help="dolma: sources: documents in the shuffle buffer."),
     seq_len: int = o.SeqLen,
     val_fraction: float = o.opt(DataConfig, "val_fraction"),
     max_sequences: int | None = o.MaxSeq,
@@ -66,7 +68,7 @@ def extract(
     data = o.build(DataConfig, {k: v for k, v in locals().items() if k != "dataset"}, **o.data_sources(dataset, mix))
     cfg = o.build(ExtractConfig, locals(), data=data)
     if dry_run:
-        plan = stage.plan(cfg)
+        plan = stage.plan(cfg, dry_run=True)
         stage.check_generated(stage.resolve_sources(cfg, ArtifactStore(root)).data, ArtifactStore(root))
         span = f"{plan.layers[0]}..{plan.layers[-1]} ({len(plan.layers)})" if plan.layers else f"'{layers}' (unchecked)"
         return console.print(
@@ -169,7 +171,7 @@ def sweep(
         ex.check_planned(ecfg.data, tokens=None if score else scfg.tokens, why="every bridge's validation loss")
     if dry_run:
         if extract is None:
-            ex.plan(ecfg)
+            ex.plan(ecfg, dry_run=True)
         return dry("sweep", cfg, *([] if extract else [ecfg]), *([] if score else [scfg]))
     parent = extract_parent(store, extract, ecfg)
     score_art = store.resolve(score, "score") if score else stage.score_once(scfg, parent, store, make_progress())

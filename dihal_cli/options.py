@@ -53,8 +53,9 @@ Model = opt(ExtractConfig, "model", help="Builtin name, local directory, .gguf f
 Dataset = typer.Option(
     [default(DataConfig, "dataset")],
     "--dataset",
-    help="Builtin 'pydoc', local .txt/.jsonl/.json/.parquet files or glob, a hub id, or generate:ID (a generate "
-    "artifact's token ids). Repeat it to mix sources (--mix).",
+    help="Builtin 'pydoc', local .txt/.jsonl/.json/.parquet files or glob (JSON lines also .gz/.zst), Dolma as "
+    "published (dolma:v1_7, a URL list, or downloaded shards), a hub id, or generate:ID (a generate artifact's "
+    "token ids). Repeat it to mix sources (--mix).",
 )
 Mix = typer.Option(None, "--mix", help="With repeated --dataset: each one's share of the sequences, e.g. 0.5,0.5.")
 SeqLen = opt(DataConfig, "seq_len")

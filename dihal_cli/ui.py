@@ -195,7 +195,7 @@ def dry(command: str, *configs, plan=None) -> None:
     if plan is not None:
         from dihal.stages.extract import plan as plan_extract
 
-        plan_extract(plan)
+        plan_extract(plan, dry_run=True)
     for cfg in configs:
         console.print(f"[yellow]dry run[/yellow] {command}: {escape(str(cfg))}", highlight=False, soft_wrap=True)
 

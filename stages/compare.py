@@ -46,12 +46,13 @@ from dihal.stages.configs import (
     PriorConfig,
 )
 from dihal.stages.lineage import origin
+from dihal.stages.lm import tokens
 from dihal.stages.runtime import dist, plotting
 from dihal.stages.runtime.progress import NullProgress, Progress
 from dihal.stages.text.text_metrics import token_entropy
 
 STAGE = "compare"
-CACHE_VERSION = 4  # 2: its AR rows' unprompted generation was fixed; 3: section 5 revision 2; 4: diversity per seed
+CACHE_VERSION = 5  # 2: AR rows' unprompted generation fixed; 3: section 5 revision 2; 4: seeds' diversity; 5: stops
 
 
 def layers_from_score(score_art: Artifact, cfg: CompareConfig) -> tuple[int, int]:
@@ -222,8 +223,7 @@ def held_out_texts(extract: Artifact, loaded, n: int) -> tuple[list[str], list[l
     group = hs.open_group(extract)
     seqs = hs.split_indices(group, "validation")[:n]
     ids = np.asarray(group["input_ids"].oindex[seqs])[:, 1:]
-    eos = loaded.tokenizer.eos_token_id
-    kept = [gen_stage.truncate_at_eos(row.tolist(), eos) for row in ids]
+    kept = [tokens.truncate(row.tolist(), loaded.stop_ids) for row in ids]
     return [loaded.tokenizer.decode(k, skip_special_tokens=True) for k in kept], kept
 
 

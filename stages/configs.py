@@ -329,6 +329,8 @@ class DataConfig(Config):
     seed: int = 0
     also: tuple[str, ...] = ()  # more sources after dataset (repeated --dataset)
     mix: tuple[float, ...] = ()  # their shares, dataset's first, summing to 1 (--mix)
+    dolma_shards: int = 1  # dolma: sources, shards chosen of each Dolma source (stages/text/dolma.py)
+    shuffle_buffer: int = 10_000  # dolma: sources, documents in the seeded shuffle buffer (0 or 1: none)
 
     def check(self) -> None:
         require(self.seq_len >= 2, f"--seq-len must be at least 2 (a start token and one more), got {self.seq_len}")
@@ -345,6 +347,8 @@ class DataConfig(Config):
         )
         require(all(0 < m < 1 for m in self.mix), f"--mix shares must each be in (0, 1), got {list(self.mix)}")
         require(not self.mix or abs(sum(self.mix) - 1) < 1e-6, f"--mix shares must sum to 1, got {sum(self.mix):g}")
+        at_least(self, 1, "dolma_shards")
+        at_least(self, 0, "shuffle_buffer")
 
     @property
     def sources(self) -> tuple[str, ...]:
@@ -355,10 +359,13 @@ class DataConfig(Config):
         return self.mix or (1.0,)
 
     def hashed(self) -> dict:
-        """asdict without also and mix when there is one source, so a one-source extract keeps its id."""
+        """asdict without also and mix when there is one source, and without the Dolma settings when no
+        source is Dolma, so such an extract keeps its id."""
         out = asdict(self)
         if not self.also:
             out.pop("also"), out.pop("mix")
+        if not any(s.startswith("dolma:") for s in self.sources):
+            out.pop("dolma_shards"), out.pop("shuffle_buffer")
         return out
 
 

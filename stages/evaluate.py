@@ -17,9 +17,10 @@ from dihal.stages.fidelity import evaluate_fidelity
 from dihal.stages.lineage import backbone_for, origin, same_model, trained_on
 from dihal.stages.lm.hybrid import lm_logits
 from dihal.stages.lm.models import LoadedModel, load_model
+from dihal.stages.lm.tokens import start_token
 from dihal.stages.parts.bridge import Bridge
 from dihal.stages.runtime import dist
-from dihal.stages.text.data import DataConfig, check, pack, start_token
+from dihal.stages.text.data import DataConfig, check, pack
 
 STAGE = "evaluate"
 CACHE_VERSION = 1  # bump whenever this stage's bytes change (tests/test_golden.py says when)

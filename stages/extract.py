@@ -23,12 +23,14 @@ from dihal.stages.configs import ExtractConfig, parse_layers
 from dihal.stages.lineage import same_model
 from dihal.stages.lm.capture import capture_layers, run_capture
 from dihal.stages.lm.models import LoadedModel, check_remote_code, load_model, locate, not_finite
-from dihal.stages.runtime import dist
+from dihal.stages.lm.tokens import document_end
+from dihal.stages.runtime import dist, hub
 from dihal.stages.runtime.progress import NullProgress, Progress
 from dihal.stages.text import data as data_mod
+from dihal.stages.text import dolma
 
 STAGE = "extract"
-CACHE_VERSION = 1  # bump whenever the bytes an extract writes change (tests/test_golden.py says when)
+CACHE_VERSION = 2  # 2: documents joined by the pretraining end-of-document token (stages/lm/tokens.py)
 FLOAT16_MAX = 65504.0
 AUTO_HEADROOM = 4.0  # --store-dtype auto: float16 only for a layer whose first batch stays under 65504 / 4
 
@@ -55,13 +57,14 @@ def prompt_of(row: dict, tokenizer) -> list[int]:
 def generated_documents(data, store: ArtifactStore, loaded: LoadedModel) -> dict[str, list[list[int]]]:
     """{generate:<ID>: documents} for the generate: sources of `data`. A document is one
     sample as its model wrote it: the prompt's ids after the start token (as the model read them;
-    re-tokenized only for samples made before they were recorded), the new ids, and EOS where the
-    sample ended there. The backbone's own samples are read (samples_original.jsonl, or
-    samples.jsonl of an original-only artifact); an artifact of another model is refused."""
+    re-tokenized only for samples made before they were recorded), the new ids, and the document end
+    (stages/lm/tokens.py) where the sample stopped. The backbone's own samples are read
+    (samples_original.jsonl, or samples.jsonl of an original-only artifact); an artifact of another
+    model is refused."""
     import json
 
     docs, tok = {}, loaded.tokenizer
-    eos = tok.eos_token_id
+    end = document_end(tok)
     for spec in (s for s in data.sources if data_mod.is_generated(s)):
         art = store.resolve(spec.removeprefix(data_mod.GENERATED), "generate")
         if not same_model(art.manifest.get("model") or {}, loaded.identity):
@@ -76,8 +79,8 @@ def generated_documents(data, store: ArtifactStore, loaded: LoadedModel) -> dict
                 f"generate artifact {art.id} has no samples of the original backbone; make them with "
                 "`dihal generate --baseline original-only` (or --baseline original)"
             )
-        wrote_eos = [eos is not None and r["n_tokens"] < art.config["max_new_tokens"] for r in rows]
-        docs[spec] = [prompt_of(r, tok) + r["token_ids"] + [eos] * e for r, e in zip(rows, wrote_eos)]
+        stopped = [end is not None and r["n_tokens"] < art.config["max_new_tokens"] for r in rows]
+        docs[spec] = [prompt_of(r, tok) + r["token_ids"] + [end["id"]] * s for r, s in zip(rows, stopped)]
     return docs
 
 
@@ -153,9 +156,10 @@ def check_generated(data, store: ArtifactStore) -> None:
                 )
 
 
-def plan(cfg: ExtractConfig) -> Plan:
-    """Everything a real run checks before loading weights; the dry run is exactly this."""
-    data_mod.check(cfg.data)
+def plan(cfg: ExtractConfig, *, dry_run: bool = False) -> Plan:
+    """Everything a real run checks before loading weights; the dry run is exactly this, but for data it
+    would need the network for while offline (HF_HUB_OFFLINE=1), as for a hub model not yet cached."""
+    data_mod.check(cfg.data, reach=not (dry_run and hub.offline()))
     try:
         config, identity = model_config(cfg.model, cfg.trust_remote_code)
     except DihalError:
@@ -275,8 +279,10 @@ def _extract(cfg: ExtractConfig, store, art: Artifact, loaded, check_disk: bool,
     rank, world = dist.world()
     loaded = loaded or load_model(cfg.model, cfg.device, cfg.dtype, cfg.revision, cfg.trust_remote_code)
     layers = parse_layers(cfg.layers, loaded.num_blocks)
-    generated = generated_documents(cfg.data, store, loaded)
-    packed = data_mod.pack(cfg.data, loaded.tokenizer, loaded.max_positions, generated)
+    if rank == 0:  # one rank reads the data (a Dolma stream once, not once per GPU) and hands it on
+        generated = generated_documents(cfg.data, store, loaded)
+        packed = data_mod.pack(cfg.data, loaded.tokenizer, loaded.max_positions, generated)
+    packed = dist.from_rank0(packed if rank == 0 else None, world)
     n_seq, seq_len = packed.input_ids.shape[0], cfg.data.seq_len
     zarr_path = art.path / "hidden.zarr"
     if rank == 0:  # rank 0 owns the artifact: its manifest, its group, the disk check
@@ -304,7 +310,9 @@ def _extract(cfg: ExtractConfig, store, art: Artifact, loaded, check_disk: bool,
             dataset_fingerprint=packed.fingerprint,
             n_documents=packed.n_documents,
             world_size=world,
+            document_end=packed.document_end,
             **({"sources": packed.sources} if packed.sources else {}),
+            **({"dolma": packed.dolma} if packed.dolma else {}),
         )
         art.manifest["environment"]["device"] = str(loaded.device)
         art.save_manifest()
@@ -374,6 +382,10 @@ def source_parents(cfg: ExtractConfig) -> dict:
 
 
 def artifact_id_for(cfg: ExtractConfig) -> str:
+    """The id, or, in a dry run offline, what it waits for: a Dolma URL list that is read online."""
+    unread = [s for s in cfg.data.sources if dolma.is_dolma(s) and dolma.needs_network(s)]
+    if unread and hub.offline():
+        return f"? (it hashes the shard list of {unread[0]}, read online)"
     return Job(STAGE, CACHE_VERSION, resolved_config(cfg), source_parents(cfg)).id
 
 

@@ -19,21 +19,21 @@ from transformers import DynamicCache
 from dihal.artifacts.errors import DihalError
 from dihal.artifacts.store import Artifact, ArtifactStore, Job
 from dihal.stages.configs import GenerateConfig
-from dihal.stages.lm import decoding
+from dihal.stages.lm import decoding, tokens
 from dihal.stages.lm.capture import hidden_states
 from dihal.stages.lm.hybrid import suffix_model
 from dihal.stages.lm.models import LoadedModel, locate
+from dihal.stages.lm.tokens import start_token
 from dihal.stages.parts.bridge import Bridge
 from dihal.stages.runtime import clock, dist
 from dihal.stages.runtime.progress import NullProgress, Progress
-from dihal.stages.text.data import start_token
 
 STAGE = "generate"
 # 2: the cached sampler fed the start token's stored state at every position of an unprompted
 #    hybrid generation (a start-token-only prefix), so its samples ignored the bridge. Bump whenever
 #    the samples a generation writes change (tests/test_golden.py says when). Parallel generation
-#    (stages/generate_parallel.py) shares it.
-CACHE_VERSION = 2
+#    (stages/generate_parallel.py) shares it. 3: a sample ends at any stop id (stages/lm/tokens.py).
+CACHE_VERSION = 3
 
 
 def sample_token(logits: torch.Tensor, cfg: GenerateConfig, gen: torch.Generator) -> torch.Tensor:
@@ -94,10 +94,6 @@ def generate_original(
 
 def _dtype(module) -> torch.dtype:
     return next(module.parameters()).dtype
-
-
-def truncate_at_eos(ids: list[int], eos: int | None) -> list[int]:
-    return ids[: ids.index(eos)] if eos is not None and eos in ids else ids
 
 
 def corpus_prompts(cfg: GenerateConfig, tokenizer) -> GenerateConfig:
@@ -166,7 +162,7 @@ def generate_all(loaded: LoadedModel, bridge: Bridge | None, cfg: GenerateConfig
             new = generate_original(loaded, prefix, cfg, gen)
         seconds = clock.now(device) - start
         for row_ids in new.tolist():
-            kept = truncate_at_eos(row_ids, tok.eos_token_id)
+            kept = tokens.truncate(row_ids, loaded.stop_ids)
             rows.append(
                 {
                     "prompt": prompt,

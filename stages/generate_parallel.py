@@ -23,10 +23,11 @@ import torch
 from dihal.artifacts.errors import DihalError
 from dihal.artifacts.store import COMMANDS, Artifact, ArtifactStore, Job
 from dihal.stages.configs import GenerateConfig
-from dihal.stages.generate import CACHE_VERSION, STAGE, truncate_at_eos
+from dihal.stages.generate import CACHE_VERSION, STAGE
 from dihal.stages.lineage import origin
 from dihal.stages.lm import decoding
 from dihal.stages.lm.models import LoadedModel
+from dihal.stages.lm.tokens import truncate
 from dihal.stages.registry import RECOVERIES, resolve
 from dihal.stages.runtime import clock, dist
 from dihal.stages.runtime.progress import NullProgress, Progress
@@ -227,7 +228,7 @@ def run_parallel(
         label, tok = parallel_label(prior_art, cfg, recovery_art), loaded.tokenizer
         rows = []
         for row_ids in torch.cat(tokens).tolist():
-            kept = truncate_at_eos(row_ids, tok.eos_token_id)
+            kept = truncate(row_ids, loaded.stop_ids)
             rows.append(
                 {
                     "prompt": "",

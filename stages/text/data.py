@@ -1,10 +1,12 @@
 """Text sources and packing (docs/method.md section 0).
 
-`--dataset` is the builtin `pydoc`, local .txt/.jsonl/.json/.parquet files or globs, or a hub
-id (streamed). Documents go to train or validation by a hash of their index (deterministic,
+`--dataset` is the builtin `pydoc`, local .txt/.jsonl/.json/.parquet files or globs (JSON lines also
+gzipped or zstd-compressed, as Dolma's shards are), Dolma as published (`dolma:v1_7`, text/dolma.py),
+or a hub id (streamed). Documents go to train or validation by a hash of their index (deterministic,
 by document); each split is tokenized and packed into sequences of exactly seq_len tokens,
 each starting with the start token (BOS; for tokenizers without one, such as Qwen's, the
-document separator <|endoftext|>, else EOS), documents joined by EOS.
+document separator <|endoftext|>, else EOS), documents joined by the document end (EOS, or the
+pretraining end-of-document token where EOS ends a chat turn: stages/lm/tokens.py).
 
 Local data is checked whole before any work starts (`check`): a missing, empty, malformed or
 undecodable file, a record whose text is not a string, or no text at all is one `error:` line.
@@ -19,13 +21,15 @@ import inspect
 import math
 import sys
 from collections.abc import Iterator
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import numpy as np
 
 from dihal.artifacts.errors import DihalError
 from dihal.stages.configs import DataConfig
+from dihal.stages.lm.tokens import document_end, start_token
+from dihal.stages.text import dolma
 
 # stdlib modules whose docstrings join pydoc_data.topics in the builtin corpus, in this order
 PYDOC_MODULES = (
@@ -37,6 +41,8 @@ PYDOC_MODULES = (
     "weakref zipfile zlib"
 ).split()
 LOCAL_SUFFIXES = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
+COMPRESSED = {".gz": None, ".zst": "zstandard"}  # a JSON-lines file may be compressed (module datasets needs)
+SCRIPT_ONLY = {"allenai/dolma": "dolma:v1_7"}  # hub datasets that are a loading script; what to pass instead
 GENERATED = "generate:"
 SPLIT_NAMES = ("training", "validation")
 
@@ -82,24 +88,43 @@ def _local_files(spec: str) -> list[Path]:
     return [p for p in paths if p.is_file()]
 
 
+def suffix_of(path: Path | str) -> str:
+    """A local file's kind: .txt/.jsonl/.json/.parquet, seen through .gz or .zst for JSON lines."""
+    suffixes = Path(path).suffixes
+    if len(suffixes) >= 2 and suffixes[-1] in COMPRESSED and suffixes[-2] in (".json", ".jsonl"):
+        return suffixes[-2]
+    return Path(path).suffix
+
+
 def is_local_spec(spec: str) -> bool:
-    return Path(spec).suffix in LOCAL_SUFFIXES or any(c in spec for c in "*?[") or Path(spec).exists()
+    if dolma.is_dolma(spec):
+        return False
+    return suffix_of(spec) in LOCAL_SUFFIXES or any(c in spec for c in "*?[") or Path(spec).exists()
 
 
 def _open_local(spec: str, text_field: str):
-    """The local files as one datasets.Dataset and the name of their text field, or a one-line error."""
+    """The local files' text field as one datasets.Dataset and its name, or a one-line error. Each file is
+    read on its own and only its text field kept, so files whose other fields differ (Dolma's sources'
+    `metadata`) read together."""
     files = _local_files(spec)
     if not files:
         raise DihalError(
-            f"dataset file '{spec}' does not exist; give an existing .txt/.jsonl/.json/.parquet path or glob"
+            f"dataset file '{spec}' does not exist; give an existing .txt/.jsonl/.json/.parquet path or glob "
+            "(JSON lines may be .gz or .zst)"
         )
-    suffixes = {p.suffix for p in files}
-    if len(suffixes) != 1 or next(iter(suffixes)) not in LOCAL_SUFFIXES:
-        raise DihalError(f"dataset '{spec}' must match files of one kind: {', '.join(LOCAL_SUFFIXES)}")
+    kinds = {suffix_of(p) for p in files}
+    if len(kinds) != 1 or next(iter(kinds)) not in LOCAL_SUFFIXES:
+        raise DihalError(
+            f"dataset '{spec}' must match files of one kind: {', '.join(LOCAL_SUFFIXES)} (JSON lines may be .gz or "
+            ".zst)"
+        )
     empty = [p for p in files if p.stat().st_size == 0]
     if empty:
         raise DihalError(f"dataset file '{empty[0]}' is empty; give a file with text in it")
-    builder = LOCAL_SUFFIXES[files[0].suffix]
+    for module in {COMPRESSED.get(p.suffix) for p in files} - {None}:
+        if importlib.util.find_spec(module) is None:
+            raise DihalError(f"dataset '{spec}' has {module}-compressed files; install {module} (pip install {module})")
+    builder = LOCAL_SUFFIXES[suffix_of(files[0])]
     if builder == "text":
         for path in files:  # datasets would only say "an error occurred"; name the file and the byte
             try:
@@ -116,21 +141,25 @@ def _open_local(spec: str, text_field: str):
     datasets.disable_progress_bars()
     datasets.utils.logging.set_verbosity(logging.CRITICAL)  # its parse failures come back as our one line
     kwargs = {"sample_by": "paragraph"} if builder == "text" else {}
-    try:
-        dataset = datasets.load_dataset(builder, data_files=[str(p) for p in files], split="train", **kwargs)
-    except Exception as exc:  # noqa: BLE001 - datasets wraps every parse failure; report the parser's words
-        cause = exc
-        while isinstance(cause, datasets.exceptions.DatasetsError) and (cause.__cause__ or cause.__context__):
-            cause = cause.__cause__ or cause.__context__
-        reason = (str(cause).splitlines() or [type(cause).__name__])[0][:200]
-        raise DihalError(f"cannot read dataset '{spec}' as {builder} ({reason}); fix the file") from None
     field = "text" if builder == "text" else text_field
-    if field not in dataset.column_names:
-        raise DihalError(
-            f"dataset '{spec}' has no text field '{field}' (fields: {', '.join(dataset.column_names)}); "
-            "name the right one with --text-field"
-        )
-    return dataset, field
+    parts = []
+    for path in files:
+        try:
+            part = datasets.load_dataset(builder, data_files=[str(path)], split="train", **kwargs)
+        except Exception as exc:  # noqa: BLE001 - datasets wraps every parse failure; report the parser's words
+            cause = exc
+            while isinstance(cause, datasets.exceptions.DatasetsError) and (cause.__cause__ or cause.__context__):
+                cause = cause.__cause__ or cause.__context__
+            reason = (str(cause).splitlines() or [type(cause).__name__])[0][:200]
+            where = f"'{spec}'" if len(files) == 1 else f"file '{path}' of '{spec}'"
+            raise DihalError(f"cannot read dataset {where} as {builder} ({reason}); fix the file") from None
+        if field not in part.column_names:
+            raise DihalError(
+                f"dataset '{spec if len(files) == 1 else path}' has no text field '{field}' (fields: "
+                f"{', '.join(part.column_names)}); name the right one with --text-field"
+            )
+        parts.append(part.select_columns([field]))
+    return (parts[0] if len(parts) == 1 else datasets.concatenate_datasets(parts)), field
 
 
 def one_source(cfg: DataConfig, spec: str) -> DataConfig:
@@ -147,19 +176,28 @@ _DIGESTS: dict[tuple, str] = {}  # (path, size, mtime_ns) -> sha256, for this pr
 
 
 def content_digests(cfg: DataConfig) -> dict[str, str]:
-    """{spec: sha256 over the names and bytes of its files} for every local source: what an extract id
-    hashes, so an edited file makes another id (a file's size and mtime only skip re-reading it in
-    one process; its content decides)."""
+    """{spec: sha256 over the names and bytes of its files} for every local source, and for Dolma over the
+    chosen shards (a URL by its address, a downloaded shard by its bytes): what an extract id hashes, so an
+    edited file makes another id (a file's size and mtime only skip re-reading it in one process; its
+    content decides)."""
     from dihal.artifacts.store import file_sha256
 
     out = {}
     for spec in cfg.sources:
-        if spec == "pydoc" or is_generated(spec) or not is_local_spec(spec):
+        if dolma.is_dolma(spec):
+            found = [s.location for s in dolma.shards(spec, cfg.dolma_shards, cfg.seed)]
+        elif spec == "pydoc" or is_generated(spec) or not is_local_spec(spec):
             continue
-        digest, found = hashlib.sha256(), _local_files(spec)
+        else:
+            found = _local_files(spec)
         if not found:  # check() says so in one line
             continue
-        for path in found:
+        digest = hashlib.sha256()
+        for where in found:
+            if isinstance(where, str) and where.startswith(("http://", "https://")):
+                digest.update(f"{where}\n".encode())
+                continue
+            path = Path(where)
             st = path.stat()
             key = (str(path.resolve()), st.st_size, st.st_mtime_ns)
             if key not in _DIGESTS:
@@ -169,11 +207,22 @@ def content_digests(cfg: DataConfig) -> dict[str, str]:
     return out
 
 
-def check(cfg: DataConfig) -> None:
-    """Local data: every record's text is a string and at least one is non-empty. Builtins, hub
-    streams and generate artifacts are checked as they are read."""
+def check(cfg: DataConfig, *, reach: bool = True) -> None:
+    """Before any model loads. Local data: every record's text is a string and at least one is non-empty.
+    Dolma: its shard list reads and the first chosen shard opens with the text field. A hub dataset: it is
+    not a loading script, and its stream opens with the text field. reach=False (a dry run offline) leaves
+    what needs the network unchecked. pydoc and generate artifacts are checked as they are read."""
     for spec in cfg.sources:
-        if spec == "pydoc" or is_generated(spec) or not is_local_spec(spec):
+        if spec == "pydoc" or is_generated(spec):
+            continue
+        if dolma.is_dolma(spec):
+            listed = dolma.shard_list(spec) if reach or not dolma.needs_network(spec) else None
+            if listed is not None and (reach or not any(loc.startswith("http") for loc in listed)):
+                dolma.check(spec, dolma.choose(listed, cfg.dolma_shards, cfg.seed), cfg.text_field)
+            continue
+        if not is_local_spec(spec):
+            if spec in SCRIPT_ONLY or reach:
+                hub_stream(one_source(cfg, spec))
             continue
         dataset, field = _open_local(spec, cfg.text_field)
         non_empty = 0
@@ -196,7 +245,14 @@ def local_documents(spec: str, text_field: str) -> Iterator[str]:
             yield row[field]
 
 
-def hub_documents(cfg: DataConfig) -> Iterator[str]:
+def hub_stream(cfg: DataConfig):
+    """(stream, first record) of a hub dataset, or one line: a loading script (which datasets >= 4 cannot
+    run), offline, unknown, gated, or without the text field."""
+    if cfg.dataset in SCRIPT_ONLY:
+        raise DihalError(
+            f"dataset '{cfg.dataset}' is a loading script on the hub, which datasets 4 and later cannot run; "
+            f"pass --dataset {SCRIPT_ONLY[cfg.dataset]} (its shards as published) or downloaded shards"
+        )
     import datasets
 
     try:
@@ -204,6 +260,11 @@ def hub_documents(cfg: DataConfig) -> Iterator[str]:
         first = next(iter(stream))
     except Exception as exc:  # noqa: BLE001 - offline, unknown id, gated: all one message for the user
         reason = str(exc).splitlines()[0][:160] if str(exc) else type(exc).__name__
+        if "scripts are no longer supported" in reason:
+            raise DihalError(
+                f"dataset '{cfg.dataset}' is a loading script on the hub, which datasets 4 and later cannot run; "
+                "pass its data files (local files, or a dolma: source for Dolma)"
+            ) from None
         raise DihalError(
             f"cannot stream dataset '{cfg.dataset}' from the hub ({reason}); offline use needs the builtin 'pydoc' "
             "or local .txt/.jsonl/.parquet files"
@@ -213,6 +274,11 @@ def hub_documents(cfg: DataConfig) -> Iterator[str]:
             f"dataset '{cfg.dataset}' has no text field '{cfg.text_field}' "
             f"(fields: {', '.join(first)}); name the right one with --text-field"
         )
+    return stream, first
+
+
+def hub_documents(cfg: DataConfig) -> Iterator[str]:
+    stream, _ = hub_stream(cfg)
     for index, row in enumerate(stream):
         value = row[cfg.text_field]
         if value is not None and not isinstance(value, str):
@@ -224,12 +290,17 @@ def hub_documents(cfg: DataConfig) -> Iterator[str]:
             yield value
 
 
-def documents(cfg: DataConfig) -> Iterator[str]:
-    """The texts of cfg's (one) dataset."""
+def documents(cfg: DataConfig, read: dict | None = None) -> Iterator[str]:
+    """The texts of cfg's (one) dataset; for Dolma, read[source] counts the documents read of each."""
     if is_generated(cfg.dataset):
         raise DihalError(f"dataset '{cfg.dataset}' holds token ids, not text; only `dihal extract` reads it")
     if cfg.dataset == "pydoc":
         return pydoc_documents()
+    if dolma.is_dolma(cfg.dataset):
+        chosen = dolma.shards(cfg.dataset, cfg.dolma_shards, cfg.seed)
+        return dolma.documents(
+            cfg.dataset, chosen, cfg.text_field, cfg.shuffle_buffer, cfg.seed, {} if read is None else read
+        )
     if is_local_spec(cfg.dataset):
         return local_documents(cfg.dataset, cfg.text_field)
     if cfg.dataset.count("/") > 1 or cfg.dataset.startswith((".", "/")):
@@ -252,22 +323,8 @@ class PackedData:
     start_token: dict  # {"id": ..., "token": ..., "kind": "bos" | "<|endoftext|>" | "eos"}
     source: np.ndarray | None = None  # (n_seq,) int8: which of cfg.sources each sequence is from
     sources: list[dict] | None = None  # per source: spec, share, train and validation sequences
-
-
-def start_token(tokenizer) -> tuple[int, str]:
-    """(id, which) of the token every sequence starts with: BOS, else the document separator
-    <|endoftext|> (Qwen2/Qwen3 have no BOS), else EOS."""
-    if tokenizer.bos_token_id is not None:
-        return int(tokenizer.bos_token_id), "bos"
-    separator = tokenizer.convert_tokens_to_ids("<|endoftext|>") if "<|endoftext|>" in tokenizer.get_vocab() else None
-    if separator is not None:
-        return int(separator), "<|endoftext|>"
-    if tokenizer.eos_token_id is not None:
-        return int(tokenizer.eos_token_id), "eos"
-    raise DihalError(
-        "the tokenizer has no BOS, no <|endoftext|> and no EOS token to start sequences with; "
-        "use a tokenizer that has one"
-    )
+    document_end: dict | None = None  # the token documents are joined by (lm/tokens.py)
+    dolma: dict | None = None  # per dolma: source, its chosen shards and the documents read of each of its sources
 
 
 class _Packer:
@@ -336,22 +393,24 @@ def pack(
         raise DihalError(
             f"--seq-len {cfg.seq_len} exceeds the model's context of {max_positions} tokens; use a smaller --seq-len"
         )
-    (bos, start_kind), eos = start_token(tokenizer), tokenizer.eos_token_id
+    (bos, start_kind), end = start_token(tokenizer), document_end(tokenizer)
 
     def text_ids(text: str) -> tuple[list[int], bytes]:
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-        return ids + ([eos] if eos is not None else []), text.encode()
+        return ids + ([end["id"]] if end is not None else []), text.encode()
 
     def given_ids(ids: list[int]) -> tuple[list[int], bytes]:
         return list(ids), np.asarray(ids, dtype=np.int64).tobytes()
 
     wanted = wanted_counts(cfg)
     per_split = [allot(w, cfg.shares) if w is not None else [None] * len(cfg.shares) for w in wanted]
-    digest, packed = hashlib.sha256(), []
+    digest, packed, read = hashlib.sha256(), [], {}
     for i, spec in enumerate(cfg.sources):
-        docs, ids_of = (
-            ((generated or {})[spec], given_ids) if is_generated(spec) else (documents(one_source(cfg, spec)), text_ids)
-        )
+        if is_generated(spec):
+            docs, ids_of = (generated or {})[spec], given_ids
+        else:
+            read[spec] = {}
+            docs, ids_of = documents(one_source(cfg, spec), read[spec]), text_ids
         train, val, n_docs, n_tokens = _pack_source(cfg, docs, ids_of, bos, (per_split[0][i], per_split[1][i]), digest)
         if not train:
             raise DihalError(
@@ -360,11 +419,20 @@ def pack(
             )
         packed.append((train, val, n_docs, n_tokens))
     start = {"id": bos, "token": tokenizer.convert_ids_to_tokens(bos), "kind": start_kind}
+    shards = {
+        spec: {
+            "shards": [asdict(s) for s in dolma.shards(spec, cfg.dolma_shards, cfg.seed)],
+            "documents_read": dict(sorted(read[spec].items())),
+        }
+        for spec in cfg.sources
+        if dolma.is_dolma(spec)
+    }
+    told = {"document_end": end, "dolma": shards or None}
     if len(packed) == 1:
         train, val, n_docs, n_tokens = packed[0]
         ids = np.asarray(train + val, dtype=np.int32).reshape(-1, cfg.seq_len)
         split = np.asarray([0] * len(train) + [1] * len(val), dtype=np.int8)
-        return PackedData(ids, split, digest.hexdigest()[:16], n_docs, n_tokens, start)
+        return PackedData(ids, split, digest.hexdigest()[:16], n_docs, n_tokens, start, **told)
     rows, splits, origin = [], [], []
     for which in (0, 1):
         have = [len(p[which]) for p in packed]
@@ -397,6 +465,7 @@ def pack(
         start,
         np.asarray(origin, dtype=np.int8),
         sources,
+        **told,
     )
 
 
