@@ -24,7 +24,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from make_random_model import LIKE  # noqa: E402
 
 from dihal.artifacts.hidden_states import estimate_bytes  # noqa: E402
-from dihal.stages.configs import PROTOCOLS  # noqa: E402
+from dihal.stages.configs import PROTOCOLS, CompareConfig  # noqa: E402
+from dihal.stages.score import Embeddings  # noqa: E402
 
 GIB = 2**30
 PAPER = PROTOCOLS["paper"]
@@ -57,6 +58,40 @@ def training_gib(params: int, batch: int, tokens: int, width: int, depth: int, d
     return (state + io + activations) / GIB
 
 
+def score_host_bytes(width: int, tokens: int, pool: int, base: float = 0.5 * GIB) -> float:
+    """Host memory of `dihal score` at its peak, from what it holds: the ridge proxies' windows of h_0 and
+    their features (float64) at max(tokens, ROWS) positions, the eigenbases each fit keeps (primal p x p
+    when the held-in rows are at least the features p, else the n x n kernel's; the held-in fit and FOLDS
+    fold fits, for the token and the window), the largest temporary of one fit, the geometry's pairwise
+    distances, a layer's targets and the pool's positions, and the process itself (base). Measured against
+    this: tests/test_paper_script.py."""
+    n = max(tokens, Embeddings.ROWS)
+    held_out = max(1, round(Embeddings.HELD_OUT * n))
+    train, folds = n - held_out, Embeddings.FOLDS
+    fold_train, fold_test = train - train // folds, train // folds
+    held = n * Embeddings.WINDOW * width * 8 + 3 * n * width * 8 + 2 * pool * width * 8
+    temporary = 0.0
+    for w in (1, Embeddings.WINDOW):
+        p = w * width + 1
+        held += n * p * 8
+        temporary = max(temporary, 2 * n * w * width * 8)
+        for rows, scored, copies in ((train, held_out, 1), (fold_train, fold_test, folds)):
+            m = min(rows, p)  # the eigenbasis: p x p (primal) or rows x rows (the kernel's)
+            held += copies * (rows * m * 4 + scored * m * 4 + m * m * 8 + m * 8)
+            temporary = max(temporary, 3 * m * m * 8 + scored * m * 8 + train * p * 8 + rows * p * 8)
+    return base + held + temporary + 6 * tokens**2 * 8 + 4 * tokens * width * 8
+
+
+def compare_parts(seeds: int, budgets: list[int]) -> tuple[int, float]:
+    """(parts per seed and budget, epochs in all) of the script's comparison: every row's distinct part once
+    (stages/compare.py part_configs, every row but the oracle's), each budget k training k epochs."""
+    from dihal.stages.compare import part_configs
+
+    cfg = CompareConfig(protocol="paper", seeds=tuple(range(seeds)), budgets=tuple(budgets))
+    parts = len(part_configs(cfg, 0, 1, 2))
+    return parts, parts * seeds * sum(budgets)
+
+
 def estimate(a: argparse.Namespace) -> list[tuple[str, float, float, float, float, str]]:
     """(stage, disk GiB, RAM GiB, peak GPU GiB, minutes, note) per stage."""
     s = shapes(a)
@@ -79,10 +114,10 @@ def estimate(a: argparse.Namespace) -> list[tuple[str, float, float, float, floa
         (
             "score",
             0.01,
-            (a.tokens**2 * 8 * 3 + a.pool * d * 8) / GIB + 1,
+            score_host_bytes(d, a.tokens, a.pool) / GIB,
             (a.tokens**2 * 8 * 4 + a.tokens * 4 * d * 8) / GIB,
             (a.pool * d * 2 * (layers - 2) / GIB / a.disk_gibps + (layers - 2) * a.score_s_per_layer) / 60,
-            f"the {a.pool:,}-position pool, not the layers",
+            f"the {a.pool:,}-position pool and {max(a.tokens, Embeddings.ROWS):,} ridge rows",
         ),
     ]
     den = denoiser_parameters(w, d, depth)
@@ -168,14 +203,21 @@ def estimate(a: argparse.Namespace) -> list[tuple[str, float, float, float, floa
             "the evaluator, float32 head",
         )
     )
+    budgets = [int(b) for b in a.budgets.split(",")]
+    seeds = len(a.seeds.split(","))
+    parts, epochs = compare_parts(seeds, budgets)
+    curves = 3 * 8  # the temperatures of every row that ends in a distribution, rows with their controls
+    samples = seeds * len(budgets) * curves * a.compare_samples
+    sampling = samples * a.prior_steps * (a.seq_len - 1) / (3 * a.bridge_tps)  # a forward is a third of a step
+    scoring = 2 * samples * a.seq_len / a.forward_tps  # under the backbone and the evaluator
     rows.append(
         (
             "compare",
-            1,
+            parts * seeds * len(budgets) * den * 16 / GIB,  # every part of every seed and budget, as a bridge
             ram + table,
             2 * (weights + head32) + decoder_gpu - weights,
-            0,
-            "backbone and the other 8B as evaluator, with the largest part training",
+            epochs * bridge_minutes + (sampling + scoring) / 60,
+            f"{parts} parts x {seeds} seeds x budgets {a.budgets} = {epochs} epochs; {samples:,} samples scored twice",
         )
     )
     return rows
@@ -197,6 +239,10 @@ def main() -> None:
         window=512,
         samples=1000,
         gen_batch=50,
+        seeds="0,1,2",
+        budgets="1,5",
+        compare_samples=256,
+        prior_steps=50,
         eval_tokens=512 * 128 * 5,
         forward_tps=20000.0,
         disk_gibps=1.0,

@@ -4,14 +4,17 @@ scripts/gpu_smoke.sh checks dihal's GPU paths at D = 4096 and the 128k / 152k vo
 the 16 GB downloads (a GPU machine here has no network, and the builtins' packages are too large to
 send). The directory holds the real config of Llama-3.1-8B-Instruct or Qwen3-8B with --layers
 blocks, random bfloat16 weights, and the tokenizer of the builtin smollm2-135m (49,152 ids, all
-inside either vocabulary, so every vocabulary-sized tensor has its real size). A Qwen3-like model's
-tokenizer has no BOS, as Qwen3's has none: its sequences start with <|endoftext|>.
+inside either vocabulary, so every vocabulary-sized tensor has its real size), given the special tokens
+of the model's own: a Llama-like one starts with <|begin_of_text|>, ends a turn with <|eot_id|> and a
+document with <|end_of_text|>; a Qwen3-like one has no BOS (its sequences start with <|endoftext|>) and
+ends a turn with <|im_end|>. Each has the published generation_config's list of stop tokens.
 
     python scripts/make_random_model.py --like llama-3.1-8b --layers 4 --out runs/random-llama
     dihal extract --model runs/random-llama --device cuda --dtype bfloat16 ...
 
 --hidden, --intermediate, --heads and --kv-heads shrink the blocks for a CPU rehearsal
-(DEVICE=cpu scripts/gpu_smoke.sh); the vocabulary keeps its size.
+(DEVICE=cpu scripts/gpu_smoke.sh); the vocabulary keeps its size unless --vocab shrinks it too (with a
+small --tokenizer: tests/test_paper_script.py).
 """
 
 from __future__ import annotations
@@ -67,7 +70,18 @@ LIKE = {
         "vocab_size": 151936,
     },
 }
-NO_BOS = {"qwen3-8b"}
+# the special tokens each model's own tokenizer starts, joins and ends text with (stages/lm/tokens.py):
+# (bos, eos, [tokens added], generation_config.eos_token_id as token names); the builtin tokenizer already has
+# Qwen's <|endoftext|> and <|im_end|>
+SPECIALS = {
+    "llama-3.1-8b": (
+        "<|begin_of_text|>",
+        "<|eot_id|>",
+        ["<|begin_of_text|>", "<|end_of_text|>", "<|eot_id|>", "<|eom_id|>"],
+        ["<|end_of_text|>", "<|eom_id|>", "<|eot_id|>"],
+    ),
+    "qwen3-8b": (None, "<|im_end|>", ["<|endoftext|>", "<|im_end|>"], ["<|im_end|>", "<|endoftext|>"]),
+}
 
 
 def builtin_tokenizer_dir() -> Path:
@@ -79,20 +93,27 @@ def builtin_tokenizer_dir() -> Path:
 
 def make(like: str, layers: int, out: Path, tokenizer: Path, device: str, seed: int = 0, **shrink) -> Path:
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
     tok = AutoTokenizer.from_pretrained(str(tokenizer))
-    if like in NO_BOS:
-        tok.bos_token = None
+    bos, eos, added, stops = SPECIALS[like]
+    tok.add_special_tokens({"additional_special_tokens": [t for t in added if t not in tok.get_vocab()]})
+    tok.bos_token, tok.eos_token = bos, eos
     fields = {**LIKE[like], "num_hidden_layers": layers, **{k: v for k, v in shrink.items() if v is not None}}
     if shrink.get("hidden_size") and "head_dim" in fields:
         fields["head_dim"] = fields["hidden_size"] // fields["num_attention_heads"]
+    if fields["vocab_size"] < len(tok):
+        raise SystemExit(f"--vocab {fields['vocab_size']} is smaller than the tokenizer's {len(tok)} ids")
     start = tok.bos_token_id if tok.bos_token_id is not None else tok.convert_tokens_to_ids("<|endoftext|>")
-    fields.update(bos_token_id=start, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.convert_tokens_to_ids(added[1])
+    fields.update(bos_token_id=start, eos_token_id=tok.eos_token_id, pad_token_id=pad)
     config = AutoConfig.for_model(**fields)
     torch.manual_seed(seed)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model.generation_config = GenerationConfig(
+        bos_token_id=start, eos_token_id=[tok.convert_tokens_to_ids(t) for t in stops], pad_token_id=pad
+    )
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
     tok.save_pretrained(out)
@@ -112,6 +133,7 @@ def main() -> None:
     p.add_argument("--intermediate", type=int, default=None)
     p.add_argument("--heads", type=int, default=None)
     p.add_argument("--kv-heads", type=int, default=None)
+    p.add_argument("--vocab", type=int, default=None, help="Shrink: vocabulary size (at least the tokenizer's).")
     a = p.parse_args()
     if a.layers < 2:
         p.error("--layers must be at least 2 (the score z-scores layers 1..L-1)")
@@ -123,6 +145,7 @@ def main() -> None:
         intermediate_size=a.intermediate,
         num_attention_heads=a.heads,
         num_key_value_heads=a.kv_heads,
+        vocab_size=a.vocab,
     )
     out = make(a.like, a.layers, a.out, a.tokenizer or builtin_tokenizer_dir(), device, a.seed, **shrink)
     print(f"{out}: {a.like} shapes, {a.layers} blocks, random bfloat16 weights")

@@ -2,43 +2,64 @@
 # The paper's setting: Llama-3.1-8B-Instruct and Qwen3-8B on Dolma v1.7, GPU-sized.
 # It needs the hub (or a populated HF cache) and a GPU. DRY_RUN=1 validates every stage's
 # arguments offline without loading weights or data.
+#
+# On a GPU node, every command under torchrun (each one splits its work or runs on rank 0):
+#   DIHAL="torchrun --nproc_per_node 8 -m dihal.cli" bash scripts/reproduce_paper.sh
+# The sizes below are the paper's; each can be set from the environment (tests/test_paper_script.py runs
+# this script itself on tiny random models of both shapes, over local Dolma-format shards, that way).
 set -euo pipefail
 export DIHAL_STRICT_CACHE=${DIHAL_STRICT_CACHE:-1}  # a cached artifact made by other code is recomputed (issue 45)
 cd "$(dirname "$0")/.."
 [ "${DRY_RUN:-0}" = 1 ] && export HF_HUB_OFFLINE=1
 dry() { [ "${DRY_RUN:-0}" = 1 ]; }
 DRY=$(dry && echo --dry-run || true)
-DEV="--device ${DEVICE:-cuda} --dtype ${DTYPE:-bfloat16} $DRY"
+DIHAL=${DIHAL:-dihal}                       # the command each stage runs with (torchrun ... -m dihal.cli)
+DEVICE=${DEVICE:-cuda}
+DEV="--device $DEVICE --dtype ${DTYPE:-bfloat16} $DRY"
+DATASET=${DATASET:-dolma:v1_7}              # Dolma v1.7 as published: its URL list on the hub (docs/guide.md)
+SEQUENCES=${SEQUENCES:-20000}; SEQ_LEN=${SEQ_LEN:-128}; BATCH=${BATCH:-32}; TOKENS=${TOKENS:-4096}
+EVAL_LIMIT=${EVAL_LIMIT:-256}; LIMIT=${LIMIT:-512}; EVAL_STEPS=${EVAL_STEPS:-4,8,16,32}; SAMPLE_STEPS=${SAMPLE_STEPS:-16}
+NUM_SAMPLES=${NUM_SAMPLES:-1000}; GEN_BATCH=${GEN_BATCH:-50}; MAX_NEW=${MAX_NEW:-$((SEQ_LEN - 1))}
+SEEDS=${SEEDS:-0,1,2}; BUDGETS=${BUDGETS:-1,5}; COMPARE_SAMPLES=${COMPARE_SAMPLES:-256}; PRIOR_STEPS=${PRIOR_STEPS:-50}
+COMPARE_BATCH=${COMPARE_BATCH:-64}
+RECIPE=${RECIPE:-}                          # recipe flags on top of --protocol paper (a CPU rehearsal shrinks it)
+# model, candidate layers, its shapes for the estimate printed first (scripts/make_random_model.py's configs),
+# one a line
+MODELS=${MODELS:-"meta-llama/Llama-3.1-8B-Instruct 1-31 llama-3.1-8b
+Qwen/Qwen3-8B 1-35 qwen3-8b"}
 latest() { if dry; then echo latest; else dihal runs latest "$1"; fi; }
 
-# model, candidate layers, its shapes for the estimate printed first (scripts/make_random_model.py's configs)
-for spec in "meta-llama/Llama-3.1-8B-Instruct 1-31 llama-3.1-8b" "Qwen/Qwen3-8B 1-35 qwen3-8b"; do
-  set -- $spec
-  MODEL=$1; LAYERS=$2
-  export DIHAL_ROOT=runs/paper/$(basename "$MODEL")
+while read -r -u 3 MODEL LAYERS LIKE; do
+  [ -n "$MODEL" ] || continue
+  export DIHAL_ROOT=${ROOT_BASE:-runs/paper}/$(basename "$MODEL")
   echo "== $MODEL"
-  python3 scripts/estimate.py --model "$MODEL" --like "$3" --sequences 20000 --seq-len 128
-  dihal extract --model "$MODEL" --dataset allenai/dolma --dataset-config v1_7 --text-field text \
-    --layers all --max-sequences 20000 --seq-len 128 --batch-size 32 $DEV
+  python3 scripts/estimate.py --model "$MODEL" --like "$LIKE" --sequences "$SEQUENCES" --seq-len "$SEQ_LEN" \
+    --seeds "$SEEDS" --budgets "$BUDGETS" --compare-samples "$COMPARE_SAMPLES"
+  $DIHAL extract --model "$MODEL" --dataset "$DATASET" --text-field text \
+    --layers all --max-sequences "$SEQUENCES" --seq-len "$SEQ_LEN" --batch-size "$BATCH" $DEV
   EXTRACT=$(latest extract)
-  dihal score --extract "$EXTRACT" --tokens 4096 --device cuda $DRY
+  $DIHAL score --extract "$EXTRACT" --tokens "$TOKENS" --device "$DEVICE" $DRY
   SCORE=$(latest score)
   if dry; then LSTAR=3; else
-    LSTAR=$(dihal score --extract "$EXTRACT" --tokens 4096 --device cuda --json | python3 -c "import json,sys; print(json.load(sys.stdin)['l_star'])")
+    LSTAR=$(dihal score --extract "$EXTRACT" --tokens "$TOKENS" --device "$DEVICE" --json | python3 -c "import json,sys; print(json.load(sys.stdin)['l_star'])")
   fi
-  dihal sweep --layers "$LAYERS" --protocol paper --extract "$EXTRACT" --score "$SCORE" --eval-limit 256 $DEV
-  BRIDGE=$(latest bridge)
-  dry || BRIDGE=$(python3 -c "import json; print(__import__('pandas').read_csv('$DIHAL_ROOT/sweep/'+'$(latest sweep)'+'/sweep.csv').set_index('layer').loc[$LSTAR,'bridge'])")
-  dihal evaluate --bridge "$BRIDGE" --sample-steps 4,8,16,32 --limit 512 $DEV
-  dihal generate --bridge "$BRIDGE" --num-samples 1000 --max-new-tokens 127 --sample-steps 16 --top-p 0.95 \
-    --batch-size 50 --baseline original $DEV
+  $DIHAL sweep --layers "$LAYERS" --protocol paper $RECIPE --extract "$EXTRACT" --score "$SCORE" \
+    --eval-limit "$EVAL_LIMIT" $DEV
+  SWEEP=$(latest sweep)
+  if dry; then BRIDGE=latest; else  # the sweep's bridge at l* (its first seed), read through the store's checks
+    BRIDGE=$(python3 -c "import sys, dihal, pandas as pd; r = pd.read_csv(dihal.open_store().load(sys.argv[1], 'sweep').file('sweep_runs.csv')); print(r[r.layer == int(sys.argv[2])].sort_values('seed').bridge.iloc[0])" "$SWEEP" "$LSTAR")
+  fi
+  $DIHAL evaluate --bridge "$BRIDGE" --sample-steps "$EVAL_STEPS" --limit "$LIMIT" $DEV
+  $DIHAL generate --bridge "$BRIDGE" --num-samples "$NUM_SAMPLES" --max-new-tokens "$MAX_NEW" \
+    --sample-steps "$SAMPLE_STEPS" --top-p 0.95 --batch-size "$GEN_BATCH" --baseline original $DEV
   GENERATE=$(latest generate)
-  dihal evaluate --samples "$GENERATE" --limit 1000 $DEV
+  $DIHAL evaluate --samples "$GENERATE" --limit "$NUM_SAMPLES" $DEV
   # the diagnostic comparison (docs/method.md section 5): every row from one prior per seed, paper protocol,
-  # second evaluator the other 8B backbone
-  OTHER=$([ "$MODEL" = "Qwen/Qwen3-8B" ] && echo meta-llama/Llama-3.1-8B-Instruct || echo Qwen/Qwen3-8B)
-  dihal compare --extract "$EXTRACT" --score "$SCORE" --protocol paper --seeds 0,1,2 --num-samples 256 \
-    --prior-steps 50 --sample-steps 16 --condition-noise prior:0.5 --temperatures 0,0.7,1.0 --top-p 1.0 \
-    --budgets 1,5 --controls sed,codar,dihal,dihal-direct --evaluator "$OTHER" --batch-size 64 $DEV
+  # second evaluator the other backbone of the list
+  OTHER=$(printf '%s\n' "$MODELS" | awk -v m="$MODEL" 'NF && $1 != m {print $1; exit}')
+  $DIHAL compare --extract "$EXTRACT" --score "$SCORE" --protocol paper $RECIPE --seeds "$SEEDS" \
+    --num-samples "$COMPARE_SAMPLES" --prior-steps "$PRIOR_STEPS" --sample-steps "$SAMPLE_STEPS" \
+    --condition-noise prior:0.5 --temperatures 0,0.7,1.0 --top-p 1.0 --budgets "$BUDGETS" \
+    --controls sed,codar,dihal,dihal-direct --evaluator "${OTHER:-$MODEL}" --batch-size "$COMPARE_BATCH" $DEV
   dry || python3 scripts/summarize.py "$DIHAL_ROOT" "$DIHAL_ROOT/summary.md"
-done
+done 3<<< "$MODELS"

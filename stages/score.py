@@ -413,19 +413,23 @@ class Embeddings:
 
     @classmethod
     def for_draws(cls, group, positions: list, seed: int, device: str = "cpu", rule: str = "kfold") -> list:
-        """One per draw of (sequences, positions), from the extract's layer 0 read once for all draws
-        (None each without it): h_0 at p, p-1, ..., p-WINDOW+1, zeros before position 0."""
+        """One per draw of (sequences, positions), from the extract's layer 0 (None each without it): h_0 at
+        p, p-1, ..., p-WINDOW+1, zeros before position 0. Only those positions are read, once for all draws
+        (whole sequences would be every chunk of a paper-sized extract: 20 GiB at 20,000 x 128 x 4096)."""
         if 0 not in hs.stored_layers(group):
             return [None] * len(positions)
-        unique = np.unique(np.concatenate([seqs for seqs, _ in positions]))
-        rows = hs.read_sequences(group, 0, unique)  # (U, T, D), position 0 exact
+        wanted = [
+            (seqs[ok], pos[ok] - j) for seqs, pos in positions for j in range(cls.WINDOW) if (ok := pos >= j).any()
+        ]
+        length = group["input_ids"].shape[1]
+        keys = np.unique(np.concatenate([s.astype(np.int64) * length + p for s, p in wanted]))
+        states = hs.read_positions(group, 0, keys // length, keys % length)  # (K, D), position 0 exact
         out = []
         for draw, (seqs, pos) in enumerate(positions):
-            where = np.searchsorted(unique, seqs)
-            window = np.zeros((len(seqs), cls.WINDOW, rows.shape[2]))
+            window = np.zeros((len(seqs), cls.WINDOW, states.shape[1]))
             for j in range(cls.WINDOW):
                 ok = pos - j >= 0
-                window[ok, j] = rows[where[ok], pos[ok] - j]
+                window[ok, j] = states[np.searchsorted(keys, seqs[ok].astype(np.int64) * length + pos[ok] - j)]
             out.append(cls(window, seed, draw, device, rule=rule))
         return out
 

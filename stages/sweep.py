@@ -177,7 +177,7 @@ def normalize_variants(score_art: Artifact, extract: Artifact, store: ArtifactSt
 
 
 def draws_of(score_art: Artifact) -> pd.DataFrame | None:
-    path = score_art.path / "bootstrap.csv"
+    path = score_art.file("bootstrap.csv")
     return pd.read_csv(path) if path.exists() else None
 
 

@@ -180,3 +180,24 @@ def test_a_gzipped_json_lines_file_with_a_bad_record_is_one_line(tiny_dirs, tmp_
     with gzip.open(path, "wt") as fh:
         fh.write(json.dumps({"text": "fine words here"}) + "\n" + json.dumps({"text": 7}) + "\n")
     _one_error_line(invoke(*_extract(tiny_dirs, str(path))), "record 1 of dataset")
+
+
+REACH = "from dihal.stages.runtime import hub; print(hub.reachable())"
+
+
+def test_the_hub_is_reached_as_huggingface_hub_reaches_it(served):
+    """Its endpoint (HF_ENDPOINT), its proxies (HTTP(S)_PROXY) and its offline switch, not a raw socket to
+    huggingface.co: a user behind a proxy is not told they are offline."""
+    import subprocess
+    import sys
+
+    url, _ = served
+    endpoint = url.rsplit("/urls", 1)[0]
+    env = {k: v for k, v in __import__("os").environ.items() if "PROXY" not in k.upper()}
+    run = lambda **extra: subprocess.run(
+        [sys.executable, "-c", REACH], env={**env, **extra}, capture_output=True, text=True, timeout=60
+    ).stdout.strip()
+    assert run(HF_ENDPOINT=endpoint) == "True"
+    dead = "http://127.0.0.1:9"  # nothing listens on the discard port
+    assert run(HF_ENDPOINT=endpoint, HTTP_PROXY=dead, HTTPS_PROXY=dead) == "False"  # through the proxy
+    assert run(HF_ENDPOINT=endpoint, HF_HUB_OFFLINE="1") == "False"

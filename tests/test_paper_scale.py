@@ -315,41 +315,62 @@ def test_two_ranks_train_the_same_bridge_as_one_process(tiny_dirs, tmp_path):
         torch.testing.assert_close(wb[name], wa[name], atol=1e-5, rtol=1e-4)
 
 
+STAGES = {
+    "train-bridge": "bridge",
+    "train-prior": "prior",
+    "train-decoder": "decoder",
+    "train-autoencoder": "autoencoder",
+}
+
+
 @pytest.mark.slow
 def test_every_stage_under_torchrun_writes_one_artifact_with_one_id(tiny_dirs, tmp_path):
-    """extract, train-prior and train-decoder on two ranks whose devices are cpu:0 and cpu:1 (as
-    cuda:0 and cuda:1 on a GPU node): each makes exactly one complete artifact, whose config names
-    the device type only. Before the fix rank 1 hashed `cpu:1` into its own id and failed."""
-    root = tmp_path / "runs"
-    args = [
-        "--model",
-        str(tiny_dirs["llama"]),
-        "--max-sequences",
-        "40",
-        "--seq-len",
-        "16",
-        "--layers",
-        "0,2",
-        "--val-fraction",
-        "0.2",
-        "--device",
-        "cpu",
-        "--root",
-        str(root),
-    ]
-    proc = torchrun("extract", *args)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    store = ArtifactStore(root)
-    (extract,) = store.all("extract")
-    assert extract.complete and extract.config["device"] == "cpu" and extract.manifest["world_size"] == 2
+    """Every stage command on two ranks whose devices are cpu:0 and cpu:1 (as cuda:0 and cuda:1 on a GPU
+    node): each makes exactly one complete artifact, with the id one process gives it, whose config names
+    the device type only. A stage that splits its work (extract, the trainers) runs on both ranks; every
+    other one on rank 0 while rank 1 waits for its artifact. Before: rank 1 hashed `cpu:1` into its own
+    id, and score, evaluate, generate and compare died on the lock (issue 46)."""
+    root, single = tmp_path / "runs", tmp_path / "single"
+    args = ["--model", str(tiny_dirs["llama"]), "--max-sequences", "40", "--seq-len", "16", "--layers", "0-3"]
+    args += ["--val-fraction", "0.2", "--device", "cpu"]
     no_depth = [a for i, a in enumerate(TINY_PART) if "--depth" not in TINY_PART[max(i - 1, 0) : i + 1]]
-    for command, stage in (("train-prior", "prior"), ("train-decoder", "decoder")):  # the decoder's depth is fixed
-        proc = torchrun(command, *(TINY_PART if stage == "prior" else no_depth), "--root", str(root))
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        made = store.all(stage)
-        assert len(made) == 1 and made[0].complete, f"{command}: {[(a.id, a.status) for a in made]}"
-        assert made[0].manifest["metrics"]["world_size"] == 2 and made[0].config["device"] == "cpu"
-        assert [r["step"] for r in files.read_jsonl(made[0].file("metrics.jsonl"))] == list(range(1, 9))
+    commands = [
+        ("extract", args),
+        ("score", ["--tokens", "100", "--k", "4", "--pairs", "50", "--candidates", "1,2,3"]),
+        ("train-bridge", ["--layer", "2", "--extract", "latest", *TINY_PART]),
+        ("train-prior", TINY_PART),
+        ("train-decoder", no_depth),  # the decoder's depth is fixed
+        ("train-autoencoder", ["--train-steps", "3", "--width", "16", "--batch-size", "4"]),
+        ("evaluate", ["--bridge", "latest", "--sample-steps", "2", "--limit", "3", "--device", "cpu"]),
+        ("generate", ["--bridge", "latest", "--num-samples", "2", "--max-new-tokens", "4", "--device", "cpu"]),
+        ("evaluate", ["--samples", "latest", "--device", "cpu"]),
+        ("generate", ["--mode", "parallel", "--prior", "latest", "--num-samples", "2", "--device", "cpu"]),
+        (
+            "sweep",
+            ["--extract", "latest", "--score", "latest", "--layers", "1,2", *TINY_PART[:-2], "--eval-limit", "2"],
+        ),
+        (
+            "confirm",
+            ["--protocol", "sweep-tiny", "--train-steps", "3", "--width", "16", "--depth", "1", "--seeds", "0"]
+            + ["--num-samples", "2", "--eval-limit", "2", "--sample-steps", "2", "--evaluator", str(tiny_dirs["qwen3"])]
+            + ["--device", "cpu"],
+        ),
+    ]
+    for command, extra in commands:
+        before = {a.id for a in ArtifactStore(root).all()}
+        proc = torchrun(command, *extra, "--root", str(root))
+        assert proc.returncode == 0, (command, proc.stderr[-3000:])
+        made = [a for a in ArtifactStore(root).all() if a.id not in before and a.stage == STAGES.get(command, command)]
+        assert len(made) == 1 and made[0].complete, f"{command}: {[(a.stage, a.id, a.status) for a in made]}"
+        assert ":" not in str(made[0].config.get("device")), made[0].config  # the type, never cpu:1
+        one = run_cli(command, *extra, "--root", str(single))  # the same command in one process: the same id
+        assert one.returncode == 0, (command, one.stderr[-3000:])
+        assert made[0].id in {a.id for a in ArtifactStore(single).all(made[0].stage)}, command
+        if command.startswith("train-"):
+            assert made[0].manifest["metrics"]["world_size"] == 2
+            steps = [r["step"] for r in files.read_jsonl(made[0].file("metrics.jsonl"))]
+            assert steps == list(range(1, len(steps) + 1))
+    assert ArtifactStore(root).resolve("latest", "extract").manifest["world_size"] == 2
 
 
 @pytest.mark.slow
@@ -640,3 +661,29 @@ def test_the_estimate_counts_the_parameters_of_the_models_it_estimates(like):
         den = Denoiser(DenoiserConfig(dim=4096, width=1024, depth=8, heads=16, max_len=127))
     counted = estimate.denoiser_parameters(1024, 4096, 8)
     assert abs(sum(p.numel() for p in den.parameters()) - counted) / counted < 0.01
+
+
+def test_a_gpu_rank_loads_its_weights_straight_onto_its_own_device(tiny_dirs, monkeypatch):
+    """Under torchrun `cuda` is the rank's GPU (dist.join makes it current): the weights are loaded onto it by
+    from_pretrained's device_map, never the whole model into host memory first (8 ranks x 16 GB at once on
+    an 8-GPU node). The GPU is stood in for: torch's current device says 3, and the load happens on the CPU."""
+    import transformers
+
+    from dihal.stages.lm import models
+
+    asked, real = {}, transformers.AutoModelForCausalLM.from_pretrained
+
+    def spy(*args, **kwargs):
+        asked.update(kwargs)
+        return real(*args, **{k: v for k, v in kwargs.items() if k != "device_map"})
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", spy)
+    monkeypatch.setattr(models, "resolve_device", lambda device, check=True: device)
+    monkeypatch.setattr(models, "check_runs", lambda device, dtype: torch.float32)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    monkeypatch.setattr(models, "wrap_model", lambda model, tok, identity: model)
+    models.load_model(str(tiny_dirs["llama"]), "cuda")
+    assert asked["device_map"] == {"": "cuda:3"}
+    asked.clear()
+    models.load_model(str(tiny_dirs["llama"]), "cpu")
+    assert "device_map" not in asked

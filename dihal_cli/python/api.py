@@ -53,9 +53,14 @@ class Loaded:
     def path(self) -> Path:
         return self.artifact.path
 
+    def file(self, name: str) -> Path:
+        """The path of one of its files, once its bytes match the checksum recorded at completion (a one-line
+        DihalError otherwise): how to read a file of a complete artifact."""
+        return self.artifact.file(name)
+
     @property
     def paths(self) -> dict[str, Path]:
-        """{name relative to the artifact: path} for every file but the manifest."""
+        """{name relative to the artifact: path} for every file but the manifest (unchecked; `file` checks)."""
         return {
             p.relative_to(self.path).as_posix(): p
             for p in sorted(self.path.rglob("*"))

@@ -295,6 +295,8 @@ def load_model(
     where, identity = locate(spec)
     check_remote_code(spec, where, trust_remote_code)
     kwargs: dict = {"dtype": torch_dtype, "trust_remote_code": trust_remote_code}
+    if device.startswith("cuda"):  # straight onto this rank's GPU, never the whole model in host memory first
+        kwargs["device_map"] = {"": on_device(device)}
     try:
         model, tokenizer = _from_pretrained(spec, where, identity, kwargs, revision)
     except ValueError as exc:  # a hub model whose code was not trusted
@@ -304,7 +306,13 @@ def load_model(
             f"model '{spec}' needs its own code to load; dihal runs it only with --trust-remote-code"
         ) from None
     identity["trust_remote_code"] = trust_remote_code
-    return wrap_model(model.to(device).eval(), tokenizer, identity)
+    placed = model if "device_map" in kwargs else model.to(device)  # device_map put it there already
+    return wrap_model(placed.eval(), tokenizer, identity)
+
+
+def on_device(device: str) -> str:
+    """'cuda' -> the current GPU (under torchrun, the rank's own: stages/runtime/dist.py join); else device."""
+    return f"cuda:{torch.cuda.current_device()}" if device == "cuda" else device
 
 
 def _from_pretrained(spec: str, where, identity: dict, kwargs: dict, revision: str | None):
