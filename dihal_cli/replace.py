@@ -80,6 +80,7 @@ def train_bridge(
     own_seed: int = o.opt(OwnTextConfig, "own_seed", help="--own-text: their seed."),
     prediction: str = o.opt(BridgeConfig, "prediction", help="x0 or velocity."),
     skip_init: str = o.opt(BridgeConfig, "skip_init", help="ridge or zero."),
+    positions: str = o.opt(BridgeConfig, "positions", help="learned (ends at --seq-len) or rotary (runs past it)."),
     condition_noise: str = typer.Option(o.condition_default(BridgeConfig), "--condition-noise", help=CONDITION_HELP),
     prior: str | None = typer.Option(None, "--prior", help="With prior:T, the layer-0 prior (dihal train-prior)."),
     device: str = o.Device,
@@ -93,7 +94,8 @@ def train_bridge(
 ) -> None:
     """Train the conditional flow-matching bridge h_0 -> h_layer (docs/method.md, replace)."""
     device, dtype = o.device_and_dtype(device, dtype, dry_run)
-    fixed = dict(layer=layer, prediction=prediction, skip_init=skip_init, **condition(condition_noise))
+    fixed = dict(layer=layer, prediction=prediction, skip_init=skip_init, positions=positions)
+    fixed |= condition(condition_noise)
     cfg = BridgeConfig.for_run(protocol, recipe, seed=seed, device=device, dtype=dtype, **fixed)
     ecfg = extract_config(locals(), device, dtype, f"0,{layer}")
     own = OwnTextConfig(own_text=own_text, own_samples=o.count_or_auto(own_samples, "--own-samples"), own_seed=own_seed)

@@ -127,7 +127,12 @@ def train(cfg: BridgeConfig, group, art: Artifact, progress: Progress, prior_art
     norm = Normalizer.fit(group, 0, cfg.layer, hs.split_indices(group, "train"), start)
     task = BridgeTask(group, cfg, norm, start, condition_prior(prior_art, cfg))
     den_cfg = DenoiserConfig(
-        dim=norm.mu_y.shape[0], width=cfg.width, depth=cfg.depth, heads=cfg.heads, max_len=task.tokens_per_item
+        dim=norm.mu_y.shape[0],
+        width=cfg.width,
+        depth=cfg.depth,
+        heads=cfg.heads,
+        max_len=task.tokens_per_item,
+        positions=cfg.positions,
     )
     torch.manual_seed(cfg.seed)
     net = Denoiser(den_cfg)

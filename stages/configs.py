@@ -239,9 +239,9 @@ def condition_label(cfg) -> str:
 def part_hash(cfg) -> dict:
     """asdict of a trained part's config; a field added later is left out at its old meaning (a
     bridge's or decoder's condition_from "sigma", a prior's latent False), so a config made before
-    it existed keeps its id."""
+    it existed keeps its id (a bridge's positions "learned")."""
     out = asdict(cfg)
-    for name, old in (("condition_from", "sigma"), ("latent", False)):
+    for name, old in (("condition_from", "sigma"), ("latent", False), ("positions", "learned")):
         if name in out and out[name] == old:
             out.pop(name)
     return out
@@ -259,6 +259,7 @@ class BridgeConfig(PartRecipe):
     skip_init: str = "ridge"  # "ridge": A starts at the least-squares map c -> y; "zero": plain init
     condition_noise: float = 0.0  # sigma: sigma_max of c + sigma z; prior: T, the prior's estimates from t <= T
     condition_from: str = "sigma"  # "sigma" or "prior" (section 5's corrupted conditions)
+    positions: str = "learned"  # the denoiser's positions: "learned" (ends at --seq-len) or "rotary" (any length)
 
     def check(self) -> None:
         super().check()
@@ -267,6 +268,11 @@ class BridgeConfig(PartRecipe):
         require(self.objective == "flow", "only --objective flow (rectified flow) is implemented")
         check_condition(self)
         one_of(self, "skip_init", ("ridge", "zero"))
+        one_of(self, "positions", ("learned", "rotary"))
+        require(
+            self.positions == "learned" or (self.width // self.heads) % 2 == 0,
+            f"--positions rotary rotates pairs: --width / --heads ({self.width} / {self.heads}) must be even",
+        )
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -53,11 +53,19 @@ def _layer0(model, ids: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def generate_hybrid(
-    loaded: LoadedModel, bridge: Bridge, suffix, prefix: torch.Tensor, cfg: GenerateConfig, gen: torch.Generator
+    loaded: LoadedModel,
+    bridge: Bridge,
+    suffix,
+    prefix: torch.Tensor,
+    cfg: GenerateConfig,
+    gen: torch.Generator,
+    noise: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """prefix (B, P) -> (B, max_new_tokens) new ids, hybrid model."""
+    """prefix (B, P) -> (B, max_new_tokens) new ids, hybrid model. noise: (B, covered, D) for the covered
+    positions (default: drawn from gen, a fresh draw per sample)."""
     model, batch = loaded.model, prefix.shape[0]
-    noise = bridge.noise(batch, prefix.shape[1] + cfg.max_new_tokens, gen)
+    if noise is None:
+        noise = bridge.noise(batch, prefix.shape[1] + cfg.max_new_tokens, gen)
     ids, new = prefix, []
     if cfg.cache:
         sampler, kv = bridge.cached_sampler(cfg.sample_steps, batch), DynamicCache(config=suffix.config)
@@ -132,17 +140,19 @@ def jobs(cfg: GenerateConfig) -> list[tuple[str, int]]:
     return out
 
 
-def check_length(tokenizer, bridge: Bridge, cfg: GenerateConfig) -> None:
-    """The start token, the longest prompt and every new token but the last must fit the bridge's
-    positions (the extract's --seq-len): beyond them it has no position embedding."""
-    positions = bridge.net.cfg.max_len + bridge.start
+def check_length(tokenizer, bridge: Bridge, cfg: GenerateConfig, context: int | None = None) -> None:
+    """The start token, the longest prompt and every new token but the last must fit the hybrid's
+    positions: a learned-position bridge's (its extract's --seq-len; beyond, it has no position
+    embedding), a rotary one's the backbone's context."""
+    positions = bridge.positions(context)
     longest = max((len(prompt_ids(tokenizer, p)) for p in cfg.prompts or ("",)), default=1)
-    if longest + cfg.max_new_tokens - 1 > positions:
+    if positions is not None and longest + cfg.max_new_tokens - 1 > positions:
         room = positions - longest + 1
+        what = "the bridge covers" if bridge.net.max_positions is not None else "the backbone's context is"
+        why = " (its extract's --seq-len; a --positions rotary bridge runs past it)" if "bridge" in what else ""
         raise DihalError(
             f"the start token and prompt ({longest} tokens) plus --max-new-tokens {cfg.max_new_tokens} need "
-            f"{longest + cfg.max_new_tokens - 1} positions, but the bridge covers {positions} "
-            "(its extract's --seq-len); "
+            f"{longest + cfg.max_new_tokens - 1} positions, but {what} {positions}{why}; "
             + (f"use --max-new-tokens {room} or fewer" if room >= 1 else "shorten the prompt")
         )
 
@@ -199,7 +209,7 @@ def run(
         model = loaded() if callable(loaded) else loaded
         bridge = Bridge.load(bridge_art, cfg.device)
         cfg = corpus_prompts(cfg, model.tokenizer)
-        check_length(model.tokenizer, bridge, cfg)
+        check_length(model.tokenizer, bridge, cfg, model.max_positions)
         total = len(cfg.prompts or [""]) * cfg.num_samples * (2 if cfg.baseline == "original" else 1)
         progress.start("generate", total, "sample")
         outputs = {"samples.jsonl": generate_all(model, bridge, cfg, progress)}

@@ -16,30 +16,80 @@ Three choices make it a function of its input alone, as a causal LM must be:
 - **Padding.** Either side: each row's real tokens are read as an unpadded row, their positions counted
   from 0.
 
-generate() is the hybrid's own cached loop (stages/generate.py, the one `dihal generate` runs), behind
-GenerationMixin's usual arguments; it is not transformers' generation loop.
+A real cache. forward(..., cache=..., use_cache=True) returns a `HybridCache`: a transformers
+`DynamicCache` for the upper blocks that also holds the bridge's key/value caches (one per Euler step,
+per group of rows of one length), so a forward of the next tokens computes only them. transformers'
+own generation loop runs on it: `generate(input_ids, ...)` is `GenerationMixin.generate`, every
+argument it takes honoured (streamer, stopping criteria, num_return_sequences, a GenerationConfig,
+...), and what the hybrid cannot do (beam search, assisted and contrastive decoding, static caches,
+attentions and hidden states out) refused in one line naming the argument. Called with prompts (a
+string or a list), generate is `dihal generate`'s own loop and returns its samples, token for token.
+
+Length. A learned-position bridge ends at its extract's --seq-len (`positions`); a rotary one
+(`train-bridge --positions rotary`) runs to the backbone's context, its noise drawn per position in
+blocks of its training length as far as a row reaches.
 """
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from transformers import GenerationMixin, PretrainedConfig, PreTrainedModel
+from transformers import DynamicCache, GenerationConfig, GenerationMixin, PretrainedConfig, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from dihal.artifacts.errors import DihalError
 from dihal.stages import generate as gen_stage
 from dihal.stages.configs import GenerateConfig
+from dihal.stages.lm import tokens
 from dihal.stages.lm.capture import hidden_states
 from dihal.stages.lm.hybrid import lm_logits, suffix_model
 from dihal.stages.lm.models import LoadedModel
-from dihal.stages.lm.tokens import start_token
-from dihal.stages.parts.bridge import Bridge
+from dihal.stages.parts.bridge import Bridge, CachedSampler
 from dihal.stages.runtime.progress import NullProgress
 
 STEPS = GenerateConfig.sample_steps  # the bridge's Euler steps, as `dihal generate` takes them
+NOISE_BLOCK_SEED = 1_000_003  # noise block k >= 1 (past the training length) is drawn at seed + k * this
+
+# what generate() refuses, by argument, with why: the rest of GenerationMixin's arguments are honoured
+REFUSED = {
+    "num_beams": "beam search",
+    "num_beam_groups": "group beam search",
+    "penalty_alpha": "contrastive search",
+    "assistant_model": "assisted decoding",
+    "prompt_lookup_num_tokens": "prompt-lookup decoding",
+    "assistant_early_exit": "self-speculative decoding",
+    "dola_layers": "DoLa decoding",
+    "cache_implementation": "static and quantized caches",
+    "prefill_chunk_size": "chunked prefill",
+    "output_attentions": "attentions out",
+    "output_hidden_states": "hidden states out",
+    "inputs_embeds": "embeddings in (the bridge reads token ids)",
+    "custom_generate": "custom generation code",
+    "guidance_scale": "classifier-free guidance",
+    "negative_prompt_ids": "classifier-free guidance",
+    "constraints": "constrained beam search",
+    "force_words_ids": "constrained beam search",
+    "use_mtp": "multi-token prediction",
+    "speculation_type": "speculative decoding",
+    "continuous_batching_config": "continuous batching",
+}
+NEUTRAL = {"num_beams": 1, "num_beam_groups": 1, "guidance_scale": 1.0}  # a refused argument at its no-op value
+MODEL_INPUTS = ("input_ids", "attention_mask", "cache", "past_key_values", "tokenizer", "use_model_defaults")
+
+
+def generate_arguments() -> frozenset[str]:
+    """Every keyword GenerationMixin.generate takes: its own parameters, GenerationConfig's fields, and the
+    model inputs the hybrid reads."""
+    import inspect
+
+    own = set(inspect.signature(GenerationMixin.generate).parameters) - {"self", "kwargs"}
+    return frozenset(own | set(GenerationConfig().to_dict()) | set(MODEL_INPUTS))
+
+
+OWN_LOOP = ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "num_samples", "batch_size")
 
 
 class HybridConfig(PretrainedConfig):
@@ -52,11 +102,21 @@ class HybridConfig(PretrainedConfig):
 
 @dataclass
 class Generation:
-    """What hybrid.generate(prompts) returns: one text and its new token ids per sample (cut at EOS)."""
+    """What hybrid.generate(prompts) returns: one text and its new token ids per sample (cut at a stop id)."""
 
     prompts: list[str]
     texts: list[str]
     token_ids: list[list[int]]
+
+
+class HybridCache(DynamicCache):
+    """The hybrid's cache: the upper blocks' keys and values (this DynamicCache itself, laid out by the
+    suffix model's config) and the bridge's, one CachedSampler per group of rows whose real tokens are
+    equally many (rows of one length advance together). lengths: each row's real tokens so far."""
+
+    def __init__(self, config, groups: list[tuple[torch.Tensor, CachedSampler]], lengths: torch.Tensor):
+        super().__init__(config=config)
+        self.groups, self.lengths = groups, lengths
 
 
 class HybridForCausalLM(PreTrainedModel, GenerationMixin):
@@ -75,7 +135,7 @@ class HybridForCausalLM(PreTrainedModel, GenerationMixin):
             seed=seed,
             vocab_size=backbone.vocab_size,
             hidden_size=backbone.hidden_size,
-            max_position_embeddings=bridge.net.cfg.max_len + bridge.start,  # beyond, the bridge has no position
+            max_position_embeddings=bridge.positions(loaded.max_positions),  # learned: the extract's --seq-len
             bos_token_id=loaded.tokenizer.bos_token_id,
             eos_token_id=loaded.tokenizer.eos_token_id,
             pad_token_id=loaded.tokenizer.pad_token_id,
@@ -84,9 +144,24 @@ class HybridForCausalLM(PreTrainedModel, GenerationMixin):
         self.backbone, self.denoiser = loaded.model, bridge.net  # registered, so .to() and .device see them
         self.loaded, self.bridge, self.tokenizer = loaded, bridge, loaded.tokenizer
         self.suffix = suffix_model(loaded.model, bridge.layer)
-        self.start_id = start_token(loaded.tokenizer)[0]
-        noise = bridge.noise(1, config.max_position_embeddings, torch.Generator().manual_seed(seed))[0]
-        self.register_buffer("noise", noise, persistent=False)
+        self.start_id = tokens.start_token(loaded.tokenizer)[0]
+        self.generation_config = self._generation_config()
+        self.block = bridge.net.cfg.max_len  # covered positions per noise block: the training length
+        first = bridge.noise(1, self.block + bridge.start, torch.Generator().manual_seed(seed))[0]
+        self.register_buffer("noise", first, persistent=False)  # block 0: the draw fidelity's first row gets
+
+    def _generation_config(self) -> GenerationConfig:
+        """The backbone's generation settings, with every stop id (EOS, the document end, its own list) and,
+        for a learned-position bridge, max_length at the positions it covers."""
+        own = getattr(self.backbone, "generation_config", None)
+        out = copy.deepcopy(own) if own is not None else GenerationConfig()
+        out.eos_token_id = sorted(self.loaded.stop_ids) or None
+        pad = self.config.pad_token_id if self.config.pad_token_id is not None else self.config.eos_token_id
+        out.pad_token_id = pad if pad is not None else (out.eos_token_id or [None])[0]
+        out.bos_token_id = self.start_id
+        if self.bridge.net.max_positions is not None:
+            out.max_length = self.positions
+        return out
 
     @classmethod
     def from_bridge(cls, art, device: str, dtype: str, steps: int = STEPS, seed: int = 0, trust_remote_code=False):
@@ -98,8 +173,19 @@ class HybridForCausalLM(PreTrainedModel, GenerationMixin):
         return cls(loaded, Bridge.load(art, loaded.device), art.id, steps, seed)
 
     @property
-    def positions(self) -> int:
+    def positions(self) -> int | None:
         return self.config.max_position_embeddings
+
+    def _prepare_attention_mask_for_generation(self, inputs_tensor, generation_config, model_kwargs):
+        """transformers reads a row's pad ids as padding when no mask is given; Qwen3's pad id is its start
+        token <|endoftext|>, which is no padding: then every token is real (pass attention_mask to pad)."""
+        if generation_config.pad_token_id == self.start_id:
+            return torch.ones(inputs_tensor.shape[:2], dtype=torch.long, device=inputs_tensor.device)
+        return super()._prepare_attention_mask_for_generation(inputs_tensor, generation_config, model_kwargs)
+
+    @classmethod
+    def _supports_default_dynamic_cache(cls) -> bool:  # generate: the forward makes its own HybridCache
+        return False
 
     def get_input_embeddings(self):
         return self.backbone.get_input_embeddings()
@@ -110,20 +196,42 @@ class HybridForCausalLM(PreTrainedModel, GenerationMixin):
     def _init_weights(self, module):  # every weight is trained already: nothing is initialised
         pass
 
+    # -- noise ---------------------------------------------------------------------------------------------
+    def noise_for(self, covered: int) -> torch.Tensor:
+        """(covered, D) noise of the first `covered` covered positions: block 0 the buffer, block k the
+        bridge's draw at seed + k * NOISE_BLOCK_SEED, drawn once as a row first reaches it."""
+        while self.noise.shape[0] < covered:
+            k = self.noise.shape[0] // self.block
+            gen = torch.Generator().manual_seed(self.config.seed + k * NOISE_BLOCK_SEED)
+            more = self.bridge.noise(1, self.block + self.bridge.start, gen)[0].to(self.noise.device)
+            self.noise = torch.cat([self.noise, more])
+        return self.noise[:covered]
+
     # -- the teacher-forced forward ----------------------------------------------------------------------
     @torch.no_grad()
     def layer_states(self, input_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """(B, T) ids and their 0/1 mask -> (B, T, D) float32 bridge states at layer l (zeros at pads)."""
+        return self._states(input_ids, mask, None)[0]
+
+    def _states(self, input_ids: torch.Tensor, mask: torch.Tensor, steps: int | None):
+        """States of whole rows (their real tokens read as unpadded rows) and, for steps, the groups of rows
+        of one length with each one's CachedSampler (a cache's first forward)."""
         b, t = input_ids.shape
         h0 = hidden_states(self.backbone, input_ids, [0])[0].float()
         out = torch.zeros(b, t, self.config.hidden_size, device=h0.device)
         spans = [mask[r].nonzero()[:, 0] for r in range(b)]
+        groups = []
         for length in sorted({len(s) for s in spans} - {0}):
             rows = [r for r in range(b) if len(spans[r]) == length]
             idx = torch.stack([spans[r] for r in rows])  # (n, length) real columns of each row
             cond = torch.stack([h0[r, spans[r]] for r in rows])
-            noise = self.noise[: length - self.bridge.start].expand(len(rows), -1, -1)
-            states = self.bridge.sample(cond, self.config.steps, noise)
+            noise = self.noise_for(length - self.bridge.start).expand(len(rows), -1, -1)
+            if steps is None:
+                states = self.bridge.sample(cond, self.config.steps, noise)
+            else:
+                sampler = self.bridge.cached_sampler(steps, len(rows))
+                states = sampler.extend(cond, noise)
+                groups.append((torch.tensor(rows, device=h0.device), sampler))
             if self.bridge.start == 1:  # position 0: the exact state of the row's first token
                 first = torch.stack([input_ids[r, spans[r][0]] for r in rows])
                 other = first != self.start_id
@@ -132,42 +240,101 @@ class HybridForCausalLM(PreTrainedModel, GenerationMixin):
                     states[other, 0] = exact[:, 0].float()
             for k, r in enumerate(rows):
                 out[r, idx[k]] = states[k]
-        return out
+        return out, groups
 
     def forward(
         self,
         input_ids: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
         labels: torch.Tensor | None = None,
-        **unused,
+        cache: HybridCache | None = None,
+        use_cache: bool | None = None,
+        logits_to_keep: int = 0,
+        past_key_values: HybridCache | None = None,
+        **ignored,
     ) -> CausalLMOutputWithPast:
         """Teacher-forced float32 logits (B, T, V), and the mean next-token loss where labels are given
-        (-100 ignored, shifted as transformers' causal LMs do)."""
-        if input_ids is None or input_ids.dim() != 2:
+        (-100 ignored, shifted as transformers' causal LMs do). With use_cache (or a cache), the logits of
+        these tokens after the cache's, and the cache extended by them (`past_key_values` is the old name
+        of `cache`). position_ids and the like are ignored: positions follow from the mask and the cache."""
+        if ignored.get("inputs_embeds") is not None or input_ids is None or input_ids.dim() != 2:
             raise DihalError("the hybrid reads input_ids of shape (batch, tokens); pass token ids, not embeddings")
-        mask = self._mask(input_ids, attention_mask)
-        if input_ids.shape[1] > self.positions:
+        cache = cache if cache is not None else past_key_values
+        if cache is not None and not isinstance(cache, HybridCache):
             raise DihalError(
-                f"{input_ids.shape[1]} tokens, but the bridge covers {self.positions} positions (its extract's "
-                "--seq-len); pass shorter rows (lm-eval: max_length)"
+                f"the hybrid continues only a HybridCache it returned, not a {type(cache).__name__}; pass "
+                "use_cache=True and feed back output.cache"
             )
         input_ids = input_ids.to(self.device)
-        states = self.layer_states(input_ids, mask)
-        position_ids = (mask.long().cumsum(1) - 1).clamp(min=0)
-        with torch.no_grad():
-            hidden = self.suffix.model(
-                inputs_embeds=states.to(self.backbone.dtype),
-                attention_mask=mask.long(),
-                position_ids=position_ids,
-                use_cache=False,
-            ).last_hidden_state
-            logits = lm_logits(self.backbone, hidden)
+        if cache is not None or use_cache:
+            logits, cache = self._cached(input_ids, attention_mask, cache, logits_to_keep)
+        else:
+            mask = self._mask(input_ids, attention_mask)
+            self._check_length(input_ids.shape[1])
+            states = self.layer_states(input_ids, mask)
+            position_ids = (mask.long().cumsum(1) - 1).clamp(min=0)
+            with torch.no_grad():
+                hidden = self.suffix.model(
+                    inputs_embeds=states.to(self.backbone.dtype),
+                    attention_mask=mask.long(),
+                    position_ids=position_ids,
+                    use_cache=False,
+                ).last_hidden_state
+                logits = lm_logits(self.backbone, hidden[:, -logits_to_keep:] if logits_to_keep else hidden)
         loss = None
         if labels is not None:
             loss = F.cross_entropy(
                 logits[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1).to(logits.device)
             )
-        return CausalLMOutputWithPast(loss=loss, logits=logits)
+        return CausalLMOutputWithPast(loss=loss, logits=logits, cache=cache)
+
+    @torch.no_grad()
+    def _cached(self, input_ids: torch.Tensor, attention_mask, cache: HybridCache | None, keep: int = 0):
+        """(float32 logits of these tokens, the extended cache). The first forward takes left-padded rows;
+        after it every row gains these tokens."""
+        b, n = input_ids.shape
+        if cache is None:
+            mask = self._mask(input_ids, attention_mask)
+            if bool((mask[:, :-1] & ~mask[:, 1:]).any()):
+                raise DihalError("a cached forward takes rows padded on the left only; pad on the left")
+            lengths = mask.sum(1)
+            self._check_length(int(lengths.max()))
+            states, groups = self._states(input_ids, mask, self.config.steps)
+            cache = HybridCache(self.suffix.config, groups, lengths)
+            position_ids = (mask.long().cumsum(1) - 1).clamp(min=0)
+            full_mask = mask.long()
+        else:
+            before = cache.lengths
+            self._check_length(int(before.max()) + n)
+            h0 = hidden_states(self.backbone, input_ids, [0])[0].float()
+            states = torch.zeros(b, n, self.config.hidden_size, device=h0.device)
+            for rows, sampler in cache.groups:
+                p = int(before[rows[0]]) - self.bridge.start  # the group's next covered position
+                noise = self.noise_for(p + n)[p:].expand(len(rows), -1, -1)
+                states[rows] = sampler.extend(h0[rows], noise)
+            cache.lengths = before + n
+            position_ids = before[:, None] + torch.arange(n, device=before.device)[None]
+            past = cache.get_seq_length()
+            full_mask = (
+                attention_mask.to(self.device).long()
+                if attention_mask is not None and attention_mask.shape[1] == past + n
+                else torch.ones(b, past + n, dtype=torch.long, device=self.device)
+            )
+        hidden = self.suffix.model(
+            inputs_embeds=states.to(self.backbone.dtype),
+            attention_mask=full_mask,
+            position_ids=position_ids,
+            cache=cache,
+            use_cache=True,
+        ).last_hidden_state
+        return lm_logits(self.backbone, hidden[:, -keep:] if keep else hidden), cache
+
+    def _check_length(self, tokens: int) -> None:
+        if self.positions is not None and tokens > self.positions:
+            raise DihalError(
+                f"{tokens} tokens, but the bridge covers {self.positions} positions (its extract's --seq-len); "
+                "pass shorter rows (lm-eval: max_length), or train it with --positions rotary to run past it"
+            )
 
     def _mask(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
         """The 0/1 mask on the model's device; each row's ones one contiguous run (padding on either side)."""
@@ -184,39 +351,52 @@ class HybridForCausalLM(PreTrainedModel, GenerationMixin):
             raise DihalError("attention_mask has a gap inside a row; pad on the left or the right only")
         return mask
 
-    # -- generation: the hybrid's own cached loop -------------------------------------------------------------
-    def generate(
-        self,
-        inputs: str | list[str] | torch.Tensor | None = None,
-        *,
-        input_ids: torch.Tensor | None = None,
-        attention_mask: torch.Tensor | None = None,
-        max_new_tokens: int | None = None,
-        max_length: int | None = None,
-        do_sample: bool | None = None,
-        temperature: float | None = None,
-        top_p: float | None = None,
-        top_k: int | None = None,
-        seed: int = 0,
-        num_samples: int = 1,
-        batch_size: int = GenerateConfig.batch_size,
-        **unused,
-    ) -> Generation | torch.Tensor:
-        """Prompts (a string or a list) -> Generation, the samples `dihal generate --prompt ... --seed` writes
-        (num_samples per prompt, in batches of batch_size); token ids (B, T) -> (B, T + new) ids, as
-        GenerationMixin returns them (do_sample=False: greedy; each row its own prompt, new tokens after
-        EOS set to the pad id)."""
-        ids = input_ids if input_ids is not None else inputs
-        if isinstance(ids, torch.Tensor):
-            new = max_new_tokens or (max_length - ids.shape[1] if max_length else GenerateConfig.max_new_tokens)
-            return self._generate_ids(ids, attention_mask, new, do_sample, temperature, top_p, top_k, seed)
-        prompts = [ids] if isinstance(ids, str) else list(ids or [""])
-        cfg = self._config(prompts, max_new_tokens, temperature, top_p, top_k, seed, num_samples, batch_size)
-        gen_stage.check_length(self.tokenizer, self.bridge, cfg)
+    # -- generation -------------------------------------------------------------------------------------------
+    def generate(self, inputs: str | list[str] | torch.Tensor | None = None, **kwargs):
+        """Token ids (inputs or input_ids, with attention_mask) -> transformers' GenerationMixin.generate on the
+        hybrid's cache, every argument it takes honoured and the ones the hybrid cannot do refused in one line.
+        Prompts (a string or a list) -> Generation, the samples `dihal generate --prompt ... --seed` writes
+        (its own loop: max_new_tokens, temperature, top_p, top_k, seed, num_samples, batch_size)."""
+        if isinstance(inputs, str) or (isinstance(inputs, list) and all(isinstance(x, str) for x in inputs)):
+            return self._own_loop(inputs, **kwargs)
+        if inputs is None and kwargs.get("input_ids") is None:
+            return self._own_loop([""], **kwargs)
+        unknown = sorted(set(kwargs) - generate_arguments())
+        if unknown:
+            raise DihalError(
+                f"generate() got '{unknown[0]}', which neither transformers' generate nor the hybrid takes; drop it"
+            )
+        config = kwargs.get("generation_config")
+        for name, what in REFUSED.items():
+            given = kwargs.get(name, getattr(config, name, None) if config is not None else None)
+            if given is not None and given is not False and given != NEUTRAL.get(name, None):
+                raise DihalError(f"generate() got {name}={given!r}: the hybrid does not do {what}; leave it out")
+        return super().generate(inputs, **kwargs)
+
+    def _own_loop(self, prompts, **kwargs) -> Generation:
+        unknown = sorted(set(kwargs) - set(OWN_LOOP))
+        if unknown:
+            raise DihalError(
+                f"generate(prompts) got '{unknown[0]}', which the prompts' loop does not take ({', '.join(OWN_LOOP)}); "
+                "pass token ids (input_ids) for transformers' generation arguments"
+            )
+        prompts = [prompts] if isinstance(prompts, str) else list(prompts or [""])
+        cfg = self._config(prompts, **kwargs)
+        gen_stage.check_length(self.tokenizer, self.bridge, cfg, self.loaded.max_positions)
         rows = gen_stage.generate_all(self.loaded, self.bridge, cfg, NullProgress())
         return Generation([r["prompt"] for r in rows], [r["text"] for r in rows], [r["token_ids"] for r in rows])
 
-    def _config(self, prompts, max_new_tokens, temperature, top_p, top_k, seed, num_samples, batch_size):
+    def _config(
+        self,
+        prompts,
+        max_new_tokens=None,
+        temperature=None,
+        top_p=None,
+        top_k=None,
+        seed=0,
+        num_samples=1,
+        batch_size=GenerateConfig.batch_size,
+    ) -> GenerateConfig:
         defaults = GenerateConfig()
         return GenerateConfig(
             prompts=tuple(prompts) if any(prompts) else (),
@@ -230,24 +410,3 @@ class HybridForCausalLM(PreTrainedModel, GenerationMixin):
             seed=seed,
             device=str(self.device.type),
         )
-
-    def _generate_ids(self, ids, attention_mask, new, do_sample, temperature, top_p, top_k, seed) -> torch.Tensor:
-        greedy = do_sample is False or (do_sample is None and temperature is None)
-        cfg = self._config([""], new, 0.0 if greedy else temperature, top_p, top_k, seed, 1, 1)
-        mask = self._mask(ids, attention_mask)
-        pad = self.config.pad_token_id if self.config.pad_token_id is not None else self.config.eos_token_id
-        rows = []
-        for r in range(ids.shape[0]):
-            prefix = ids[r][mask[r].to(ids.device)][None].to(self.device)
-            if prefix.shape[1] + new - 1 > self.positions:
-                raise DihalError(
-                    f"a prompt of {prefix.shape[1]} tokens plus {new} new ones needs {prefix.shape[1] + new - 1} "
-                    f"positions, but the bridge covers {self.positions}; ask for fewer new tokens"
-                )
-            gen = torch.Generator().manual_seed(seed * 1_000_003 + r)
-            out = gen_stage.generate_hybrid(self.loaded, self.bridge, self.suffix, prefix, cfg, gen)[0]
-            eos = (out == self.config.eos_token_id).nonzero()
-            if len(eos):
-                out[int(eos[0]) + 1 :] = pad
-            rows.append(out)
-        return torch.cat([ids.to(self.device), torch.stack(rows)], dim=1)

@@ -37,6 +37,12 @@ class Bridge:
         norm = Normalizer(**files.load_tensors(art.file("stats.safetensors")))
         return Bridge(net.to(device), norm.to(device), meta["layer"], meta["start"], meta["prediction"])
 
+    def positions(self, context: int | None) -> int | None:
+        """How many positions a hybrid of it reads: learned positions end at its extract's --seq-len
+        (max_len covered positions and the start token); rotary ones at the backbone's context."""
+        covered = self.net.max_positions
+        return context if covered is None else covered + self.start
+
     def cached_sampler(self, steps: int, batch: int) -> CachedSampler:
         return CachedSampler(self, steps, batch)
 

@@ -1,0 +1,98 @@
+"""A bridge that runs past its training length (issue 47): the denoiser's rotary positions with a window of
+max_len positions and the first one kept. Within max_len it is plain causal RoPE; beyond, every query sees
+what a query inside the training length saw; the cached sampler equals the whole one at any length."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import dihal
+from dihal.artifacts.store import ArtifactStore
+from dihal.stages.configs import BridgeConfig, part_hash
+from dihal.stages.diffusion.denoiser import Denoiser, DenoiserConfig, rotate
+from tests.conftest import invoke
+
+WINDOW = 6
+
+
+def _net(positions: str = "rotary", seed: int = 0) -> Denoiser:
+    torch.manual_seed(seed)
+    net = Denoiser(DenoiserConfig(dim=8, width=16, depth=2, heads=2, max_len=WINDOW, positions=positions))
+    for p in net.parameters():  # adaLN-Zero starts every block as the identity: make attention count
+        torch.nn.init.normal_(p, std=0.3)
+    return net.eval()
+
+
+def test_rotary_scores_depend_on_the_distance_only():
+    q, k = torch.randn(1, 1, 1, 8), torch.randn(1, 1, 1, 8)
+    score = lambda i, j: float((rotate(q, torch.tensor([i])) * rotate(k, torch.tensor([j]))).sum())
+    assert score(3, 1) == pytest.approx(score(103, 101), rel=1e-4) and score(3, 1) != pytest.approx(score(3, 0))
+
+
+def test_within_the_window_rotary_is_plain_causal_and_past_it_only_the_window_and_the_first_count():
+    net = _net()
+    x, c, t = torch.randn(1, 20, 8), torch.randn(1, 20, 8), torch.tensor([0.5])
+    out = net(x, t, c)
+    inside = net(x[:, :WINDOW], t, c[:, :WINDOW])
+    torch.testing.assert_close(out[:, :WINDOW], inside)  # a longer input changes nothing before it
+    p = 15  # its window is 10..15 and 0; through two layers, 5..15 and 0 (each layer reaches a window further)
+    moved = x.clone()
+    moved[:, 1:5] += 3.0  # out of reach (and not the first position)
+    assert torch.allclose(net(moved, t, c)[:, p], out[:, p], atol=1e-6)
+    first = x.clone()
+    first[:, 0] += 3.0  # the first position stays visible
+    assert not torch.allclose(net(first, t, c)[:, p], out[:, p], atol=1e-4)
+    shifted = net(x[:, 4:], t, c[:, 4:], start=4)  # no cache: positions 4.. alone, a window that starts later
+    assert shifted.shape == (1, 16, 8)
+
+
+def test_the_cached_forward_equals_the_whole_one_at_any_length():
+    net = _net()
+    x, c, t = torch.randn(2, 25, 8), torch.randn(2, 25, 8), torch.tensor([0.3, 0.3])
+    whole = net(x, t, c)
+    caches, parts = net.new_caches(), []
+    for lo, hi in [(0, 3), (3, 4), (4, 11), *[(k, k + 1) for k in range(11, 25)]]:
+        parts.append(net(x[:, lo:hi], t, c[:, lo:hi], lo, caches))
+    torch.testing.assert_close(torch.cat(parts, 1), whole, atol=1e-5, rtol=1e-5)
+    assert caches[0]["k"].shape[2] <= WINDOW + 1  # the cache keeps only what later queries can attend
+
+
+def test_learned_positions_keep_their_ids_and_rotary_hashes_its_option():
+    learned = BridgeConfig.from_protocol("cpu-small", layer=1)
+    assert "positions" not in part_hash(learned)  # every bridge made before keeps its id
+    assert part_hash(BridgeConfig.from_protocol("cpu-small", layer=1, positions="rotary"))["positions"] == "rotary"
+    state = _net("learned").state_dict()
+    assert "pos.weight" in state and "pos.weight" not in _net("rotary").state_dict()
+
+
+def test_a_rotary_bridge_runs_the_hybrid_past_its_training_length(tiny_dirs, root):
+    extract = ["extract", "--model", str(tiny_dirs["llama"]), "--max-sequences", "40", "--seq-len", "16"]
+    assert invoke(*extract, "--layers", "0,2", "--device", "cpu").exit_code == 0
+    train = ["train-bridge", "--layer", "2", "--extract", "latest", "--protocol", "sweep-tiny", "--width", "16"]
+    train += ["--depth", "1", "--heads", "2", "--batch-size", "4", "--train-steps", "6"]
+    res = invoke(*train, "--positions", "rotary")
+    assert res.exit_code == 0, res.output
+    store = ArtifactStore(root)
+    bridge = store.resolve("latest", "bridge")
+    assert bridge.config["positions"] == "rotary"
+    hybrid = dihal.load_hybrid(bridge.id, root=root)
+    assert hybrid.positions == 256  # the tiny backbone's context, not the extract's 16
+    ids = torch.randint(3, 300, (1, 64))
+    ids[0, 0] = hybrid.start_id
+    full = hybrid(input_ids=ids).logits
+    assert torch.isfinite(full).all() and full.shape[1] == 64
+    out = hybrid(input_ids=ids[:, :10], use_cache=True)
+    steps = [out.logits]
+    for k in range(10, 64):
+        out = hybrid(input_ids=ids[:, k : k + 1], cache=out.cache)
+        steps.append(out.logits)
+    torch.testing.assert_close(torch.cat(steps, 1), full, atol=1e-5, rtol=1e-5)
+    made = invoke("generate", "--bridge", bridge.id, "--num-samples", "2", "--max-new-tokens", "60", "--device", "cpu")
+    assert made.exit_code == 0, made.output  # 60 new tokens from a bridge trained on 16
+    learned = invoke(*train)
+    assert learned.exit_code == 0
+    refused = invoke(
+        "generate", "--bridge", "latest", "--num-samples", "1", "--max-new-tokens", "60", "--device", "cpu"
+    )
+    assert refused.exit_code == 2 and "a --positions rotary bridge runs past it" in refused.output
