@@ -23,7 +23,7 @@ from dihal.stages.runtime import dist
 from dihal.stages.text.data import DataConfig, check, pack
 
 STAGE = "evaluate"
-CACHE_VERSION = 1  # bump whenever this stage's bytes change (tests/test_golden.py says when)
+CACHE_VERSION = 2  # 2: fidelity by position has each model's NLL (issue 47). Bump whenever its bytes change
 
 
 def validation_ids(extract: Artifact, limit: int) -> torch.Tensor:
@@ -32,6 +32,15 @@ def validation_ids(extract: Artifact, limit: int) -> torch.Tensor:
     if seqs.size == 0:
         raise DihalError(f"extract {extract.id} has no validation sequences to evaluate on")
     return torch.from_numpy(np.asarray(group["input_ids"].oindex[seqs]).astype(np.int64))
+
+
+def readable(bridge_art: Artifact, theirs, own) -> bool:
+    """An extract's sequences are the bridge's to read: its model's, of its --seq-len, or longer for a
+    rotary bridge."""
+    if theirs == own:
+        return True
+    rotary = bridge_art.config.get("positions") == "rotary"
+    return rotary and (theirs.model, theirs.revision) == (own.model, own.revision) and theirs.seq_len > own.seq_len
 
 
 def unseen(held_out: Artifact, own: Artifact) -> bool:
@@ -104,10 +113,11 @@ def run_fidelity(
     held_out = None if held_out is not None and held_out.id == own_extract.id else held_out
     if sum(x is not None for x in (samples, cfg.dataset, held_out)) > 1:
         raise DihalError("measure fidelity on one of --dataset, --samples or --extract")
-    if held_out is not None and origin(held_out) != origin(own_extract):
+    if held_out is not None and not readable(bridge_art, origin(held_out), origin(own_extract)):
+        longer = " (or longer: a --positions rotary bridge runs past its --seq-len)"
         raise DihalError(
             f"extract {held_out.id} is not of the bridge's model and --seq-len ({origin(own_extract).model}, "
-            f"{origin(own_extract).seq_len}); give an extract of those"
+            f"{origin(own_extract).seq_len}); give an extract of those{longer}"
         )
     if samples is not None and not same_model(samples.manifest.get("model"), bridge_art.manifest.get("model")):
         raise DihalError(f"generate {samples.id} did not come from the bridge's backbone; use samples of that model")

@@ -29,7 +29,7 @@ class FidelityTotals:
     nll_original: float = 0.0
     positions: int = 0
     targets: int = 0
-    by_position: dict = field(default_factory=dict)  # position -> [kl sum, agreements, count]
+    by_position: dict = field(default_factory=dict)  # position -> [kl, agreements, count, nll h, nll o, targets]
 
     def add(self, h_hat, h, mu, logits, hidden_h, hidden_o, ids, rows: int = 256) -> None:
         """logits(hidden) -> float32 logits; taken over slices of positions of about `rows` rows, so
@@ -49,14 +49,19 @@ class FidelityTotals:
             self.agree += float(agree.sum())
             self.positions += b * (e - s)
             for offset, (k, a) in enumerate(zip(kl.tolist(), agree.tolist())):
-                cell = self.by_position.setdefault(s + offset, [0.0, 0.0, 0])
+                cell = self.by_position.setdefault(s + offset, [0.0, 0.0, 0, 0.0, 0.0, 0])
                 cell[0], cell[1], cell[2] = cell[0] + k, cell[1] + a, cell[2] + b
             last = min(e, t - 1)  # position p predicts token p + 1
             if last > s:
                 tgt = ids[:, s + 1 : last + 1, None]
-                self.nll_hybrid -= float(lp_h[:, : last - s].gather(-1, tgt).sum())
-                self.nll_original -= float(lp_o[:, : last - s].gather(-1, tgt).sum())
+                picked_h, picked_o = lp_h[:, : last - s].gather(-1, tgt), lp_o[:, : last - s].gather(-1, tgt)
+                self.nll_hybrid -= float(picked_h.sum())
+                self.nll_original -= float(picked_o.sum())
                 self.targets += tgt.numel()
+                nll_h, nll_o = -picked_h[..., 0].sum(0), -picked_o[..., 0].sum(0)  # per position, over the batch
+                for offset, (a, o) in enumerate(zip(nll_h.tolist(), nll_o.tolist())):
+                    cell = self.by_position[s + offset]
+                    cell[3], cell[4], cell[5] = cell[3] + a, cell[4] + o, cell[5] + b
 
     def metrics(self) -> dict[str, float]:
         ppl_h = float(np.exp(self.nll_hybrid / self.targets))
@@ -72,10 +77,13 @@ class FidelityTotals:
         }
 
     def position_metrics(self) -> list[dict]:
-        """KL and top-1 agreement at each position, over the sequences."""
+        """KL, top-1 agreement and each model's mean NLL of the next token at each position, over the
+        sequences (the last position predicts nothing: its NLLs are NaN)."""
+        mean = lambda total, count: total / count if count else float("nan")
         return [
             {"position": p, "kl": k / n, "top1_agreement": a / n, "n": n}
-            for p, (k, a, n) in sorted(self.by_position.items())
+            | {"nll_hybrid": mean(h, m), "nll_original": mean(o, m)}
+            for p, (k, a, n, h, o, m) in sorted(self.by_position.items())
         ]
 
 

@@ -4,6 +4,7 @@ what a query inside the training length saw; the cached sampler equals the whole
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -90,8 +91,27 @@ def test_a_rotary_bridge_runs_the_hybrid_past_its_training_length(tiny_dirs, roo
     torch.testing.assert_close(torch.cat(steps, 1), full, atol=1e-5, rtol=1e-5)
     made = invoke("generate", "--bridge", bridge.id, "--num-samples", "2", "--max-new-tokens", "60", "--device", "cpu")
     assert made.exit_code == 0, made.output  # 60 new tokens from a bridge trained on 16
-    learned = invoke(*train)
-    assert learned.exit_code == 0
+    longer = ["extract", "--model", str(tiny_dirs["llama"]), "--max-sequences", "20", "--seq-len", "48"]
+    assert invoke(*longer, "--layers", "0,2", "--device", "cpu").exit_code == 0
+    held = store.resolve("latest", "extract")
+    fid = ["evaluate", "--bridge", bridge.id, "--extract", held.id, "--sample-steps", "2", "--device", "cpu"]
+    res = invoke(*fid)
+    assert res.exit_code == 0, res.output  # 48-token held-out sequences, three times the training length
+    import pandas as pd
+
+    art = store.resolve("latest", "evaluate")
+    per = pd.read_csv(art.file("fidelity_by_position.csv"))
+    whole = pd.read_csv(art.file("fidelity.csv")).iloc[0]
+    assert per["position"].max() == 47 and per["n"].min() > 0
+    scored = per.dropna(subset=["nll_hybrid"])  # every position but the last predicts a token
+    ratio = np.exp((scored["nll_hybrid"] * scored["n"]).sum() / scored["n"].sum()) / np.exp(
+        (scored["nll_original"] * scored["n"]).sum() / scored["n"].sum()
+    )
+    assert ratio == pytest.approx(whole["ppl_ratio"], rel=1e-6)  # the bins' NLLs add up to the whole
+    learned = invoke(*[bridge.manifest["parents"]["extract"] if a == "latest" else a for a in train])
+    assert learned.exit_code == 0, learned.output
+    fid[2] = store.resolve("latest", "bridge").id
+    assert "a --positions rotary bridge runs past its --seq-len" in invoke(*fid).output
     refused = invoke(
         "generate", "--bridge", "latest", "--num-samples", "1", "--max-new-tokens", "60", "--device", "cpu"
     )
