@@ -259,7 +259,9 @@ class BridgeConfig(PartRecipe):
     skip_init: str = "ridge"  # "ridge": A starts at the least-squares map c -> y; "zero": plain init
     condition_noise: float = 0.0  # sigma: sigma_max of c + sigma z; prior: T, the prior's estimates from t <= T
     condition_from: str = "sigma"  # "sigma" or "prior" (section 5's corrupted conditions)
-    positions: str = "learned"  # the denoiser's positions: "learned" (ends at --seq-len) or "rotary" (any length)
+    # the denoiser's positions: "rotary" (runs past --seq-len; the default by docs/method.md section 2's rule,
+    # measured: scripts/long_context.sh) or "learned" (ends at --seq-len; every bridge before issue 47)
+    positions: str = "rotary"
 
     def check(self) -> None:
         super().check()

@@ -28,6 +28,7 @@ GOLDEN = Path(__file__).resolve().parent / "golden"
 GOLDEN_RTOL = 1e-4
 GOLDEN_SHARE = 0.005  # floats that may move past GOLDEN_RTOL: the chaotic few (see the module's docstring)
 VERSION_KEY = "__cache_version__"
+LINEAGE_KEY = "__lineage__"  # what the record was computed from (lineage()): another lineage, another computation
 TIMING = re.compile(r"(^|_)(ms|seconds|wall|time|secs)(_|$)|per_s|ms_per|per_sample_ms|elapsed")
 
 
@@ -151,15 +152,39 @@ def differences(got: dict[str, np.ndarray], want: dict[str, np.ndarray]) -> list
     return problems
 
 
-def read(name: str) -> tuple[int | None, dict[str, np.ndarray]]:
+def _local(value):
+    """A config with every absolute path cut to its last part."""
+    if isinstance(value, dict):
+        return {k: _local(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_local(v) for v in value]
+    return Path(value).name if isinstance(value, str) and value.startswith("/") else value
+
+
+def lineage(art, store) -> str:
+    """The configs of the artifact and of every ancestor, as one string: what its id names, less the
+    absolute paths (the chain's tiny models lie in a fresh temporary folder each session, and a local
+    model's path is in its extract's id). A default that moves changes it; a code change does not."""
+    configs, todo = set(), [art]
+    while todo:
+        a = todo.pop()
+        configs.add(json.dumps({"stage": a.stage, "config": _local(a.config)}, sort_keys=True, default=str))
+        todo += [store.load(stage, pid) for stage, pid in (a.manifest.get("parents") or {}).items()]
+    return "\n".join(sorted(configs))
+
+
+def read(name: str) -> tuple[int | None, str | None, dict[str, np.ndarray]]:
+    """(CACHE_VERSION, lineage, view) of a record; the lineage is None in a record made before it was kept."""
     path = GOLDEN / f"{name}.npz"
     if not path.exists():
-        return None, {}
+        return None, None, {}
     with np.load(path) as data:
         arrays = {k: data[k] for k in data.files}
-    return int(arrays.pop(VERSION_KEY)), arrays
+    recorded = str(arrays.pop(LINEAGE_KEY)) if LINEAGE_KEY in arrays else None
+    return int(arrays.pop(VERSION_KEY)), recorded, arrays
 
 
-def write(name: str, version: int, arrays: dict[str, np.ndarray]) -> None:
+def write(name: str, version: int, computed_from: str, arrays: dict[str, np.ndarray]) -> None:
     GOLDEN.mkdir(exist_ok=True)
-    np.savez_compressed(GOLDEN / f"{name}.npz", **{VERSION_KEY: np.array(version)}, **arrays)
+    keys = {VERSION_KEY: np.array(version), LINEAGE_KEY: np.array(computed_from)}
+    np.savez_compressed(GOLDEN / f"{name}.npz", **keys, **arrays)

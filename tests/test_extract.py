@@ -12,7 +12,7 @@ import torch
 
 from dihal.artifacts import hidden_states as hs
 from dihal.artifacts.store import ArtifactStore
-from tests.conftest import invoke, run_cli
+from tests.conftest import _extract, invoke, run_cli
 
 
 def _only_artifact(root, stage="extract"):
@@ -246,18 +246,7 @@ def test_hub_id_offline_fails_fast_with_builtins_named(root, monkeypatch):
 
 
 def test_dry_run_validates_without_writing(tiny_dirs, root):
-    res = invoke(
-        "extract",
-        "--model",
-        str(tiny_dirs["llama"]),
-        "--max-sequences",
-        "8",
-        "--seq-len",
-        "16",
-        "--layers",
-        "0-2",
-        "--dry-run",
-    )
+    res = invoke(*_extract(tiny_dirs, "--layers", "0-2", "--dry-run"))
     assert res.exit_code == 0 and "estimated size" in res.output
     assert not root.exists() or not any(root.rglob("manifest.json"))
 

@@ -147,12 +147,20 @@ def chain_root(tiny_dirs, tmp_path_factory):
 def test_stage_output_matches_its_golden_record_or_its_cache_version_moved(name, chain_root):
     module, find = STAGES[name]
     version = importlib.import_module(f"dihal.stages.{module}").CACHE_VERSION
-    got = golden.view(find(ArtifactStore(chain_root)))
+    store = ArtifactStore(chain_root)
+    art = find(store)
+    got, computed_from = golden.view(art), golden.lineage(art, store)
     if golden.updating():
-        golden.write(name, version, got)
-    recorded, want = golden.read(name)
+        golden.write(name, version, computed_from, got)
+    recorded, recorded_from, want = golden.read(name)
     assert recorded is not None, f"no golden record for {name}: DIHAL_GOLDEN=update pytest -m slow tests/test_golden.py"
     problems = golden.differences(got, want)
+    if recorded_from is not None and recorded_from != computed_from and recorded == version:
+        pytest.fail(
+            f"the chain's {name} is another computation now (a config of it or of a parent moved, so its id "
+            "moved too and no artifact is served stale): record it anew (DIHAL_GOLDEN=update pytest -m slow "
+            "tests/test_golden.py)"
+        )
     if recorded != version:
         pytest.fail(
             f"stages/{module}.py's CACHE_VERSION is {version}, the golden record of {name} was made under "

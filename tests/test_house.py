@@ -247,10 +247,21 @@ def test_artifact_ids_do_not_move():
     # auto and float16 extracts now keep position 0 apart (pos0/<l>): other bytes, so another id
     # than the landed main's 41fc8ad98336 (README, Artifacts)
     assert artifact_id_for(C.ExtractConfig(model="smollm2-135m", layers="0,3", data=data)) == "4264ada3be75"
-    bridge = C.BridgeConfig.from_protocol("cpu-small", layer=3)
+    bridge = C.BridgeConfig.from_protocol("cpu-small", layer=3, positions="learned")
     assert schema2_id("bridge", C.part_hash(bridge), PARENT) == "bd3dce03b649"  # condition_from at its default
+    # a learned-position bridge keeps its id; the default, rotary since issue 47, hashes its positions
+    assert schema2_id("bridge", C.part_hash(C.BridgeConfig.from_protocol("cpu-small", layer=3)), PARENT) != (
+        "bd3dce03b649"
+    )
     bridge2 = C.BridgeConfig.from_protocol(
-        "sweep-tiny", layer=2, steps=40, width=64, condition_noise=0.5, precision="bfloat16", device="cuda"
+        "sweep-tiny",
+        layer=2,
+        steps=40,
+        width=64,
+        condition_noise=0.5,
+        precision="bfloat16",
+        device="cuda",
+        positions="learned",
     )
     assert schema2_id("bridge", C.part_hash(bridge2), PARENT) == "d1ba952ccba3"
     assert (

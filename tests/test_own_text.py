@@ -273,7 +273,7 @@ def test_fidelity_on_another_extracts_validation_split_checks_it_is_unseen(tiny_
     same_split = _extract(tiny_dirs["llama"], "--max-sequences", "80")  # the same documents are held out
     reshuffled = _extract(tiny_dirs["llama"], "--max-sequences", "80", "--seed", "3")  # others are
     other_len = invoke(
-        "extract", "--model", str(tiny_dirs["llama"]), "--layers", "0,1", "--seq-len", "16", "--max-sequences", "20"
+        "extract", "--model", str(tiny_dirs["llama"]), "--layers", "0,1", "--seq-len", "8", "--max-sequences", "20"
     )
     assert other_len.exit_code == 0
     found = {}
@@ -288,7 +288,7 @@ def test_fidelity_on_another_extracts_validation_split_checks_it_is_unseen(tiny_
     assert plain.exit_code == 0
     assert found[bridge_extract.id] == (True, None, _store().resolve("latest", "evaluate").id)  # the default
     res = invoke("evaluate", "--bridge", bridge, "--extract", "latest", "--sample-steps", "1")
-    assert res.exit_code == 2 and "is not of the bridge's model and --seq-len" in res.output
+    assert res.exit_code == 2 and "is not of the bridge's model and --seq-len" in res.output  # shorter: refused
 
 
 BRIDGE = [

@@ -119,7 +119,11 @@ def test_generation_longer_than_the_bridge_is_refused_up_front(tiny_dirs, root):
         ).exit_code
         == 0
     )
-    assert invoke("train-bridge", "--layer", "2", "--extract", "latest", *TINY, "--train-steps", "2").exit_code == 0
+    learned = ["--positions", "learned"]  # a rotary bridge (the default) runs to the backbone's context
+    assert (
+        invoke("train-bridge", "--layer", "2", "--extract", "latest", *TINY, *learned, "--train-steps", "2").exit_code
+        == 0
+    )
     full = invoke("generate", "--num-samples", "1", "--max-new-tokens", "16", "--device", "cpu")
     assert full.exit_code == 0, full.output  # the start token + 16 new tokens: 16 positions fed
     res = invoke("generate", "--num-samples", "1", "--max-new-tokens", "17", "--device", "cpu")

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import dihal
+from dihal.artifacts.errors import DihalError
 from dihal.artifacts.store import ArtifactStore
 from dihal.stages.configs import BridgeConfig, part_hash
 from dihal.stages.diffusion.denoiser import Denoiser, DenoiserConfig, rotate
@@ -60,9 +61,9 @@ def test_the_cached_forward_equals_the_whole_one_at_any_length():
 
 
 def test_learned_positions_keep_their_ids_and_rotary_hashes_its_option():
-    learned = BridgeConfig.from_protocol("cpu-small", layer=1)
+    learned = BridgeConfig.from_protocol("cpu-small", layer=1, positions="learned")
     assert "positions" not in part_hash(learned)  # every bridge made before keeps its id
-    assert part_hash(BridgeConfig.from_protocol("cpu-small", layer=1, positions="rotary"))["positions"] == "rotary"
+    assert part_hash(BridgeConfig.from_protocol("cpu-small", layer=1))["positions"] == "rotary"  # the default
     state = _net("learned").state_dict()
     assert "pos.weight" in state and "pos.weight" not in _net("rotary").state_dict()
 
@@ -72,7 +73,7 @@ def test_a_rotary_bridge_runs_the_hybrid_past_its_training_length(tiny_dirs, roo
     assert invoke(*extract, "--layers", "0,2", "--device", "cpu").exit_code == 0
     train = ["train-bridge", "--layer", "2", "--extract", "latest", "--protocol", "sweep-tiny", "--width", "16"]
     train += ["--depth", "1", "--heads", "2", "--batch-size", "4", "--train-steps", "6"]
-    res = invoke(*train, "--positions", "rotary")
+    res = invoke(*train)  # rotary: the default
     assert res.exit_code == 0, res.output
     store = ArtifactStore(root)
     bridge = store.resolve("latest", "bridge")
@@ -108,11 +109,36 @@ def test_a_rotary_bridge_runs_the_hybrid_past_its_training_length(tiny_dirs, roo
         (scored["nll_original"] * scored["n"]).sum() / scored["n"].sum()
     )
     assert ratio == pytest.approx(whole["ppl_ratio"], rel=1e-6)  # the bins' NLLs add up to the whole
-    learned = invoke(*[bridge.manifest["parents"]["extract"] if a == "latest" else a for a in train])
+    learned = invoke(
+        *[bridge.manifest["parents"]["extract"] if a == "latest" else a for a in train], "--positions", "learned"
+    )
     assert learned.exit_code == 0, learned.output
     fid[2] = store.resolve("latest", "bridge").id
     assert "a --positions rotary bridge runs past its --seq-len" in invoke(*fid).output
+    short = dihal.load_hybrid(fid[2], root=root)
+    assert short.positions == 16
+    with pytest.raises(DihalError, match="17 tokens, but the bridge covers 16 positions"):
+        short(input_ids=torch.ones(1, 17, dtype=torch.long))
     refused = invoke(
         "generate", "--bridge", "latest", "--num-samples", "1", "--max-new-tokens", "60", "--device", "cpu"
     )
     assert refused.exit_code == 2 and "a --positions rotary bridge runs past it" in refused.output
+
+
+@pytest.mark.slow
+def test_lm_eval_tasks_longer_than_a_rotary_bridges_training_run(tiny_dirs, root):
+    """The local tasks' contexts run to 46+ tokens; a learned bridge of 16 covers 16 (lm-eval would cut every
+    context into 16-token windows), a rotary one the backbone's 256."""
+    from tests.test_api import LM_EVAL
+
+    extract = ["extract", "--model", str(tiny_dirs["llama"]), "--max-sequences", "40", "--seq-len", "16"]
+    assert invoke(*extract, "--layers", "0,2", "--device", "cpu").exit_code == 0
+    train = ["train-bridge", "--layer", "2", "--extract", "latest", "--protocol", "sweep-tiny", "--width", "16"]
+    train += ["--depth", "1", "--heads", "2", "--batch-size", "4", "--train-steps", "4", "--positions", "rotary"]
+    assert invoke(*train).exit_code == 0
+    res = invoke("evaluate", "--bridge", "latest", *LM_EVAL, "--lm-eval-limit", "4")
+    assert res.exit_code == 0, res.output
+    art = ArtifactStore(root).resolve("latest", "evaluate")
+    assert art.manifest["metrics"]["max_length"] == 256
+    rows = {(r["task"], r["metric"]): r for r in art.manifest["metrics"]["lm_eval"]}
+    assert 0 <= rows[("dihal_pydoc_mc", "acc")]["hybrid"] <= 1
