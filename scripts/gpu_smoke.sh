@@ -4,7 +4,9 @@
 # --dtype bfloat16 through extract, score, train-bridge (cpu-small, then the paper protocol), fidelity, AR
 # generation, Gen.PPL, train-prior, parallel generation, a QUICK compare and, with two GPUs or more, torchrun.
 # Each step prints its wall time, throughput and peak GPU memory, and a check that it ran on CUDA in bfloat16
-# with finite numbers; the first failure stops the run (scripts/gpu_smoke.py). About 8 minutes on one H200.
+# with finite numbers; the first failure stops the run (scripts/gpu_smoke.py). Measured on one H200 (2026-12-04):
+# the Llama-shaped chain up to parallel rounding took 9.1 min, 10 with its random models (docs/results/paper_scale.md); give the whole run
+# 25 min, or --models llama-3.1-8b for half.
 #
 #   here, once:          bash scripts/gpu_wheels.sh      (wheels into .whl/, the builtin's tokenizer into .gpu/)
 #   on the GPU machine:  bash scripts/gpu_smoke.sh       (carry .whl and .gpu; no network, no install needed)
@@ -12,7 +14,8 @@
 set -euo pipefail
 export DIHAL_STRICT_CACHE=${DIHAL_STRICT_CACHE:-1}  # a cached artifact made by other code is recomputed (issue 45)
 cd "$(dirname "$0")/.."
-if ls .whl/*.whl >/dev/null 2>&1; then  # what the GPU image lacks: zarr and its codecs, transformers >= 5.24
+have() { python3 -c "import zarr, transformers as t, sys; sys.exit(tuple(map(int, t.__version__.split('.')[:2])) < (5, 24))" 2>/dev/null; }
+if ! have && ls .whl/*.whl >/dev/null 2>&1; then  # what the GPU image lacks: zarr and its codecs, transformers >= 5.24
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/dihal-site .whl/*.whl
   export PYTHONPATH=/tmp/dihal-site${PYTHONPATH:+:$PYTHONPATH}
 fi
