@@ -109,6 +109,8 @@ class CausalSelfAttention(nn.Module):
     def _windowed(self, q, k, v, positions: torch.Tensor, cache: dict | None) -> torch.Tensor:
         """Rotary attention of queries at `positions` over the keys at most window - 1 positions back and the
         first position's; a cache keeps only what a later query can still attend."""
+        if positions.numel() == 0:  # no new position (a start token alone): nothing to attend, the cache as it was
+            return torch.zeros_like(q)
         key_positions = positions
         if cache is not None and "k" in cache:
             k, v = torch.cat([cache["k"], k], dim=2), torch.cat([cache["v"], v], dim=2)
