@@ -247,7 +247,7 @@ def main() -> None:
         forward_tps=20000.0,
         disk_gibps=1.0,
         score_s_per_layer=2.0,
-        bridge_tps=14500.0,  # measured: the paper bridge on one H200, host-bound (docs/results/paper_scale.md)
+        bridge_tps=14500.0,  # measured: the paper bridge on one H200, bound by the host (docs/results/paper_scale.md)
         gen_tps=400.0,
     ).items():
         p.add_argument("--" + name.replace("_", "-"), type=type(value), default=value)
@@ -267,7 +267,7 @@ def main() -> None:
             print(f"{stage:<30}{disk:>9.1f}{ram:>8.1f}{gpu:>8.1f}{minutes:>8.0f}  {note}")
         print(f"{'total (the sweep counted once)':<30}{'':>25}{total - estimate(a)[2][4]:>8.0f}")
     print(
-        f"\nbridge training {a.bridge_tps:,.0f} tok/s: measured on one H200 (2026-12-04), bound by the host's reads "
+        f"\nbridge training {a.bridge_tps:,.0f} tok/s: measured on one H200 (2026-12-04), host-bound, not GPU-bound "
         f"(docs/results/paper_scale.md);\nassumed, not yet measured on a GPU: forward {a.forward_tps:,.0f} tok/s, "
         f"generation {a.gen_tps:,.0f} tok/s (batched), disk {a.disk_gibps} GiB/s"
     )

@@ -5,8 +5,8 @@
 # generation, Gen.PPL, train-prior, parallel generation, a QUICK compare and, with two GPUs or more, torchrun.
 # Each step prints its wall time, throughput and peak GPU memory, and a check that it ran on CUDA in bfloat16
 # with finite numbers; the first failure stops the run (scripts/gpu_smoke.py). Measured on one H200 (2026-12-04):
-# the Llama-shaped chain up to parallel rounding took 9.1 min, 10 with its random models (docs/results/paper_scale.md); give the whole run
-# 25 min, or --models llama-3.1-8b for half.
+# the Llama-shaped chain up to parallel rounding took 9.1 min, 10 with its random models
+# (docs/results/paper_scale.md); give the whole run 25 min, or --models llama-3.1-8b for half.
 #
 #   here, once:          bash scripts/gpu_wheels.sh      (wheels into .whl/, the builtin's tokenizer into .gpu/)
 #   on the GPU machine:  bash scripts/gpu_smoke.sh       (carry .whl and .gpu; no network, no install needed)
