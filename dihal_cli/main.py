@@ -6,6 +6,7 @@ Commands live one module per group, each a screen per command (parse -> config -
     replace.py  train-bridge, train-prior, train-decoder, train-autoencoder
     use.py      generate, evaluate
     claims.py   compare, confirm
+    share.py    export, import
     runs.py     runs list/show/latest/verify/rm/gc
 
 Shared options and defaults are in options.py (read from stages/configs.py), every table in
@@ -27,7 +28,7 @@ try:  # typer >= 0.22 carries its own copy of click
 except ImportError:  # pragma: no cover - an older typer on top of click
     from click import exceptions as click_errors
 
-from dihal.cli import claims, locate, replace, runs, use  # noqa: F401  (each registers its commands)
+from dihal.cli import claims, locate, replace, runs, share, use  # noqa: F401  (each registers its commands)
 from dihal.cli.options import COMMANDS
 from dihal.cli.ui import LOG_EVERY, console, err_console, user_errors
 from dihal.stages.configs import DIST_TIMEOUT_ENV, DIST_TIMEOUT_MINUTES
@@ -64,6 +65,7 @@ app = typer.Typer(
 )
 ORDER = (
     "extract score train-bridge evaluate generate sweep confirm train-prior train-decoder train-autoencoder compare"
+    " export import"
 ).split()
 for _name, _fn in sorted(COMMANDS, key=lambda c: ORDER.index(c[0])):  # the order of the pipeline
     app.command(_name)(user_errors(_fn))

@@ -148,6 +148,12 @@ def evaluate(
     ),
     lm_eval_include: str | None = o.opt(HarnessConfig, "include", "--lm-eval-include", help="A folder of task YAMLs."),
     lm_eval_limit: int | None = o.opt(HarnessConfig, "limit", "--lm-eval-limit", help="Documents per task."),
+    lm_eval_fewshot: int | None = o.opt(
+        HarnessConfig, "num_fewshot", "--lm-eval-fewshot", help="Few-shot examples (default: each task's own)."
+    ),
+    lm_eval_log_samples: bool = o.opt(
+        HarnessConfig, "log_samples", "--lm-eval-log-samples", help="Keep every document's prompt and scores."
+    ),
     batch_size: int = o.opt(FidelityConfig, "batch_size"),
     device: str = o.Device,
     dtype: str = o.Dtype,
@@ -160,7 +166,8 @@ def evaluate(
 ) -> None:
     """Bridge fidelity (--bridge [--dataset | --samples]), generation quality (--samples), or the
     harness's tasks (--bridge --lm-eval)."""
-    if lm_eval is not None or lm_eval_include is not None or lm_eval_limit is not None:
+    harness_flags = (lm_eval_include, lm_eval_limit, lm_eval_fewshot, lm_eval_log_samples or None)
+    if lm_eval is not None or any(flag is not None for flag in harness_flags):
         return evaluate_lm_eval(locals())
     for flag, given in (("--dataset", dataset), ("--extract", extract)):
         if given is not None and bridge is None:
@@ -211,7 +218,9 @@ def evaluate(
 def evaluate_lm_eval(v: dict) -> None:
     """evaluate --bridge ID --lm-eval TASKS: stages/harness.py."""
     if v["lm_eval"] is None:
-        raise DihalError("--lm-eval-include and --lm-eval-limit go with --lm-eval TASKS")
+        raise DihalError(
+            "--lm-eval-include, --lm-eval-limit, --lm-eval-fewshot and --lm-eval-log-samples go with --lm-eval TASKS"
+        )
     if v["bridge"] is None or any(v[k] is not None for k in ("samples", "dataset", "extract")):
         raise DihalError("--lm-eval scores a hybrid: give --bridge ID, without --samples, --dataset or --extract")
     device, dtype = o.device_and_dtype(v["device"], v["dtype"], v["dry_run"])
@@ -220,6 +229,8 @@ def evaluate_lm_eval(v: dict) -> None:
         tasks=tasks,
         include=v["lm_eval_include"],
         limit=v["lm_eval_limit"],
+        num_fewshot=v["lm_eval_fewshot"],
+        log_samples=v["lm_eval_log_samples"],
         batch_size=v["batch_size"],
         seed=v["seed"],
         device=device,

@@ -680,6 +680,8 @@ class HarnessConfig(Config):
     tasks: tuple[str, ...]
     include: str | None = None  # a folder of task YAMLs (--lm-eval-include); its files' digest is in the id
     limit: int | None = None  # documents per task; None: all
+    num_fewshot: int | None = None  # few-shot examples per document (--lm-eval-fewshot); None: each task's own
+    log_samples: bool = False  # keep every document's prompt, answers and scores (--lm-eval-log-samples)
     batch_size: int = 16
     sample_steps: int = GenerateConfig.sample_steps  # the hybrid's bridge steps
     seed: int = 0  # the hybrid's noise (stages/hybrid_lm.py) and the harness's seeds
@@ -690,6 +692,30 @@ class HarnessConfig(Config):
         require(bool(self.tasks) and all(self.tasks), "--lm-eval must name at least one task, e.g. hellaswag")
         at_least(self, 1, "batch_size", "sample_steps")
         require(self.limit is None or self.limit >= 1, f"--lm-eval-limit must be >= 1, got {self.limit}")
+        require(
+            self.num_fewshot is None or self.num_fewshot >= 0, f"--lm-eval-fewshot must be >= 0, got {self.num_fewshot}"
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class ExportConfig(Config):
+    """`dihal export OUT`: a bridge as a package that leaves its store (stages/export.py): the sampling
+    defaults it carries, and the hub repo it goes to."""
+
+    out: str
+    sample_steps: int = GenerateConfig.sample_steps  # the package's default bridge Euler steps per position
+    seed: int = 0  # the package's default noise seed (stages/hybrid_lm.py)
+    push_to_hub: str | None = None  # a hub repo id, owner/name
+    private: bool = False
+
+    def check(self) -> None:
+        at_least(self, 1, "sample_steps")
+        repo = self.push_to_hub
+        require(
+            repo is None or (repo.count("/") == 1 and all(repo.split("/"))),
+            f"--push-to-hub takes owner/name, got {repo}",
+        )
+        require(not self.private or repo is not None, "--private goes with --push-to-hub REPO")
 
 
 @dataclass(frozen=True, kw_only=True)

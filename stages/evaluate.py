@@ -111,13 +111,19 @@ def run_fidelity(
     extract of the same model and seq_len), on --dataset, or on `samples`."""
     own_extract = store.load("extract", bridge_art.manifest["parents"]["extract"])
     held_out = None if held_out is not None and held_out.id == own_extract.id else held_out
+    if not own_extract.complete and samples is None and cfg.dataset is None and held_out is None:
+        where = "was imported without it" if bridge_art.manifest.get("imported") else f"is {own_extract.status}"
+        raise DihalError(
+            f"fidelity reads the validation split of the bridge's extract {own_extract.id}, which {where}; "
+            "give --dataset SPEC (or --extract ID of the same model and --seq-len)"
+        )
     if sum(x is not None for x in (samples, cfg.dataset, held_out)) > 1:
         raise DihalError("measure fidelity on one of --dataset, --samples or --extract")
-    if held_out is not None and not readable(bridge_art, origin(held_out), origin(own_extract)):
+    if held_out is not None and not readable(bridge_art, origin(held_out), origin(bridge_art)):
         longer = " (or longer: a --positions rotary bridge runs past its --seq-len)"
         raise DihalError(
-            f"extract {held_out.id} is not of the bridge's model and --seq-len ({origin(own_extract).model}, "
-            f"{origin(own_extract).seq_len}); give an extract of those{longer}"
+            f"extract {held_out.id} is not of the bridge's model and --seq-len ({origin(bridge_art).model}, "
+            f"{origin(bridge_art).seq_len}); give an extract of those{longer}"
         )
     if samples is not None and not same_model(samples.manifest.get("model"), bridge_art.manifest.get("model")):
         raise DihalError(f"generate {samples.id} did not come from the bridge's backbone; use samples of that model")

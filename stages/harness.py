@@ -22,7 +22,7 @@ from dihal.stages.runtime import dist
 from dihal.stages.runtime.progress import NullProgress, Progress
 
 STAGE = "evaluate"
-CACHE_VERSION = 1  # bump whenever this stage's bytes change (tests/test_golden.py says when)
+CACHE_VERSION = 2  # bump whenever this stage's bytes change (tests/test_golden.py says when); 2: whole result
 BOOTSTRAP = 1000  # the harness's bootstrap draws for each metric's standard error (its default, 100000, takes minutes)
 INSTALL = "pip install 'dihal[eval]'"
 
@@ -103,17 +103,18 @@ def run(
                 task_manager=manager,
                 limit=cfg.limit,
                 bootstrap_iters=BOOTSTRAP,
-                log_samples=False,
+                num_fewshot=cfg.num_fewshot,
+                log_samples=cfg.log_samples,
                 random_seed=cfg.seed,
                 numpy_random_seed=cfg.seed,
                 torch_random_seed=cfg.seed,
                 fewshot_random_seed=cfg.seed,
             )
-            results[name] = {
-                "results": out["results"],
-                "n-samples": out.get("n-samples"),
-                "versions": out.get("versions"),
-            }
+            for task, rows in (out.pop("samples", None) or {}).items():  # --lm-eval-log-samples
+                lines = "".join(json.dumps(row, default=str) + "\n" for row in rows)
+                art.file(f"samples/{name}/{task}.jsonl").parent.mkdir(parents=True, exist_ok=True)
+                art.file(f"samples/{name}/{task}.jsonl").write_text(lines)
+            results[name] = out  # the harness's whole result: results, configs, versions, n-shot, n-samples, ...
             progress.advance(1)
         progress.stop()
         rows = table(results)

@@ -34,15 +34,20 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from transformers import DynamicCache, GenerationConfig, GenerationMixin, PretrainedConfig, PreTrainedModel
+from transformers import DynamicCache, GenerationConfig, GenerationMixin, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from dihal.artifacts.errors import DihalError
+from dihal.artifacts.store import Artifact
+from dihal.stages import export
 from dihal.stages import generate as gen_stage
 from dihal.stages.configs import GenerateConfig
+from dihal.stages.export import Package
+from dihal.stages.hybrid_config import HybridConfig
 from dihal.stages.lm import tokens
 from dihal.stages.lm.capture import hidden_states
 from dihal.stages.lm.hybrid import lm_logits, suffix_model
@@ -92,14 +97,6 @@ def generate_arguments() -> frozenset[str]:
 OWN_LOOP = ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "num_samples", "batch_size")
 
 
-class HybridConfig(PretrainedConfig):
-    model_type = "dihal_hybrid"
-
-    def __init__(self, bridge: str = "", layer: int = 0, steps: int = STEPS, seed: int = 0, **kwargs):
-        self.bridge, self.layer, self.steps, self.seed = bridge, layer, steps, seed
-        super().__init__(**kwargs)
-
-
 @dataclass
 class Generation:
     """What hybrid.generate(prompts) returns: one text and its new token ids per sample (cut at a stop id)."""
@@ -126,9 +123,18 @@ class HybridForCausalLM(PreTrainedModel, GenerationMixin):
     base_model_prefix = "hybrid"
     main_input_name = "input_ids"
 
-    def __init__(self, loaded: LoadedModel, bridge: Bridge, bridge_id: str, steps: int = STEPS, seed: int = 0):
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        bridge: Bridge,
+        bridge_id: str,
+        steps: int = STEPS,
+        seed: int = 0,
+        source: Artifact | Package | None = None,
+    ):
+        """source: the bridge artifact or the exported package it came from (what save_pretrained exports)."""
         backbone = loaded.model.config
-        config = HybridConfig(
+        own = dict(
             bridge=bridge_id,
             layer=bridge.layer,
             steps=steps,
@@ -140,7 +146,10 @@ class HybridForCausalLM(PreTrainedModel, GenerationMixin):
             eos_token_id=loaded.tokenizer.eos_token_id,
             pad_token_id=loaded.tokenizer.pad_token_id,
         )
+        exported = source.config if isinstance(source, Package) else {}  # an exported bridge's fields besides
+        config = HybridConfig(**{k: v for k, v in exported.items() if k not in {*own, "model_type"}}, **own)
         super().__init__(config)
+        self.source = source
         self.backbone, self.denoiser = loaded.model, bridge.net  # registered, so .to() and .device see them
         self.loaded, self.bridge, self.tokenizer = loaded, bridge, loaded.tokenizer
         self.suffix = suffix_model(loaded.model, bridge.layer)
@@ -170,7 +179,78 @@ class HybridForCausalLM(PreTrainedModel, GenerationMixin):
         from dihal.stages.lineage import backbone_for
 
         loaded = backbone_for(art, device, dtype, trust_remote_code)
-        return cls(loaded, Bridge.load(art, loaded.device), art.id, steps, seed)
+        return cls(loaded, Bridge.load(art, loaded.device), art.id, steps, seed, source=art)
+
+    # -- sharing (stages/export.py) ----------------------------------------------------------------------
+    @classmethod
+    def from_pretrained(
+        cls,
+        pretrained_model_name_or_path,
+        *model_args,
+        base_model=None,
+        check_base: bool = True,
+        device: str | None = None,
+        dtype=None,
+        steps: int | None = None,
+        seed: int | None = None,
+        revision: str | None = None,
+        trust_remote_code: bool = False,
+        **kwargs,
+    ) -> HybridForCausalLM:
+        """An exported bridge (a folder or a hub repo id) on its base model: the one its config names (a
+        builtin or a hub id), or `base_model` (a --model spec, or a model already loaded, with its tokenizer
+        as (model, tokenizer) or a LoadedModel). The base model's weights and tokenizer must hash to the
+        package's sha256 unless check_base=False, which the hybrid records (config.base_check).
+        AutoModelForCausalLM's own arguments (dtype or torch_dtype, device_map) are read as dtype and
+        device; the ones that would change the model (quantization, gguf_file, subfolder) are refused."""
+        given = kwargs.pop("config", None)  # AutoModelForCausalLM's: its steps and seed carry steps= and seed=
+        if isinstance(given, HybridConfig):
+            steps = given.steps if steps is None else steps
+            seed = given.seed if seed is None else seed
+        device, dtype = _loading_arguments(model_args, kwargs, device, dtype)
+        package = export.read(pretrained_model_name_or_path, None if revision in (None, "main") else revision)
+        loaded, actual = _base(package, base_model, device, dtype, trust_remote_code, check_base)
+        export.check_layer(package, loaded.num_blocks)
+        check = export.check_base(package, actual, check_base)
+        cfg = package.config
+        bridge = Bridge.read(package.meta, package.file(export.WEIGHTS), package.file(export.STATS), loaded.device)
+        steps = steps if steps is not None else cfg.get("steps", STEPS)
+        seed = seed if seed is not None else cfg.get("seed", 0)
+        hybrid = cls(loaded, bridge, cfg["bridge"], steps, seed, source=package)
+        hybrid.config.base_check = check
+        return hybrid
+
+    def save_pretrained(self, save_directory, push_to_hub: bool = False, **kwargs) -> None:
+        """The bridge alone, exported (stages/export.py): what `dihal export` writes, never a backbone tensor.
+        push_to_hub=True (with repo_id=, private=, token=) uploads it too."""
+        extra = sorted(set(kwargs) - {"repo_id", "private", "token", "safe_serialization", "is_main_process"})
+        if extra:
+            raise DihalError(f"save_pretrained() got '{extra[0]}', which a bridge's export does not take; drop it")
+        out = Path(save_directory)
+        if isinstance(self.source, Artifact):
+            from dihal.artifacts.store import ArtifactStore
+
+            results = export.results_for(ArtifactStore(self.source.root), self.source)
+            steps, seed = self.config.steps, self.config.seed
+            export.write(out, self.source, self.tokenizer, steps=steps, seed=seed, results=results)
+        elif isinstance(self.source, Package):
+            export.copy(self.source, out, steps=self.config.steps, seed=self.config.seed)
+        else:
+            raise DihalError("this hybrid was built by hand, not from a bridge artifact or package; nothing to export")
+        if push_to_hub:
+            repo = kwargs.get("repo_id") or out.name
+            export.push(out, repo, private=bool(kwargs.get("private")), token=kwargs.get("token"))
+
+    def push_to_hub(self, repo_id: str, *, private: bool = False, token: str | None = None, **kwargs) -> str:
+        """Export into a temporary folder and upload it to the hub repo `repo_id` (created if need be)."""
+        import tempfile
+
+        if kwargs:
+            raise DihalError(f"push_to_hub() got '{sorted(kwargs)[0]}', which a bridge's upload does not take")
+        with tempfile.TemporaryDirectory() as tmp:
+            out = Path(tmp) / repo_id.split("/")[-1]
+            self.save_pretrained(out)
+            return export.push(out, repo_id, private=private, token=token)
 
     @property
     def positions(self) -> int | None:
@@ -410,3 +490,61 @@ class HybridForCausalLM(PreTrainedModel, GenerationMixin):
             seed=seed,
             device=str(self.device.type),
         )
+
+
+# -- from_pretrained's arguments ----------------------------------------------------------------------------
+IGNORED_IF_EMPTY = ("gguf_file", "quantization_config", "subfolder", "tp_plan", "load_in_8bit", "load_in_4bit")
+HUB_ARGUMENTS = ("cache_dir", "token", "local_files_only", "force_download", "proxies", "low_cpu_mem_usage", "config")
+AUTO_ARGUMENTS = ("_from_auto", "_from_pipeline", "_commit_hash", "adapter_kwargs", "attn_implementation")
+
+
+def _loading_arguments(model_args, kwargs: dict, device, dtype) -> tuple[str, str]:
+    """(device, dtype) from from_pretrained's own and transformers' arguments, or one line for the rest."""
+    import torch
+
+    if model_args:
+        raise DihalError("from_pretrained takes the bridge's folder or hub id and keywords only")
+    for name in IGNORED_IF_EMPTY:
+        if kwargs.pop(name, None):
+            raise DihalError(
+                f"from_pretrained(..., {name}=...): a dihal bridge loads its base model itself; leave it out"
+            )
+    for name in HUB_ARGUMENTS + AUTO_ARGUMENTS:  # where the package and its base model come from: dihal's own
+        kwargs.pop(name, None)
+    torch_dtype = kwargs.pop("torch_dtype", None)
+    dtype = dtype if dtype is not None else torch_dtype
+    device_map = kwargs.pop("device_map", None)
+    kwargs = {k: v for k, v in kwargs.items() if v is not None and v != {}}  # what callers pass unset (HFLM)
+    if kwargs:
+        raise DihalError(f"from_pretrained() got '{sorted(kwargs)[0]}', which a dihal bridge does not take; drop it")
+    if isinstance(dtype, torch.dtype):
+        dtype = str(dtype).replace("torch.", "")
+    if isinstance(device_map, dict) and set(device_map) == {""}:
+        device_map = device_map[""]
+    if device is None and device_map is not None:
+        if not isinstance(device_map, (str, int, torch.device)):
+            raise DihalError("device_map: a dihal hybrid runs on one device; give device='cuda:0' (or cpu)")
+        device = "auto" if device_map == "auto" else str(torch.device(device_map))
+    return device or "cpu", dtype or "float32"
+
+
+def _base(package: Package, base_model, device: str, dtype: str, trust_remote_code: bool, check: bool):
+    """(the base model loaded, the sha256 of its weights and tokenizer) for a package."""
+    from dihal.stages.lm.models import load_model, wrap_model
+
+    if base_model is None or isinstance(base_model, (str, Path)):
+        spec = export.default_base(package) if base_model is None else str(base_model)
+        revision = package.config["base"].get("revision") if base_model is None else None
+        loaded = load_model(spec, device, dtype, revision, trust_remote_code)  # a hub model is cached after it
+        return loaded, export.spec_sha256(spec, loaded.identity.get("revision")) if check else "unchecked"
+    if isinstance(base_model, LoadedModel):
+        loaded = base_model
+    elif isinstance(base_model, tuple) and len(base_model) == 2:
+        model, tokenizer = base_model
+        name = str(getattr(model, "name_or_path", ""))
+        loaded = wrap_model(model.eval(), tokenizer, {"name": name, "source": "memory"})
+    else:
+        raise DihalError(
+            "base_model: give a --model spec (a path, builtin or hub id), a LoadedModel, or (model, tokenizer)"
+        )
+    return loaded, export.loaded_sha256(loaded.model) if check else "unchecked"

@@ -99,6 +99,7 @@ BASE_ARGS = {  # what each command needs to reach its configs under --dry-run
     "train-bridge": ["--layer", "1"],
     "sweep": ["--layers", "1"],
     "evaluate": ["--bridge", "x"],
+    "export": ["pkg-out"],
 }
 MODEL_COMMANDS = {"extract", "train-bridge", "sweep", "compare"}
 # numeric options where 0 is a valid value (and so the CLI must accept it), from docs/method.md and the
@@ -435,7 +436,7 @@ def test_import_contracts_hold():
 
 
 # -- default paths -------------------------------------------------------------------------------------------
-REQUIRED = {"train-bridge": ["--layer", "1"], "evaluate": ["--bridge", "latest"]}
+REQUIRED = {"train-bridge": ["--layer", "1"], "evaluate": ["--bridge", "latest"], "export": ["pkg-out"]}
 
 
 @pytest.mark.parametrize(
@@ -451,6 +452,7 @@ REQUIRED = {"train-bridge": ["--layer", "1"], "evaluate": ["--bridge", "latest"]
         "sweep",
         "compare",
         "confirm",
+        "export",
     ],
 )
 def test_every_command_default_path_dry_run(path, root):

