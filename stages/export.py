@@ -291,10 +291,9 @@ def model_card(config: dict, manifest: dict, results: Results) -> str:
         if k in cfg
     )
     base_name = base["hub_id"] or f"{base['name']} ({base['source']})"
-    if quantized:
-        base_name = f"{base['name']} (dihal's builtin: {quantized} as a GGUF, de-quantized)"
+    described = f"{base['name']} (dihal's builtin: {quantized} as a GGUF, de-quantized)" if quantized else base_name
     lines = [
-        f"# DiHAL bridge: {base_name}, layer {config['layer']}",
+        f"# DiHAL bridge: {base['hub_id'] or base['name']}, layer {config['layer']}",
         "",
         f"A conditional diffusion bridge for {base_name} ({PAPER}): it samples the residual state at layer "
         f"{config['layer']} from the tokens' embeddings, and the base model's blocks above it, final norm and LM "
@@ -303,7 +302,7 @@ def model_card(config: dict, manifest: dict, results: Results) -> str:
         "",
         "## Base model",
         "",
-        f"- {base_name}" + (f" at revision `{base['revision']}`" if base.get("revision") else ""),
+        f"- {described}" + (f" at revision `{base['revision']}`" if base.get("revision") else ""),
         f"- sha256 of its weights and tokenizer: `{base['sha256']}` (checked at load)",
         f"- {base.get('architecture')}, {base.get('num_blocks')} blocks, width {base.get('width')}",
         "",
@@ -320,11 +319,11 @@ def model_card(config: dict, manifest: dict, results: Results) -> str:
         "",
     ]
     if results.fidelity:
-        lines += ["Teacher-forced fidelity (docs/method.md section 5):", "", "| source | steps | KL | top-1 | cosine |"]
-        lines += ["|---|---|---|---|---|"]
+        lines += ["Teacher-forced fidelity (docs/method.md section 3):", ""]
+        lines += ["| source | steps | rel. error | cosine | KL | top-1 | PPL ratio |", "|---|---|---|---|---|---|---|"]
         for r in results.fidelity:
-            kl, top1, cos = (_num(r.get(k)) for k in ("kl", "top1", "cosine"))
-            lines.append(f"| {r['source']} | {r.get('steps', '')} | {kl} | {top1} | {cos} |")
+            cells = [_num(r.get(k)) for k in ("rel_recon_error", "cosine", "kl", "top1_agreement", "ppl_ratio")]
+            lines.append(f"| {r['source']} | {r.get('steps', '')} | " + " | ".join(cells) + " |")
         lines.append("")
     if results.lm_eval:
         lines += ["lm-evaluation-harness:", "", "| task | metric | n | hybrid | original |", "|---|---|---|---|---|"]
@@ -335,7 +334,7 @@ def model_card(config: dict, manifest: dict, results: Results) -> str:
         lines.append("")
     if not (results.fidelity or results.lm_eval):
         lines += ["None yet: run `dihal evaluate --bridge ID` before exporting to include them.", ""]
-    load_base = "" if base["hub_id"] else ', base_model="PATH/TO/' + str(base["name"]) + '"'
+    load_base = "" if base["source"] in ("hub", "builtin") else ', base_model="PATH/TO/' + str(base["name"]) + '"'
     lines += [
         "## Use",
         "",
