@@ -12,6 +12,7 @@ import os
 import shutil
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, replace
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -22,7 +23,15 @@ from dihal.artifacts.store import Artifact, ArtifactStore, Job, dir_size
 from dihal.stages.configs import ExtractConfig, parse_layers
 from dihal.stages.lineage import same_model
 from dihal.stages.lm.capture import capture_layers, run_capture
-from dihal.stages.lm.models import LoadedModel, check_remote_code, load_model, locate, not_finite
+from dihal.stages.lm.models import (
+    BUILTINS,
+    LoadedModel,
+    builtin_gguf,
+    check_remote_code,
+    load_model,
+    locate,
+    not_finite,
+)
 from dihal.stages.lm.tokens import document_end
 from dihal.stages.runtime import dist, hub
 from dihal.stages.runtime.progress import NullProgress, Progress
@@ -85,9 +94,18 @@ def generated_documents(data, store: ArtifactStore, loaded: LoadedModel) -> dict
 
 
 def model_config(spec: str, trust_remote_code: bool = False):
-    """The backbone's config only (no weights), for validation and dry runs."""
-    from transformers import AutoConfig
+    """The backbone's config only (no weights), for validation and dry runs: nothing is converted or written
+    (a builtin's shape is recorded beside it, a .gguf's is read from its header)."""
+    from transformers import AutoConfig, PretrainedConfig
 
+    if spec in BUILTINS:
+        builtin_gguf(spec, assemble=False)  # its package is installed (one line naming the install if not)
+        return PretrainedConfig(**BUILTINS[spec]["shape"]), {"name": spec, "source": "builtin"}
+    if spec.endswith(".gguf"):
+        path = Path(spec).expanduser()
+        if not path.is_file():
+            raise DihalError(f"GGUF file '{spec}' does not exist; check the path")
+        return AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name), {"name": path.name, "source": "gguf"}
     where, identity = locate(spec)
     check_remote_code(spec, where, trust_remote_code)
     if identity["source"] == "hub":

@@ -137,8 +137,9 @@ def test_confirm_without_a_sweep_names_the_command(root):
 
 @pytest.mark.slow
 def test_fidelity_beyond_the_training_text_on_a_dataset_and_on_the_backbones_samples(tiny_dirs, root, tmp_path):
-    """evaluate --bridge --dataset packs the other corpus as the extract packs its own and measures the
-    same numbers as a direct computation; --bridge --samples measures on the original model's samples;
+    """evaluate --bridge --dataset packs the other corpus as the extract packs its own and measures what
+    evaluate_fidelity measures on that packing (itself checked against plain torch in tests/test_checks.py);
+    --bridge --samples measures on the original model's samples;
     both write the per-position breakdown."""
     import torch
 

@@ -12,7 +12,7 @@ import pytest
 
 from dihal.artifacts import hidden_states as hs
 from dihal.artifacts.store import ArtifactStore
-from tests.conftest import TINY_BRIDGE, _extract, invoke, run_cli
+from tests.conftest import TINY_BRIDGE, _extract, invoke, no_tmpfs, run_cli
 
 
 def _one_error_line(res, needle: str, during_work: bool = False) -> None:
@@ -257,7 +257,7 @@ def _mount_tmpfs(path, options: str) -> bool:
 def test_real_full_disk_and_read_only_root(tiny_dirs, tmp_path):
     small, ro = tmp_path / "small", tmp_path / "ro"
     if not _mount_tmpfs(small, "size=160k"):
-        pytest.skip("mounting a tmpfs needs root")
+        no_tmpfs("mounting a tmpfs needs root")
     try:
         res = invoke(
             *_extract(tiny_dirs, "--max-sequences", "64", "--store-dtype", "float32", "--skip-disk-check"),

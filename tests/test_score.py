@@ -355,7 +355,8 @@ def test_score_bootstrap_and_robust_through_the_cli(tiny_extract):
     table = sc.load_table(art).set_index("layer")
     assert table["l_star_freq"].sum() == pytest.approx(1.0) and table["l_star_robust_freq"].sum() == pytest.approx(1.0)
     assert out["l_star_frequency"] == table.loc[out["l_star"], "l_star_freq"]
-    # draw 2 recomputed by hand from the extract's pool: the same positions give the same proxies
+    # draw 2 recomputed from the extract's pool by layer_row (the proxies' own formulas are checked by hand
+    # in this file's closed-form tests): the same positions give the same proxies
     group = hs.open_group(store.resolve("latest", "extract"))
     _, _, states = hs.read_pool(group, 2)
     pick = np.sort(sc.draw_rng(0, 2).choice(len(states), size=200, replace=False))

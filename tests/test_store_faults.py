@@ -18,7 +18,7 @@ import pytest
 from dihal.artifacts import hidden_states as hs
 from dihal.artifacts import store as store_mod
 from dihal.artifacts.store import ArtifactStore
-from tests.conftest import ROOT, TINY_BRIDGE, _extract, invoke, run_cli
+from tests.conftest import ROOT, TINY_BRIDGE, _extract, invoke, no_tmpfs, run_cli
 from tests.test_hardening import _one_error_line
 
 
@@ -273,7 +273,7 @@ def test_a_full_disk_is_one_line_failed_and_resumes_with_the_space_the_rest_need
     plan = invoke(*args, "--dry-run").output
     estimate = float(plan.split("estimated size ")[1].split()[0]) * (1024 if "KiB" in plan else 1024**2)
     if not _mount(small, str(int(estimate * 0.6) + 96 * 1024)):  # a good part of it (and the 64 KiB reserve)
-        pytest.skip("mounting a tmpfs needs root (CAP_SYS_ADMIN)")
+        no_tmpfs("mounting a tmpfs needs root (CAP_SYS_ADMIN)")
     try:
         res = invoke(*args, "--skip-disk-check")
         _one_error_line(res, "no space left on device", during_work=True)

