@@ -69,6 +69,14 @@ DryRun = typer.Option(False, "--dry-run", help="Validate every argument, print t
 Trust = typer.Option(False, "--trust-remote-code", help="Allow code shipped with a model to run (read it first).")
 AsJson = typer.Option(False, "--json", help="Print JSON.")
 
+ReportTo = typer.Option(
+    [],
+    "--report-to",
+    help="Watch training in tensorboard (under the artifact), wandb or mlflow (their own settings); repeatable; "
+    "none by default. Rank 0 reports; the id does not change.",
+    rich_help_panel="Watching",
+)
+
 # -- a trained part's recipe on the command line ----------------------------------------------------------
 # field -> (flag, type, help); None (the default) keeps the protocol's value. This order is the order
 # of a sweep's, a comparison's and a confirm's `overrides`, which their artifact ids hash.
@@ -104,14 +112,23 @@ def recipe_options(batch_flag: str = "--batch-size", exclude: tuple[str, ...] = 
                 (name, inspect.Parameter(param, inspect.Parameter.KEYWORD_ONLY, default=option, annotation=kind | None))
             )
 
+        report = inspect.Parameter("report_to", inspect.Parameter.KEYWORD_ONLY, default=ReportTo, annotation=list[str])
+
         @functools.wraps(fn)
         def command(**kwargs):
+            from dihal.stages.runtime import trackers
+
+            trackers.configure(kwargs.pop("report_to"))  # checked now, not after an hour of training
             given = tuple((name, kwargs.pop(p.name)) for name, p in added)
-            return fn(**kwargs, recipe=tuple((k, v) for k, v in given if v is not None))
+            try:
+                return fn(**kwargs, recipe=tuple((k, v) for k, v in given if v is not None))
+            finally:
+                trackers.configure([])  # this command's choice, not the next one's in the same process
 
         kept = [p for p in sig.parameters.values() if p.name != "recipe"]
-        command.__signature__ = sig.replace(parameters=kept + [p for _, p in added])
+        command.__signature__ = sig.replace(parameters=kept + [p for _, p in added] + [report])
         command.__annotations__ = {**get_type_hints(fn), **{p.name: p.annotation for _, p in added}}
+        command.__annotations__["report_to"] = list[str]
         return command
 
     return wrap

@@ -54,7 +54,7 @@ from dihal.artifacts.errors import DihalError
 from dihal.stages.configs import LoopConfig
 from dihal.stages.diffusion import draws
 from dihal.stages.diffusion.draws import Draws
-from dihal.stages.runtime import clock
+from dihal.stages.runtime import clock, trackers
 from dihal.stages.runtime.dist import barrier, distributed
 from dihal.stages.runtime.progress import Progress
 
@@ -234,6 +234,8 @@ def train(task: Task, net: nn.Module, cfg: LoopConfig, directory: Path, progress
     ema = EMA(net, cfg.ema)
     metrics_path = directory / "metrics.jsonl"
     first_step, log = resume(directory, net, optimizer, ema, device)
+    report = trackers.current()  # --report-to's trackers (rank 0 only; none by default)
+    report.resume(first_step)
     if rank == 0:  # metrics.jsonl holds the checkpoint's steps: once each, in order, whatever was killed when
         files.write_jsonl(metrics_path, log)
         if first_step:
@@ -282,6 +284,7 @@ def train(task: Task, net: nn.Module, cfg: LoopConfig, directory: Path, progress
                     row["val_loss"] = ema_validate(task, net, ema)
                 log.append(row)
                 files.append_jsonl(metrics_path, row)
+                report.log(step + 1, row)
                 if (step + 1) % fit["checkpoint_every"] == 0 or step + 1 == total:
                     save(directory, step + 1, net, optimizer, ema, log)  # the last one: a kill after it redoes nothing
                 progress.advance(
@@ -346,10 +349,13 @@ def write_trained(
     from dihal.stages.runtime.progress import NullProgress
 
     def work(art) -> None:
-        lead = distributed()[0] == 0
-        metrics = train_fn(art, progress if lead else NullProgress())
-        if lead:
-            art.manifest["metrics"] = metrics
+        rank = distributed()[0]
+        with trackers.run(stage, art.id, art.config, art.path, rank) as report:
+            metrics = train_fn(art, progress if rank == 0 else NullProgress())
+            if rank == 0:
+                art.manifest["metrics"] = metrics
+                curve = art.path / "loss_curve.png"
+                report.finish(metrics, curve if curve.is_file() else None)
 
     extra = {"model": extract.manifest.get("model"), "extract_config": extract.config}
     job = Job(stage, version, config, parents, work, seed=cfg.seed, device=cfg.device, extra=extra, every_rank=True)
