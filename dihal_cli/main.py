@@ -30,7 +30,7 @@ except ImportError:  # pragma: no cover - an older typer on top of click
 
 from dihal.cli import claims, locate, replace, runs, share, use  # noqa: F401  (each registers its commands)
 from dihal.cli.options import COMMANDS
-from dihal.cli.ui import LOG_EVERY, console, err_console, user_errors
+from dihal.cli.ui import LOG_EVERY, console, err_console, route_third_party_bars, user_errors
 from dihal.stages.configs import DIST_TIMEOUT_ENV, DIST_TIMEOUT_MINUTES
 
 
@@ -112,6 +112,7 @@ def callback(
 
     if not 0 <= log_every < float("inf"):
         raise DihalError(f"--log-every must be a number of seconds >= 0 (0: every step), got {log_every}")
+    route_third_party_bars()  # conversion, download and datasets bars as dihal's own progress
     if threads is not None:
         if threads < 1:
             raise DihalError(f"--threads must be at least 1 (leave it out for one per core), got {threads}")

@@ -153,6 +153,60 @@ def make_progress():
     return RichProgress() if err_console.is_terminal else PlainProgress(LOG_EVERY["seconds"])
 
 
+def route_third_party_bars() -> None:
+    """The tqdm bars of the libraries dihal calls (transformers' GGUF conversion, hub downloads, datasets')
+    drawn as dihal's own progress: a rich bar on a terminal, a plain line every --log-every seconds in a
+    piped log, never a carriage-return bar. Only the outermost open bar is drawn (a download's per-file bars
+    count silently inside "Fetching N files"), and none while a stage's own bar holds the terminal. Called
+    once per command, before any of those libraries is imported (they bind tqdm.auto.tqdm at import)."""
+    import tqdm
+    import tqdm.auto
+    from rich.errors import LiveError
+
+    base = tqdm.std.tqdm
+    if getattr(tqdm.auto.tqdm, "dihal", False):
+        return
+
+    class DihalBar(base):
+        dihal, open_bars = True, []
+
+        def __init__(self, iterable=None, desc=None, total=None, *args, unit="it", **kwargs):
+            if total is None and iterable is not None and hasattr(iterable, "__len__"):
+                total = len(iterable)
+            super().__init__(iterable, desc, total, *args, unit=unit, **{**kwargs, "disable": True})
+            self.drawn = None
+            if not DihalBar.open_bars and not kwargs.get("disable"):
+                drawn = make_progress()
+                try:
+                    drawn.start((desc or "working").rstrip(". :"), total or 0, "item" if unit == "it" else unit)
+                    self.drawn = drawn
+                except LiveError:  # a stage's own rich bar is on screen: count silently
+                    pass
+            DihalBar.open_bars.append(self)
+
+        def __iter__(self):
+            try:
+                for item in self.iterable:
+                    yield item
+                    self.update(1)
+            finally:
+                self.close()
+
+        def update(self, n=1):
+            self.n += n
+            if self.drawn is not None:
+                self.drawn.advance(n)
+            return True
+
+        def close(self):
+            if self.drawn is not None:
+                self.drawn.stop()
+                self.drawn = None
+            DihalBar.open_bars[:] = [b for b in DihalBar.open_bars if b is not self]  # tqdm's == compares positions
+
+    tqdm.tqdm = tqdm.auto.tqdm = DihalBar
+
+
 def user_errors(fn: Callable) -> Callable:
     """Bad input -> `error: ...` on one line and exit code 2; never a traceback."""
 

@@ -120,3 +120,36 @@ def test_a_tracker_that_is_not_installed_or_unknown_is_one_line(extract, monkeyp
     bad = invoke("train-prior", "--report-to", "tensorbored", "--dry-run")
     assert bad.exit_code == 2 and "unknown --report-to 'tensorbored'" in bad.output
     assert invoke("sweep", "--report-to", "none", "--layers", "1", "--dry-run").exit_code == 0
+
+
+# -- every progress line is dihal's ----------------------------------------------------------------------------
+def test_a_libraries_tqdm_bar_is_dihals_progress_in_a_piped_log(capsys, monkeypatch):
+    """What transformers' GGUF conversion, hub downloads and datasets draw with tqdm: plain lines, no carriage
+    return, and only the outermost of nested bars."""
+    from dihal.cli import ui
+
+    monkeypatch.setattr(ui, "make_progress", lambda: ui.PlainProgress(0.0))  # as in a piped log, every line
+    ui.route_third_party_bars()
+    from tqdm.auto import tqdm
+
+    for _ in tqdm(range(3), desc="Fetching 3 files"):
+        for _ in tqdm(range(4), desc="one file"):  # a nested bar counts silently
+            pass
+    err = capsys.readouterr().err
+    assert "\r" not in err and "one file" not in err
+    lines = err.splitlines()
+    assert lines[0] == "Fetching 3 files: started, 3 items to do"
+    assert lines[-1].startswith("Fetching 3 files: 3/3 items (100%)") and lines[-1].endswith("(finished)")
+
+
+@pytest.mark.slow
+def test_the_first_conversion_into_a_fresh_cache_prints_plain_lines_in_a_piped_log(tmp_path):
+    proc = run_cli(
+        "extract", "--model", "smollm2-135m", "--max-sequences", "4", "--layers", "0", "--device", "cpu",
+        env={"DIHAL_CACHE": str(tmp_path / "fresh-cache"), "DIHAL_ROOT": str(tmp_path / "runs")},
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = proc.stdout + proc.stderr
+    assert "\r" not in out
+    assert "Converting and de-quantizing GGUF tensors: started, 272 items to do" in out.splitlines()
+    assert any(line.startswith("Converting and de-quantizing GGUF tensors: 272/272 items") for line in out.splitlines())

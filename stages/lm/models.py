@@ -170,7 +170,9 @@ def gguf_to_safetensors(gguf_path: Path) -> tuple[Path, str]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     quiet_transformers()
-    Console(stderr=True).print(f"[dim]converting {gguf_path.name} to safetensors once (cache: {out})...[/dim]")
+    Console(stderr=True).print(
+        f"[dim]converting {gguf_path.name} to safetensors once (cache: {out})...[/dim]", soft_wrap=True, highlight=False
+    )
     model = AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
     model.hf_quantizer = None  # weights are de-quantized float32 now; nothing is quantized any more
