@@ -80,13 +80,18 @@ def model_folder(where, identity: dict) -> Path:
         return Path(where)
     from huggingface_hub import snapshot_download
 
+    revision = identity.get("revision")
     try:
-        return Path(snapshot_download(str(where), revision=identity.get("revision"), local_files_only=True))
+        return Path(snapshot_download(str(where), revision=revision, local_files_only=True))
     except Exception:  # noqa: BLE001 - not in the cache, in whatever way huggingface_hub says so
+        pass
+    if not hub.reachable():
         raise DihalError(
-            f"model '{where}' is not in the local Hugging Face cache, so its weights cannot be hashed; load it "
-            "once (any dihal command with --model) or pass check_base=False"
-        ) from None
+            f"model '{where}' is not in the local Hugging Face cache and the hub cannot be reached, so its weights "
+            "cannot be hashed; load it once online (any dihal command with --model)"
+        )
+    patterns = [*WEIGHT_GLOBS, *VOCABULARY, "*.json"]  # what from_pretrained reads: the same download
+    return Path(snapshot_download(str(where), revision=revision, allow_patterns=patterns))
 
 
 def base_sha256(where, identity: dict) -> str:
