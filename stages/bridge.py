@@ -78,7 +78,7 @@ class BridgeTask:
         return ((out.float() - flow.training_target(y, eps, self.cfg.prediction)) ** 2).mean(dim=(1, 2)).sum()
 
     def validate(self, net) -> float:
-        return validation_loss(net, self.y_val, self.c_val, self.cfg.prediction)
+        return flow.validation_loss(net, self.y_val, self.c_val, self.cfg.prediction)
 
 
 def _read(group, layer: int, seqs: np.ndarray, start: int) -> torch.Tensor:
@@ -100,24 +100,6 @@ def ridge_skip(net: Denoiser, task: BridgeTask, rows: int = 16384, seed: int = 0
     with torch.no_grad():
         net.skip.weight.copy_(sol[:-1].T.float())
         net.skip.bias.copy_(sol[-1].float())
-
-
-@torch.no_grad()
-def validation_loss(net: Denoiser, y: torch.Tensor, c: torch.Tensor, prediction: str, batch: int = 64) -> float:
-    """x0 mean squared error over the fixed grid t = (j + 0.5)/16, noise from a fixed seed."""
-    gen = torch.Generator().manual_seed(1234)
-    device = next(net.parameters()).device
-    total, count = 0.0, 0
-    for t_value in flow.VALIDATION_TIMES:
-        eps_all = torch.randn(y.shape, generator=gen)
-        for s in range(0, y.shape[0], batch):
-            yb, cb, eb = y[s : s + batch].to(device), c[s : s + batch].to(device), eps_all[s : s + batch].to(device)
-            t = torch.full((yb.shape[0],), t_value, device=device)
-            x_t = flow.noisy(yb, eb, t)
-            y_hat = flow.clean_estimate(net(x_t, t, cb).float(), x_t, t, prediction)
-            total += float(((y_hat - yb) ** 2).sum())
-            count += yb.numel()
-    return total / count
 
 
 def train(cfg: BridgeConfig, group, art: Artifact, progress: Progress, prior_art: Artifact | None = None) -> dict:

@@ -19,6 +19,7 @@ from transformers import DynamicCache
 from dihal.artifacts.errors import DihalError
 from dihal.artifacts.store import Artifact, ArtifactStore, Job
 from dihal.stages.configs import GenerateConfig
+from dihal.stages.diffusion import draws
 from dihal.stages.lm import decoding, tokens
 from dihal.stages.lm.capture import hidden_states
 from dihal.stages.lm.hybrid import suffix_model
@@ -163,7 +164,7 @@ def generate_all(loaded: LoadedModel, bridge: Bridge | None, cfg: GenerateConfig
     suffix = suffix_model(loaded.model, bridge.layer) if bridge is not None else None
     rows = []
     for batch_index, (prompt, count) in enumerate(jobs(cfg)):
-        gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + batch_index)
+        gen = draws.stream(cfg.seed, batch_index)
         prefix = torch.tensor([prompt_ids(tok, prompt)] * count, device=device)
         start = clock.now(device)
         if bridge is not None:

@@ -46,6 +46,7 @@ from dihal.artifacts.store import Artifact
 from dihal.stages import export
 from dihal.stages import generate as gen_stage
 from dihal.stages.configs import GenerateConfig
+from dihal.stages.diffusion import draws
 from dihal.stages.export import Package
 from dihal.stages.hybrid_config import HybridConfig
 from dihal.stages.lm import tokens
@@ -56,7 +57,6 @@ from dihal.stages.parts.bridge import Bridge, CachedSampler
 from dihal.stages.runtime.progress import NullProgress
 
 STEPS = GenerateConfig.sample_steps  # the bridge's Euler steps, as `dihal generate` takes them
-NOISE_BLOCK_SEED = 1_000_003  # noise block k >= 1 (past the training length) is drawn at seed + k * this
 
 # what generate() refuses, by argument, with why: the rest of GenerationMixin's arguments are honoured
 REFUSED = {
@@ -279,10 +279,10 @@ class HybridForCausalLM(PreTrainedModel, GenerationMixin):
     # -- noise ---------------------------------------------------------------------------------------------
     def noise_for(self, covered: int) -> torch.Tensor:
         """(covered, D) noise of the first `covered` covered positions: block 0 the buffer, block k the
-        bridge's draw at seed + k * NOISE_BLOCK_SEED, drawn once as a row first reaches it."""
+        bridge's draw from draws.noise_block(seed, k), drawn once as a row first reaches it."""
         while self.noise.shape[0] < covered:
             k = self.noise.shape[0] // self.block
-            gen = torch.Generator().manual_seed(self.config.seed + k * NOISE_BLOCK_SEED)
+            gen = draws.noise_block(self.config.seed, k)
             more = self.bridge.noise(1, self.block + self.bridge.start, gen)[0].to(self.noise.device)
             self.noise = torch.cat([self.noise, more])
         return self.noise[:covered]

@@ -88,7 +88,7 @@ class PriorTask:
         return ((out.float() - y) ** 2).mean(dim=(1, 2)).sum()
 
     def validate(self, net) -> float:
-        return validation_loss(net, self.y_val)
+        return flow.validation_loss(net, self.y_val)
 
 
 class LatentPriorTask(PriorTask):
@@ -116,22 +116,6 @@ def latent_normalizer(latents: torch.Tensor) -> Normalizer:
     flat = latents.reshape(-1, latents.shape[-1]).double()
     mu, sigma = flat.mean(0).float(), flat.std(0).clamp_min(1e-6).float()
     return Normalizer(mu, sigma, mu.clone(), sigma.clone(), torch.zeros_like(mu))
-
-
-@torch.no_grad()
-def validation_loss(net: Denoiser, y: torch.Tensor, batch: int = 64) -> float:
-    """x0 MSE over the fixed grid t = (j + 0.5)/16, noise from a fixed seed (no self-conditioning input)."""
-    gen = torch.Generator().manual_seed(1234)
-    device = next(net.parameters()).device
-    total, count = 0.0, 0
-    for t_value in flow.VALIDATION_TIMES:
-        eps_all = torch.randn(y.shape, generator=gen)
-        for s in range(0, y.shape[0], batch):
-            yb, eb = y[s : s + batch].to(device), eps_all[s : s + batch].to(device)
-            t = torch.full((yb.shape[0],), t_value, device=device)
-            total += float(((net(flow.noisy(yb, eb, t), t).float() - yb) ** 2).sum())
-            count += yb.numel()
-    return total / count
 
 
 def train(cfg: PriorConfig, group, art: Artifact, progress: Progress, latents_art: Artifact | None = None) -> dict:

@@ -30,6 +30,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from dihal.stages.diffusion import draws
 from dihal.stages.lm import decoding
 from dihal.stages.lm.hybrid import lm_logits, suffix_hidden, suffix_model
 from dihal.stages.lm.vocab import nearest, rounding
@@ -40,7 +41,7 @@ from dihal.stages.parts.decoder import Decoder
 
 def generators(seed: int, first: int, count: int, salt: int) -> list[torch.Generator]:
     """One generator per sample i = first..first+count-1, seeded by (seed, i, what it draws) only."""
-    return [torch.Generator().manual_seed(seed * 1_000_003 + salt + first + i) for i in range(count)]
+    return [draws.stream(seed, salt + first + i) for i in range(count)]
 
 
 def decode_rows(logits: torch.Tensor, temperature: float, top_p: float, gens: list[torch.Generator]) -> torch.Tensor:

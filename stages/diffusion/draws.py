@@ -13,6 +13,10 @@ those streams, chosen by the training device:
 
 A task asks `draws.rand()` (one uniform per item) and `draws.randn(*shape)` (a normal tensor per
 item), always in the same order, and gets (B, ...) tensors on the training device.
+
+Every other seeded stream of dihal is made here too, so that its rule has one owner: `stream(seed, i)` is
+stream i of a run's seed (a sample of the prior, a sample's decoding, a batch of generation), drawn from
+seed * SEED_STRIDE + i, and `noise_block(seed, k)` is the hybrid's noise past its training length.
 """
 
 from __future__ import annotations
@@ -29,15 +33,30 @@ class Draws(Protocol):
     def randn(self, *shape: int) -> torch.Tensor: ...
 
 
+SEED_STRIDE = 1_000_003  # a prime: the streams of seed s are s * SEED_STRIDE + i, apart from seed s + 1's
+STEP_STRIDE = 4099  # a training step's items are streams step * STEP_STRIDE + j (at most 4099 items a step)
+
+
+def stream(seed: int, index: int = 0) -> torch.Generator:
+    """Stream `index` of a run's `seed` (CPU): what a prior's sample i, a recovery's sample i (index: its
+    salt + i) and a generation's batch draw from, so each depends on (seed, index) alone."""
+    return torch.Generator().manual_seed(int(seed) * SEED_STRIDE + int(index))
+
+
+def noise_block(seed: int, block: int) -> torch.Generator:
+    """The hybrid's noise for its positions in block k >= 1 of its training length (stages/hybrid_lm.py)."""
+    return torch.Generator().manual_seed(int(seed) + int(block) * SEED_STRIDE)
+
+
 def step_seed(seed: int, step: int) -> int:
-    return int(seed) * 1_000_003 + step * 4099
+    return int(seed) * SEED_STRIDE + step * STEP_STRIDE
 
 
 class ItemDraws:
     """One CPU generator per item (seeded by (seed, step, slot)); values moved to `device`."""
 
     def __init__(self, seed: int, step: int, slots: np.ndarray, device: torch.device | str = "cpu"):
-        self.gens = [torch.Generator().manual_seed(step_seed(seed, step) + int(j)) for j in slots]
+        self.gens = [stream(seed, step * STEP_STRIDE + int(j)) for j in slots]
         self.device = device
 
     def rand(self) -> torch.Tensor:

@@ -13,6 +13,7 @@ import torch
 
 PREDICTIONS = ("x0", "velocity")
 VALIDATION_TIMES = tuple((j + 0.5) / 16 for j in range(16))
+VALIDATION_SEED = 1234  # the validation noise: the same draw at every evaluation of every part
 
 
 def noisy(y: torch.Tensor, eps: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
@@ -37,24 +38,35 @@ def time_grid(steps: int) -> list[float]:
 
 
 def sample(
-    denoise: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor],
+    denoise: Callable[..., torch.Tensor],
     noise: torch.Tensor,
     steps: int,
     prediction: str = "x0",
+    refine: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    self_condition: bool = False,
 ) -> torch.Tensor:
-    """Euler integration from pure noise (t = 1) to t = 0.
+    """Euler integration from pure noise (t = 1) to t = 0: the one sampler of every part.
 
     denoise(x_t, t, step_index) returns the network output; step_index lets a caller keep one
-    attention cache per step (generation reuses earlier positions that way).
+    attention cache per step (generation reuses earlier positions that way). With self_condition,
+    denoise(x_t, t, step_index, x0_prev) also gets the previous step's clean estimate (zeros at the
+    first step: SED's self-conditioning). refine(y_hat) replaces each clean estimate before it is used
+    (Diffusion-LM's clamping to the embedding table).
     """
     if steps < 1:
         raise ValueError("steps must be at least 1")
     x = noise
     grid = time_grid(steps)
+    previous = torch.zeros_like(noise) if self_condition else None
     for i in range(steps):
         t, t_next = grid[i], grid[i + 1]
         t_vec = torch.full((x.shape[0],), t, device=x.device, dtype=x.dtype)
-        y_hat = clean_estimate(denoise(x, t_vec, i), x, t_vec, prediction)
+        out = denoise(x, t_vec, i) if previous is None else denoise(x, t_vec, i, previous)
+        y_hat = clean_estimate(out, x, t_vec, prediction)
+        if refine is not None:
+            y_hat = refine(y_hat)
+        if self_condition:
+            previous = y_hat
         x = y_hat if t_next == 0 else x + (t_next - t) * (x - y_hat) / t
     return x
 
@@ -66,3 +78,26 @@ def corrupt(c: torch.Tensor, sigma_max: float, draws) -> torch.Tensor:
     sigma = draws.rand() * sigma_max
     z = draws.randn(*c.shape[1:])
     return c + sigma[:, None, None] * z
+
+
+@torch.no_grad()
+def validation_loss(
+    net, y: torch.Tensor, c: torch.Tensor | None = None, prediction: str = "x0", batch: int = 64
+) -> float:
+    """Every trained part's validation number: the x0 mean squared error of y (N, T, D) over the fixed grid
+    VALIDATION_TIMES, the noise drawn from VALIDATION_SEED; net(x_t, t, c) with a condition c (the bridge),
+    net(x_t, t) without one (the prior, no self-conditioning input)."""
+    gen = torch.Generator().manual_seed(VALIDATION_SEED)
+    device = next(net.parameters()).device
+    total, count = 0.0, 0
+    for t_value in VALIDATION_TIMES:
+        eps_all = torch.randn(y.shape, generator=gen)
+        for s in range(0, y.shape[0], batch):
+            yb, eb = y[s : s + batch].to(device), eps_all[s : s + batch].to(device)
+            t = torch.full((yb.shape[0],), t_value, device=device)
+            x_t = noisy(yb, eb, t)
+            out = net(x_t, t) if c is None else net(x_t, t, c[s : s + batch].to(device))
+            y_hat = clean_estimate(out.float(), x_t, t, prediction)
+            total += float(((y_hat - yb) ** 2).sum())
+            count += yb.numel()
+    return total / count

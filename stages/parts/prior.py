@@ -10,7 +10,7 @@ import torch
 
 from dihal.artifacts import files
 from dihal.artifacts.store import Artifact
-from dihal.stages.diffusion import flow
+from dihal.stages.diffusion import draws, flow
 from dihal.stages.diffusion.denoiser import Denoiser, DenoiserConfig
 from dihal.stages.diffusion.normalizer import Normalizer
 from dihal.stages.lm.vocab import snap
@@ -58,7 +58,7 @@ class Prior:
                     torch.randn(
                         self.seq_len - 1,
                         self.net.cfg.dim,
-                        generator=torch.Generator().manual_seed(seed * 1_000_003 + first + i),
+                        generator=draws.stream(seed, first + i),
                     )
                     for i in range(count)
                 ]
@@ -80,17 +80,12 @@ class Prior:
         return y_hat * self.sigma + self.mu
 
     def _integrate(self, x: torch.Tensor, steps: int, clamp_to: torch.Tensor | None) -> torch.Tensor:
+        """flow.sample with the prior's self-conditioning and, where asked, clamping (in the raw embedding
+        space, then back)."""
         if steps == 0:
             return x
-        grid = flow.time_grid(steps)
-        x0_prev = torch.zeros_like(x) if self.self_condition else None
-        for i in range(steps):
-            t, t_next = grid[i], grid[i + 1]
-            t_vec = torch.full((x.shape[0],), t, device=x.device)
-            y_hat = self.net(x, t_vec, x0_prev=x0_prev).float()
-            if clamp_to is not None:  # in the raw embedding space, then back
-                y_hat = (snap(y_hat * self.sigma + self.mu, clamp_to) - self.mu) / self.sigma
-            if self.self_condition:
-                x0_prev = y_hat
-            x = y_hat if t_next == 0 else x + (t_next - t) * (x - y_hat) / t
-        return x
+        clamp = (
+            None if clamp_to is None else lambda y: (snap(y * self.sigma + self.mu, clamp_to) - self.mu) / self.sigma
+        )
+        net = lambda x_t, t, i, x0_prev=None: self.net(x_t, t, x0_prev=x0_prev).float()
+        return flow.sample(net, x, steps, "x0", refine=clamp, self_condition=self.self_condition)
