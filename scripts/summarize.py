@@ -164,12 +164,10 @@ def claim_layer(store: ArtifactStore) -> tuple[str, str]:
     return ours, "holds" if shallow and near else ("partly" if shallow or near else "does not hold")
 
 
-def claim_compare(store: ArtifactStore) -> tuple[str, str]:
-    """Claim 3 per budget, as `dihal compare` judged it (docs/method.md section 5): DiHAL's Gen.PPL under
-    the primary evaluator, interpolated at each baseline's entropy, against the baseline's. Every
-    complete comparison that has DiHAL (l*) and every baseline counts (a script may run its budgets as
-    separate comparisons, the larger one without the diagnostic rows; the newest one per budget is
-    taken); comparisons that leave a baseline out (an ablation) do not."""
+def newest_comparisons(store: ArtifactStore) -> dict:
+    """{budget: (compare.json, its verdict)} of the newest complete comparison of each budget that has DiHAL (l*)
+    and every baseline (a script may run its budgets as separate comparisons, the larger one without the
+    diagnostic rows); comparisons that leave a baseline out (an ablation) do not count."""
     newest = {}
     for art in sorted(store.all("compare"), key=lambda a: a.manifest.get("finished", "")):
         rows = set(art.config.get("rows") or CLAIM_3_ROWS)
@@ -178,23 +176,39 @@ def claim_compare(store: ArtifactStore) -> tuple[str, str]:
         result = json.loads(art.file("compare.json").read_text())
         for v in result.get("verdicts", []):
             newest[v["budget"]] = (result, v)
+    return dict(sorted(newest.items()))
+
+
+def claim_compare(store: ArtifactStore) -> tuple[str, str]:
+    """Claim 3 at a glance, per budget as `dihal compare` judged it (docs/method.md section 5): DiHAL's Gen.PPL
+    under the primary evaluator at the held-out entropy, and the budget's verdict. The baselines' outcomes,
+    the LM-written rows and the verdict per cost class are claim_compare_details'."""
+    newest = newest_comparisons(store)
     if not newest:  # (a comparison made before section 5 revision 2 has no verdicts: rerun it)
         return "not run", "-"
-    ours, verdicts = [], []
-    for budget, (result, v) in sorted(newest.items()):
-        me = next(r for r in result["summary"] if r["budget"] == budget and r["row"] == result["ours"])
-        value = me["headline_evaluator"]
-        shown = "not reached" if value != value else f"{value:.4g}"
-        outcomes = ", ".join(f"{b['baseline']}: {b['outcome']}" for b in v["baselines"])
+    ours = []
+    for budget, (result, _) in newest.items():
+        value = next(r for r in result["summary"] if r["budget"] == budget and r["row"] == result["ours"])
+        shown = "not reached" if value["headline_evaluator"] != value["headline_evaluator"] else None
+        shown = shown or f"{value['headline_evaluator']:.4g}"
         seeds = ",".join(map(str, result["seeds"]))
-        lm = lm_written(result, budget)
-        ours.append(
-            f"{budget}x (seeds {seeds}): DiHAL Gen.PPL {shown} at H {result['held_out_entropy']:.2f}; {outcomes}"
+        ours.append(f"{budget}x (seeds {seeds}): DiHAL Gen.PPL {shown} at H {result['held_out_entropy']:.2f}")
+    return " / ".join(ours), "; ".join(f"{budget}x: {v['claim_3']}" for budget, (_, v) in newest.items())
+
+
+def claim_compare_details(store: ArtifactStore) -> list[str]:
+    """Claim 3 in full, one line per budget: each baseline's outcome, the LM-written rows (prior gain below
+    1.5: their win or loss decides nothing) and each DiHAL readout's verdict within its cost class."""
+    lines = []
+    for budget, (result, v) in newest_comparisons(store).items():
+        outcomes = ", ".join(f"{b['baseline']}: {b['outcome']}" for b in v["baselines"])
+        lm, classes = lm_written(result, budget), by_class(result, budget)
+        lines.append(
+            f"- {budget}x: {v['claim_3']}. {outcomes or 'no baseline judged'}"
             + (f"; LM-written (prior gain < 1.5, decides nothing): {lm}" if lm else "")
+            + (f"; by cost class: {classes}" if classes else "")
         )
-        classes = by_class(result, budget)
-        verdicts.append(f"{budget}x: {v['claim_3']}" + (f" (by cost class: {classes})" if classes else ""))
-    return " / ".join(ours), "; ".join(verdicts)
+    return lines
 
 
 def lm_written(result: dict, budget: int) -> str:
@@ -252,6 +266,12 @@ def claims(out: str, roots: list[str]) -> None:
     if not ran:
         print("no claim was run here (claims 1, 2: dihal sweep; 3: dihal compare; 4: dihal confirm)")
         return
+    detail = []
+    for root, store in stores.items():
+        if rows := claim_compare_details(store):
+            detail += ["", f"{backbone(store)} ({root}):", "", *rows]
+    if detail:
+        lines += ["", "## Claim 3 in detail", *detail]
     Console().print(table)
     with open(out, "w") as fh:
         fh.write("# The paper's claims, checked\n\n" + "\n".join(lines) + "\n")

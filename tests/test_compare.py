@@ -896,8 +896,9 @@ def test_claims_table_reads_each_budget_from_comparisons_with_every_baseline(tmp
 
 
 def test_claims_table_names_lm_written_rows_and_each_cost_class(tmp_path):
-    """METHOD 5.1 in docs/claims.md: the rows whose prior gain is below 1.5 are named with their gains, and
-    each DiHAL readout's verdict against its own cost class follows the budget's verdict."""
+    """METHOD 5.1 in docs/claims.md: the claim's cell is one verdict and one line of numbers per budget; the
+    detail below the table names the rows whose prior gain is below 1.5 with their gains and each DiHAL
+    readout's verdict against its own cost class."""
     from tests.conftest import load_script
 
     summarize = load_script("summarize")
@@ -918,8 +919,12 @@ def test_claims_table_names_lm_written_rows_and_each_cost_class(tmp_path):
     write = lambda art: art.file("compare.json").write_text(json.dumps(result))
     store.run_stage(Job("compare", 1, {"rows": [], "budgets": [1]}, {}, write))
     ours, verdict = summarize.claim_compare(store)
-    assert ours.endswith("LM-written (prior gain < 1.5, decides nothing): CoDAR (gain 0.55)"), ours
-    assert verdict == "1x: partly (by cost class: one-pass independent: holds, token-by-token causal: not decided)"
+    assert ours == "1x (seeds 0): DiHAL Gen.PPL 900 at H 3.00" and verdict == "1x: partly"  # the cell: at a glance
+    (detail,) = summarize.claim_compare_details(store)
+    assert detail == (
+        "- 1x: partly. no baseline judged; LM-written (prior gain < 1.5, decides nothing): CoDAR (gain 0.55); "
+        "by cost class: one-pass independent: holds, token-by-token causal: not decided"
+    )
 
 
 # -- the readouts of METHOD 5.1 (issue 36) -------------------------------------------------------------------
