@@ -349,3 +349,29 @@ def test_evaluate_lm_eval_keeps_the_harness_whole_result_and_its_samples(store_o
         rows = (art.path / "samples" / name / "dihal_pydoc_mc.jsonl").read_text().splitlines()
         assert len(rows) == 3 and {"doc", "resps", "acc"} <= set(json.loads(rows[0]))
     assert art.config["num_fewshot"] == 1 and art.config["log_samples"] is True
+
+
+@pytest.mark.slow
+def test_the_harness_models_take_a_store_id_and_an_exported_folder_through_hf(exported, moved):
+    """--model dihal with bridge=ID,root= (a store's bridge), and the harness's own `hf` model reading an
+    exported folder through AutoModelForCausalLM (which `import dihal` taught the hybrid): both score the MC
+    task as the in-process hybrid does."""
+    import lm_eval
+    from lm_eval.api.registry import get_model
+    from lm_eval.tasks import TaskManager
+
+    import dihal.lm_eval  # noqa: F401  (registers --model dihal)
+
+    store, out = exported
+    art = store.load("latest", "bridge")
+    manager = TaskManager(include_path=str(TASKS))
+    accuracy = {}
+    for name, args in (
+        ("dihal", f"bridge={art.id},root={store.root}"),
+        ("hf", f"pretrained={out},base_model={moved},dtype=float32"),
+    ):
+        lm = get_model(name).create_from_arg_string(args, {"batch_size": 1, "device": "cpu"})
+        assert type(lm.model).__name__ == "HybridForCausalLM"
+        result = lm_eval.simple_evaluate(model=lm, tasks=["dihal_pydoc_mc"], task_manager=manager, limit=6)
+        accuracy[name] = result["results"]["dihal_pydoc_mc"]["acc,none"]
+    assert accuracy["dihal"] == accuracy["hf"]
