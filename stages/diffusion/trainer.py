@@ -218,118 +218,136 @@ def autocast(precision: str, device: torch.device):
 def train(task: Task, net: nn.Module, cfg: LoopConfig, directory: Path, progress: Progress, name: str) -> dict:
     """Train (or resume) `net` on `task`; rank 0 writes state, metrics and final weights into
     `directory`. Returns metrics (on every rank) and leaves the EMA weights in the result."""
-    rank, world = distributed()
-    device = torch.device(cfg.device)
-    schedule = Schedule(task.n_train, task.chunk, cfg)
-    total, fit = schedule.total, fitted(cfg, schedule.total)
-    if rank == 0:
-        for key, value in fit.items():
-            if value != getattr(cfg, key):
-                rule = FIT_RULES[key]
-                progress.log(
-                    f"{name}: {key.replace('_', ' ')} {getattr(cfg, key)} {rule} of {total} steps; using {value}"
-                )
-    net = net.to(device)
-    optimizer = torch.optim.AdamW(net.parameters(), lr=cfg.lr, betas=(0.9, 0.99), weight_decay=cfg.weight_decay)
-    ema = EMA(net, cfg.ema)
-    metrics_path = directory / "metrics.jsonl"
-    first_step, log = resume(directory, net, optimizer, ema, device)
-    report = trackers.current()  # --report-to's trackers (rank 0 only; none by default)
-    report.resume(first_step)
-    if rank == 0:  # metrics.jsonl holds the checkpoint's steps: once each, in order, whatever was killed when
-        files.write_jsonl(metrics_path, log)
-        if first_step:
-            progress.log(f"resuming {name} training at step {first_step} of {total}")
-    model = nn.parallel.DistributedDataParallel(net, broadcast_buffers=False) if world > 1 else net
-    loader = Loader(task, schedule, rank, world, first_step)
-    if rank == 0:
-        progress.start(name, total - first_step, "step")
-    start, tokens = clock.now(device), 0
+    fit = Fit(task, net, cfg, directory, progress, name)
     try:
-        for step in range(first_step, total):
-            slots, batch = loader.batch(step)
-            global_size = len(schedule.items(step))
-            weight = 1.0 if rank < global_size else 0.0
-            lr = lr_at(step, total, cfg.lr, fit["warmup"], cfg.schedule)
-            for group in optimizer.param_groups:
-                group["lr"] = lr
-            with autocast(cfg.precision, device):
-                summed = task.loss(model, batch, draws.for_step(cfg.seed, step, slots, global_size, device), device)
-            # DDP averages gradients over ranks; scaling by world / global size makes the result the
-            # gradient of the global batch's mean loss, as one process would compute it
-            loss = summed.float() * (weight * world / global_size)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            mean_loss = _global_mean(summed.detach().float() * weight, global_size, world)
-            if not math.isfinite(mean_loss):
-                kept = files.load_state(directory)
-                where = f"step {kept['step']}" if kept else "none yet"
-                raise DihalError(
-                    f"{name} loss became {mean_loss} at step {step} (last good checkpoint: {where}); "
-                    "lower --lr or raise --warmup, then rerun to resume"
-                )
-            if cfg.grad_clip:
-                nn.utils.clip_grad_norm_(net.parameters(), cfg.grad_clip)
-            optimizer.step()
-            ema.update(net, step)
-            tokens += task.tokens_per_item * global_size
-            row = {
-                "step": step + 1,
-                "train_loss": mean_loss,
-                "lr": lr,
-                "tokens_per_s": tokens / max(clock.now(device) - start, 1e-9),
-            }
-            if rank == 0:
-                if (step + 1) % cfg.eval_every == 0 or step + 1 == total:
-                    row["val_loss"] = ema_validate(task, net, ema)
-                log.append(row)
-                files.append_jsonl(metrics_path, row)
-                report.log(step + 1, row)
-                if (step + 1) % fit["checkpoint_every"] == 0 or step + 1 == total:
-                    save(directory, step + 1, net, optimizer, ema, log)  # the last one: a kill after it redoes nothing
-                progress.advance(
-                    1,
-                    loss=mean_loss,
-                    tokens_per_s=row["tokens_per_s"],
-                    **({"val_loss": row["val_loss"]} if "val_loss" in row else {}),
-                )
+        for step in range(fit.first_step, fit.total):
+            fit.record(step, fit.step(step))
     finally:
-        loader.close()
-    if rank == 0:
-        progress.stop()
-        files.save_tensors(directory / "weights.safetensors", net.state_dict())
-        files.save_tensors(directory / "weights_ema.safetensors", ema.params)
-    barrier()  # the resume state goes once the artifact is complete (store.Artifact.finish)
-    return {
-        "steps": total,
-        "epochs_seen": total / schedule.per_epoch,
-        "steps_per_epoch": schedule.per_epoch,
-        "global_batch": schedule.batch,
-        "world_size": world,
-        **{f"effective_{k}": v for k, v in fit.items()},
-        "val_loss": log[-1].get("val_loss") if log else None,
-        "final_train_loss": log[-1]["train_loss"] if log else None,
-        "train_tokens_per_s": log[-1]["tokens_per_s"] if log else None,
-        "log": log,
-    }
+        fit.loader.close()
+    return fit.finish()
 
 
-def save(directory: Path, step: int, net: nn.Module, optimizer, ema: EMA, log: list[dict]) -> None:
-    """The resume state after `step` steps (no pickle: files.save_state); resume() reads it back."""
-    state = {"step": step, "model": net.state_dict(), "optimizer": optimizer.state_dict(), "ema": ema.params}
-    files.save_state(directory, {**state, "log": log})
+class Fit:
+    """One run of the loop: `step` trains one global batch, `record` logs, validates and checkpoints it
+    (rank 0), `save` and `resume` are the checkpoint's two sides, `finish` writes the weights."""
 
+    def __init__(self, task: Task, net: nn.Module, cfg: LoopConfig, directory: Path, progress: Progress, name: str):
+        self.task, self.cfg, self.directory, self.progress, self.name = task, cfg, directory, progress, name
+        self.rank, self.world = distributed()
+        self.device = torch.device(cfg.device)
+        self.schedule = Schedule(task.n_train, task.chunk, cfg)
+        self.total, self.fit = self.schedule.total, fitted(cfg, self.schedule.total)
+        if self.rank == 0:
+            for key, value in self.fit.items():
+                if value != getattr(cfg, key):
+                    progress.log(
+                        f"{name}: {key.replace('_', ' ')} {getattr(cfg, key)} {FIT_RULES[key]} of {self.total} steps; "
+                        f"using {value}"
+                    )
+        self.net = net.to(self.device)
+        self.optimizer = torch.optim.AdamW(
+            self.net.parameters(), lr=cfg.lr, betas=(0.9, 0.99), weight_decay=cfg.weight_decay
+        )
+        self.ema = EMA(self.net, cfg.ema)
+        self.metrics_path = directory / "metrics.jsonl"
+        self.first_step, self.log = self.resume()
+        self.report = trackers.current()  # --report-to's trackers (rank 0 only; none by default)
+        self.report.resume(self.first_step)
+        if self.rank == 0:  # metrics.jsonl holds the checkpoint's steps: once each, in order, whatever was killed when
+            files.write_jsonl(self.metrics_path, self.log)
+            if self.first_step:
+                progress.log(f"resuming {name} training at step {self.first_step} of {self.total}")
+        self.model = nn.parallel.DistributedDataParallel(net, broadcast_buffers=False) if self.world > 1 else net
+        self.loader = Loader(task, self.schedule, self.rank, self.world, self.first_step)
+        if self.rank == 0:
+            progress.start(name, self.total - self.first_step, "step")
+        self.start, self.tokens = clock.now(self.device), 0
 
-def resume(directory: Path, net: nn.Module, optimizer, ema: EMA, device: torch.device) -> tuple[int, list[dict]]:
-    """(first step, log so far) from the resume state save() wrote, loaded into net, optimizer and EMA;
-    (0, []) without one. A state at the last step (a kill before completion) leaves no step to run."""
-    state = files.load_state(directory)
-    if state is None:
-        return 0, []
-    net.load_state_dict(state["model"])
-    optimizer.load_state_dict(state["optimizer"])
-    ema.params = {k: v.to(device) for k, v in state["ema"].items()}  # the EMA update mixes them with the net's
-    return state["step"], state["log"]
+    def step(self, step: int) -> dict:
+        """One optimizer step on the global batch of `step`; its row of metrics.jsonl."""
+        cfg, device = self.cfg, self.device
+        slots, batch = self.loader.batch(step)
+        global_size = len(self.schedule.items(step))
+        weight = 1.0 if self.rank < global_size else 0.0
+        lr = lr_at(step, self.total, cfg.lr, self.fit["warmup"], cfg.schedule)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        with autocast(cfg.precision, device):
+            summed = self.task.loss(
+                self.model, batch, draws.for_step(cfg.seed, step, slots, global_size, device), device
+            )
+        # DDP averages gradients over ranks; scaling by world / global size makes the result the
+        # gradient of the global batch's mean loss, as one process would compute it
+        loss = summed.float() * (weight * self.world / global_size)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        mean_loss = _global_mean(summed.detach().float() * weight, global_size, self.world)
+        if not math.isfinite(mean_loss):
+            kept = files.load_state(self.directory)
+            where = f"step {kept['step']}" if kept else "none yet"
+            raise DihalError(
+                f"{self.name} loss became {mean_loss} at step {step} (last good checkpoint: {where}); "
+                "lower --lr or raise --warmup, then rerun to resume"
+            )
+        if cfg.grad_clip:
+            nn.utils.clip_grad_norm_(self.net.parameters(), cfg.grad_clip)
+        self.optimizer.step()
+        self.ema.update(self.net, step)
+        self.tokens += self.task.tokens_per_item * global_size
+        elapsed = max(clock.now(device) - self.start, 1e-9)
+        return {"step": step + 1, "train_loss": mean_loss, "lr": lr, "tokens_per_s": self.tokens / elapsed}
+
+    def record(self, step: int, row: dict) -> None:
+        """Rank 0: the validation loss where due, the row logged (metrics.jsonl, trackers, progress) and the
+        checkpoint where due (the last one: a kill after it redoes nothing)."""
+        if self.rank != 0:
+            return
+        if (step + 1) % self.cfg.eval_every == 0 or step + 1 == self.total:
+            row["val_loss"] = ema_validate(self.task, self.net, self.ema)
+        self.log.append(row)
+        files.append_jsonl(self.metrics_path, row)
+        self.report.log(step + 1, row)
+        if (step + 1) % self.fit["checkpoint_every"] == 0 or step + 1 == self.total:
+            self.save(step + 1)
+        info = {"val_loss": row["val_loss"]} if "val_loss" in row else {}
+        self.progress.advance(1, loss=row["train_loss"], tokens_per_s=row["tokens_per_s"], **info)
+
+    def save(self, step: int) -> None:
+        """The resume state after `step` steps (no pickle: files.save_state); resume() reads it back."""
+        state = {"step": step, "model": self.net.state_dict(), "optimizer": self.optimizer.state_dict()}
+        files.save_state(self.directory, {**state, "ema": self.ema.params, "log": self.log})
+
+    def resume(self) -> tuple[int, list[dict]]:
+        """(first step, log so far) from the state save() wrote, loaded into net, optimizer and EMA; (0, [])
+        without one. A state at the last step (a kill before completion) leaves no step to run."""
+        state = files.load_state(self.directory)
+        if state is None:
+            return 0, []
+        self.net.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.ema.params = {k: v.to(self.device) for k, v in state["ema"].items()}  # mixed with the net's by updates
+        return state["step"], state["log"]
+
+    def finish(self) -> dict:
+        """Rank 0 writes the final and EMA weights; every rank returns the run's metrics."""
+        if self.rank == 0:
+            self.progress.stop()
+            files.save_tensors(self.directory / "weights.safetensors", self.net.state_dict())
+            files.save_tensors(self.directory / "weights_ema.safetensors", self.ema.params)
+        barrier()  # the resume state goes once the artifact is complete (store.Artifact.finish)
+        log = self.log
+        return {
+            "steps": self.total,
+            "epochs_seen": self.total / self.schedule.per_epoch,
+            "steps_per_epoch": self.schedule.per_epoch,
+            "global_batch": self.schedule.batch,
+            "world_size": self.world,
+            **{f"effective_{k}": v for k, v in self.fit.items()},
+            "val_loss": log[-1].get("val_loss") if log else None,
+            "final_train_loss": log[-1]["train_loss"] if log else None,
+            "train_tokens_per_s": log[-1]["tokens_per_s"] if log else None,
+            "log": log,
+        }
 
 
 def _global_mean(summed: torch.Tensor, global_size: int, world: int) -> float:
