@@ -15,6 +15,7 @@ from rich.table import Table
 
 from dihal.artifacts.errors import DihalError
 from dihal.artifacts.store import ArtifactStore
+from dihal.stages.compare_stats import LM_WRITTEN
 from dihal.stages.registry import ROWS
 
 CLAIM_3_ROWS = {row.key for row in ROWS if row.baseline or row.ours}  # a comparison without one judges nothing
@@ -198,21 +199,21 @@ def claim_compare(store: ArtifactStore) -> tuple[str, str]:
 
 def claim_compare_details(store: ArtifactStore) -> list[str]:
     """Claim 3 in full, one line per budget: each baseline's outcome, the LM-written rows (prior gain below
-    1.5: their win or loss decides nothing) and each DiHAL readout's verdict within its cost class."""
+    LM_WRITTEN: their win or loss decides nothing) and each DiHAL readout's verdict within its cost class."""
     lines = []
     for budget, (result, v) in newest_comparisons(store).items():
         outcomes = ", ".join(f"{b['baseline']}: {b['outcome']}" for b in v["baselines"])
         lm, classes = lm_written(result, budget), by_class(result, budget)
         lines.append(
             f"- {budget}x: {v['claim_3']}. {outcomes or 'no baseline judged'}"
-            + (f"; LM-written (prior gain < 1.5, decides nothing): {lm}" if lm else "")
+            + (f"; LM-written (prior gain < {LM_WRITTEN:g}, decides nothing): {lm}" if lm else "")
             + (f"; by cost class: {classes}" if classes else "")
         )
     return lines
 
 
 def lm_written(result: dict, budget: int) -> str:
-    """The rows of one budget whose prior gain is below 1.5 (METHOD 5.1), with their gains."""
+    """The rows of one budget whose prior gain is below LM_WRITTEN (METHOD 5.1), with their gains."""
     rows = [r for r in result["summary"] if r["budget"] == budget and r.get("lm_written") is True]
     return ", ".join(f"{r['row']} (gain {r['prior_gain']:.2f})" for r in rows)
 
