@@ -271,37 +271,61 @@ def r2_context_penalty(g: Geometry) -> float:
 
 class RidgeBasis:
     """Ridge maps from features F_A to any targets Y, scored on F_B, at every penalty after one
-    eigendecomposition: of F_A'F_A (p x p) when there are at least as many rows as features, else of
-    the n x n kernel F_A F_A' (at D = 4096 with --tokens 4096, 3,277 held-in rows for 4,097 features).
-    Either way the prediction on F_B at penalty lam is Z_B diag(1 / (e + lam)) G(Y), where G(Y) = Z_A'Y
-    (primal, Z = F V) or U'Y (dual, Z_B = F_B F_A' U)."""
+    eigendecomposition: of the Gram F_A'F_A (p x p, primal) when there are at least as many rows as
+    features, else of the kernel F_A F_A' (n_A x n_A, dual; at D = 4096 with --tokens 4096, 5,243 held-in
+    rows for 16,385 window features). The prediction on F_B at penalty lam is Z_B diag(1 / (e + lam)) G,
+    with G = V'(F_A'Y_A) and Z_B = F_B V (primal) or G = U'Y_A and Z_B = (F_B F_A') U (dual).
 
-    def __init__(self, fa: torch.Tensor, fb: torch.Tensor):
-        if fa.shape[0] >= fa.shape[1]:
-            e, v = torch.linalg.eigh(fa.T @ fa)
-            self.left, self.z_b = (fa @ v).float(), (fb @ v).float()  # G = Z_A'Y
-        else:
-            e, u = torch.linalg.eigh(fa @ fa.T)
-            self.left, self.z_b = u.float(), ((fb @ fa.T) @ u).float()  # G = U'Y
-        self.e = e.clamp_min(0)
+    The caller gives the Gram or kernel blocks, so that the folds take theirs from the whole's (a fold's
+    Gram is the whole's minus its held-out rows'; its kernel blocks are the whole kernel's rows and
+    columns) and every fit of a layer shares one F'Y (Embeddings.fit)."""
+
+    def __init__(self, gram: torch.Tensor, to_b: torch.Tensor, primal: bool):
+        """gram: F_A'F_A (primal) or F_A F_A' (dual), float64; to_b: F_B (primal) or F_B F_A' (dual)."""
+        e, rotation = torch.linalg.eigh(gram)
+        self.primal, self.e, self.rotation = primal, e.clamp_min(0), rotation.float()
+        self.z_b = (to_b @ rotation).float()
         self.gram_b = (self.z_b.T @ self.z_b).double()  # Z_B'Z_B, for every target at once
 
-    def g(self, y: torch.Tensor) -> torch.Tensor:
-        return self.left.T @ y.float()
+    def g(self, y_a: torch.Tensor, cross_a: torch.Tensor | None) -> torch.Tensor:
+        """G of the targets: V'(F_A'Y_A) from cross_a = F_A'Y_A (primal), else U'Y_A."""
+        return self.rotation.T @ (cross_a if self.primal else y_a.float())
 
-    def errors(self, y_b: torch.Tensor, g: torch.Tensor, lams: list[float]) -> list[float]:
+    def errors(self, y_b: torch.Tensor, g: torch.Tensor, lams: list[float]) -> np.ndarray:
         """|Y_B - Z_B diag(s) G|^2 at each penalty, s = 1 / (e + lam): |Y_B|^2 - 2 s.h + s'(Z_B'Z_B o GG')s,
-        h_i = <(Z_B'Y_B)_i, G_i>, without forming a prediction."""
+        h_i = <(Z_B'Y_B)_i, G_i>, without forming a prediction; every penalty in one product."""
         h = ((self.z_b.T @ y_b.float()).double() * g.double()).sum(1)
         quad = self.gram_b * (g @ g.T).double()
-        total, out = float((y_b.double() ** 2).sum()), []
-        for lam in lams:
-            shrink = 1 / (self.e + lam)
-            out.append(max(total - 2 * float(shrink @ h) + float(shrink @ quad @ shrink), 0.0))
-        return out
+        shrink = 1 / (self.e[:, None] + torch.tensor(lams, dtype=self.e.dtype, device=self.e.device))  # (p, L)
+        total = float((y_b.double() ** 2).sum())
+        return (total - 2 * (h @ shrink) + (shrink * (quad @ shrink)).sum(0)).clamp_min(0).cpu().numpy()
 
     def predict(self, g: torch.Tensor, lam: float) -> torch.Tensor:
         return self.z_b @ (g / (self.e + lam).float()[:, None])
+
+
+class RidgeFolds:
+    """The held-in rows' fit and its folds' fits (a RidgeBasis each) on one feature matrix F, every Gram
+    from F'F and every kernel from F F': a fold's F_A'F_A is F'F - F_B'F_B, its F_A F_A' and F_B F_A' are
+    blocks of F F'."""
+
+    def __init__(self, f: torch.Tensor, test: torch.Tensor, folds: list[tuple[torch.Tensor, torch.Tensor]]):
+        """f: the held-in rows' features (float64); test: the held-out rows'; folds: (A, B) row indices of f."""
+        p = f.shape[1]
+        self.f32, self.primal_any = f.float(), max(f.shape[0], *(len(a) for a, _ in folds)) >= p
+        gram = f.T @ f if self.primal_any else None
+        kernel = f @ f.T if min(f.shape[0], *(len(a) for a, _ in folds)) < p else None
+        self.whole = RidgeBasis(gram, test, True) if f.shape[0] >= p else RidgeBasis(kernel, test @ f.T, False)
+        self.folds = [
+            RidgeBasis(gram - f[b].T @ f[b], f[b], True)
+            if len(a) >= p
+            else RidgeBasis(kernel[a][:, a], kernel[b][:, a], False)
+            for a, b in folds
+        ]
+
+    def cross(self, y: torch.Tensor, rows: torch.Tensor) -> torch.Tensor | None:
+        """F'Y over the rows given (y their targets), float32; None when no fit is primal."""
+        return self.f32[rows].T @ y.float() if self.primal_any else None
 
 
 class Embeddings:
@@ -346,7 +370,6 @@ class Embeddings:
         if rule == "gcv":
             self.bases = {w: self._gcv_basis(f) for w, f in features.items()}
             return
-        self.fits = {w: RidgeBasis(f[self.train], f[self.test]) for w, f in features.items()}
         fold = np.random.default_rng([seed, draw, 31]).permutation(len(self.train)) % self.FOLDS
         self.folds = [
             (
@@ -355,9 +378,7 @@ class Embeddings:
             )
             for k in range(self.FOLDS)
         ]
-        self.fold_fits = {
-            w: [RidgeBasis(f[self.train][a], f[self.train][b]) for a, b in self.folds] for w, f in features.items()
-        }
+        self.fits = {w: RidgeFolds(f[self.train], f[self.test], self.folds) for w, f in features.items()}
 
     def _features(self, x: torch.Tensor) -> torch.Tensor:
         """x normalized per dimension with held-in statistics, plus an intercept column."""
@@ -382,13 +403,16 @@ class Embeddings:
         if self.rule == "gcv":
             return self._fit_gcv(y, width)
         train, test = self._targets(y)
+        fits = self.fits[width]
+        held_out = [fits.cross(train[b], b) for _, b in self.folds]  # F_B'Y_B of each fold (None if all dual)
+        whole = None if held_out[0] is None else sum(held_out)  # F'Y; a fold's F_A'Y_A is it minus its F_B'Y_B
         cv = np.zeros(len(self.PENALTIES))
-        for (a, b), basis in zip(self.folds, self.fold_fits[width]):
-            lams = [k * len(a) for k in self.PENALTIES]
-            cv += basis.errors(train[b], basis.g(train[a]), lams)
+        for (a, b), basis, cross_b in zip(self.folds, fits.folds, held_out):
+            cross = None if whole is None else whole - cross_b
+            cv += basis.errors(train[b], basis.g(train[a], cross), [k * len(a) for k in self.PENALTIES])
         penalty = self.PENALTIES[int(np.argmin(cv))]
-        basis = self.fits[width]
-        residual = test - basis.predict(basis.g(train), penalty * len(self.train)).double()
+        basis = fits.whole
+        residual = test - basis.predict(basis.g(train, whole), penalty * len(self.train)).double()
         return {"r2": float(1 - (residual**2).sum() / (test**2).sum()), "penalty": penalty}
 
     def _fit_gcv(self, y: torch.Tensor, width: int) -> dict[str, float]:

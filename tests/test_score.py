@@ -439,21 +439,34 @@ def test_r2_context_sees_the_previous_token_that_r2_token_cannot():
     assert context > token + 0.2
 
 
-@pytest.mark.parametrize("rows, features", [(300, 40), (60, 200)])
-def test_ridge_basis_predicts_and_scores_as_the_explicit_ridge(rows, features):
-    """Primal (more rows than features) and dual (fewer, as at D = 4096 with 3,277 held-in rows): the
-    prediction at every penalty is (F_A'F_A + lam I)^-1 F_A'Y applied to F_B, and errors() its squared
-    error, without forming it."""
+@pytest.mark.parametrize("rows, features", [(300, 40), (60, 200), (50, 45)])
+def test_ridge_folds_predict_and_score_as_the_explicit_ridge(rows, features):
+    """Primal (more rows than features), dual (fewer, as at D = 4096) and mixed (the whole primal, its
+    folds dual): every fold's prediction at every penalty is F_B (F_A'F_A + lam I)^-1 F_A'Y_A, its Gram or
+    kernel taken from the whole's and F_A'Y_A from the whole's F'Y, and errors() its squared error without
+    forming it; the whole fit's likewise on the held-out rows."""
     rng = np.random.default_rng(0)
-    fa, fb = torch.from_numpy(rng.normal(size=(rows, features))), torch.from_numpy(rng.normal(size=(25, features)))
-    y_a, y_b = torch.from_numpy(rng.normal(size=(rows, 7))), torch.from_numpy(rng.normal(size=(25, 7)))
-    basis = sc.RidgeBasis(fa, fb)
-    g = basis.g(y_a)
-    for lam in (0.01, 1.0, 30.0):
-        explicit = fb @ torch.linalg.solve(fa.T @ fa + lam * torch.eye(features, dtype=fa.dtype), fa.T @ y_a)
-        torch.testing.assert_close(basis.predict(g, lam).double(), explicit, rtol=2e-4, atol=2e-4)
-        sse = float(((y_b - explicit) ** 2).sum())
-        assert basis.errors(y_b, g, [lam])[0] == pytest.approx(sse, rel=1e-3)
+    f, test = torch.from_numpy(rng.normal(size=(rows, features))), torch.from_numpy(rng.normal(size=(25, features)))
+    y, y_test = torch.from_numpy(rng.normal(size=(rows, 7))), torch.from_numpy(rng.normal(size=(25, 7)))
+    fold = rng.permutation(rows) % 5
+    folds = [
+        (torch.from_numpy(np.flatnonzero(fold != k)), torch.from_numpy(np.flatnonzero(fold == k))) for k in range(5)
+    ]
+    fits = sc.RidgeFolds(f, test, folds)
+    assert fits.whole.primal == (rows >= features) and fits.folds[0].primal == (len(folds[0][0]) >= features)
+    crosses = [fits.cross(y[b], b) for _, b in folds]
+    whole = None if crosses[0] is None else sum(crosses)
+    cases = [(fits.whole, f, y, test, y_test, whole)] + [
+        (basis, f[a], y[a], f[b], y[b], None if whole is None else whole - c)
+        for (a, b), basis, c in zip(folds, fits.folds, crosses)
+    ]
+    for basis, fa, y_a, fb, y_b, cross in cases:
+        g = basis.g(y_a, cross)
+        for lam in (0.01, 1.0, 30.0):
+            explicit = fb @ torch.linalg.solve(fa.T @ fa + lam * torch.eye(features, dtype=fa.dtype), fa.T @ y_a)
+            torch.testing.assert_close(basis.predict(g, lam).double(), explicit, rtol=2e-4, atol=2e-4)
+            sse = float(((y_b - explicit) ** 2).sum())
+            assert basis.errors(y_b, g, [lam, 2 * lam])[0] == pytest.approx(sse, rel=1e-3)
 
 
 def _repeated_tokens(seed: int, n=1200, d=400, vocab=20000, zipf=1.2):
