@@ -106,12 +106,17 @@ def worker(way: str, extract: str, table: str) -> None:
     from types import SimpleNamespace
 
     from dihal.artifacts import hidden_states as hs
+    from dihal.artifacts.store import ArtifactStore
     from dihal.stages import registry
     from dihal.stages import score as sc
     from dihal.stages.configs import ScoreConfig
     from dihal.stages.runtime.progress import NullProgress
 
-    group = hs.open_group(SimpleNamespace(path=Path(extract)))
+    path = Path(extract)
+    if (path / "manifest.json").exists():  # a stored extract, read verified as `dihal score` reads it
+        group = hs.open_group(ArtifactStore(path.parents[1]).resolve(path.name, "extract"))
+    else:
+        group = hs.open_group(SimpleNamespace(path=path, manifest={}, complete=False))
     layers = list(range(1, int(group.attrs["num_blocks"])))
     if way == "without":
         for name in [k for k, p in registry.PROXIES.items() if p.embeddings]:

@@ -100,6 +100,7 @@ def score(
         ScoreConfig, "r2_penalty", help="r2_token's ridge penalty: kfold (5-fold CV) or gcv (before)."
     ),
     select: str = o.opt(ScoreConfig, "select", help="Which pick is l*: S (the paper's) or r2_token (dihal's)."),
+    proxies: str = o.opt(ScoreConfig, "proxies", help="all, or paper: the paper's alone (S in seconds, no r2_*)."),
     seed: int = o.Seed,
     device: str = o.opt(ScoreConfig, "device"),
     force: bool = o.Force,

@@ -19,7 +19,7 @@ from dihal.artifacts import hidden_states as hs
 from dihal.artifacts.errors import DihalError
 from dihal.artifacts.store import Artifact, ArtifactStore
 from dihal.stages.condition import check_condition_prior, condition_prior
-from dihal.stages.configs import BridgeConfig, part_hash
+from dihal.stages.configs import BridgeConfig
 from dihal.stages.diffusion import flow, trainer
 from dihal.stages.diffusion.denoiser import Denoiser, DenoiserConfig
 from dihal.stages.diffusion.normalizer import Normalizer
@@ -145,7 +145,7 @@ def train(cfg: BridgeConfig, group, art: Artifact, progress: Progress, prior_art
 
 # -- the stage ----------------------------------------------------------------------------------
 def config_dict(cfg: BridgeConfig) -> dict:
-    return part_hash(cfg)
+    return cfg.hashed()
 
 
 def run(

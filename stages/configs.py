@@ -13,17 +13,19 @@ is written here once; the CLI reads it from here (dihal_cli/options.py).
     DataConfig, ExtractConfig, ScoreConfig, FidelityConfig, SamplesConfig, GenerateConfig,
     SweepConfig, CompareConfig, ConfirmConfig        the other stages
 
-An artifact's id hashes `asdict(config)` (artifacts/store.py), so a field's name, default and
-meaning never change silently: a change that moves ids says so in README.
+An artifact's id hashes `config.hashed()` (artifacts/store.py): asdict, less the fields added after
+ids were published where they keep the meaning every config had before them (`added()`, on the
+field). So a field's name, default and meaning never change silently: a change that moves ids says so
+in docs/history.md.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, fields
+from dataclasses import MISSING, asdict, dataclass, field, fields
 
 from dihal.artifacts.errors import DihalError
-from dihal.stages.registry import RECOVERIES, ROW_KEYS
+from dihal.stages.registry import PROXY_SETS, RECOVERIES, ROW_KEYS
 
 # -- names a config may take --------------------------------------------------------------------
 STORE_DTYPES = ("auto", "float16", "float32")
@@ -129,6 +131,28 @@ class Config:
 
     def check(self) -> None:
         """The class's own checks (every one raises DihalError, naming the flag)."""
+
+    def hashed(self) -> dict:
+        """What an artifact's id hashes: asdict (a nested config hashed likewise), less each field added
+        after ids were published (`added()`) while it keeps the meaning configs had before it."""
+        out = asdict(self)
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, Config):
+                out[f.name] = value.hashed()
+            if "added" in f.metadata:
+                old, when = f.metadata["added"]
+                if when(self) if when else value == old:
+                    out.pop(f.name)
+        return out
+
+
+def added(default, *, old=MISSING, when=None):
+    """A config field added after artifact ids were published. `Config.hashed()` leaves it out when it
+    holds `old` (by default its default: the meaning before it existed), or, given `when`, whenever
+    `when(config)` holds (a field that means nothing in that config), so a config made before the field
+    existed keeps its id. Every such field is marked here, on the field, and nowhere else."""
+    return field(default=default, metadata={"added": (default if old is MISSING else old, when)})
 
 
 # -- training ---------------------------------------------------------------------------------------
@@ -236,17 +260,6 @@ def condition_label(cfg) -> str:
     return f"{cfg.condition_from}:{cfg.condition_noise:g}"
 
 
-def part_hash(cfg) -> dict:
-    """asdict of a trained part's config; a field added later is left out at its old meaning (a
-    bridge's or decoder's condition_from "sigma", a prior's latent False), so a config made before
-    it existed keeps its id (a bridge's positions "learned")."""
-    out = asdict(cfg)
-    for name, old in (("condition_from", "sigma"), ("latent", False), ("positions", "learned")):
-        if name in out and out[name] == old:
-            out.pop(name)
-    return out
-
-
 @dataclass(frozen=True, kw_only=True)
 class BridgeConfig(PartRecipe):
     """A bridge's whole recipe (docs/method.md section 2); protocol fields come from PROTOCOLS."""
@@ -258,10 +271,10 @@ class BridgeConfig(PartRecipe):
     prediction: str = "x0"
     skip_init: str = "ridge"  # "ridge": A starts at the least-squares map c -> y; "zero": plain init
     condition_noise: float = 0.0  # sigma: sigma_max of c + sigma z; prior: T, the prior's estimates from t <= T
-    condition_from: str = "sigma"  # "sigma" or "prior" (section 5's corrupted conditions)
+    condition_from: str = added("sigma")  # "sigma" or "prior" (section 5's corrupted conditions)
     # the denoiser's positions: "rotary" (runs past --seq-len; the default by docs/method.md section 2's rule,
     # measured: scripts/long_context.sh) or "learned" (ends at --seq-len; every bridge before issue 47)
-    positions: str = "rotary"
+    positions: str = added("rotary", old="learned")
 
     def check(self) -> None:
         super().check()
@@ -285,7 +298,7 @@ class PriorConfig(PartRecipe):
     layer: int = 0  # 0: normalized h_0; l >= 1: normalized h_l (DiHAL-direct)
     depth: int
     self_condition: bool = False  # SED
-    latent: bool = False  # over an autoencoder's latents (the LD4LG-style row) instead of a layer
+    latent: bool = added(False)  # over an autoencoder's latents (the LD4LG-style row) instead of a layer
 
     def check(self) -> None:
         super().check()
@@ -299,7 +312,7 @@ class DecoderTrainConfig(PartRecipe):
 
     protocol: str = "compare-cpu"
     condition_noise: float = COMPARISON_CONDITION_NOISE
-    condition_from: str = "sigma"
+    condition_from: str = added("sigma")
 
     def check(self) -> None:
         super().check()
@@ -335,10 +348,12 @@ class DataConfig(Config):
     val_fraction: float = 0.1
     max_sequences: int | None = None
     seed: int = 0
-    also: tuple[str, ...] = ()  # more sources after dataset (repeated --dataset)
-    mix: tuple[float, ...] = ()  # their shares, dataset's first, summing to 1 (--mix)
-    dolma_shards: int = 1  # dolma: sources, shards chosen of each Dolma source (stages/text/dolma.py)
-    shuffle_buffer: int = 10_000  # dolma: sources, documents in the seeded shuffle buffer (0 or 1: none)
+    also: tuple[str, ...] = added((), when=lambda c: not c.also)  # more sources after dataset (repeated --dataset)
+    mix: tuple[float, ...] = added((), when=lambda c: not c.also)  # their shares, dataset's first, summing to 1
+    # dolma: sources only: shards chosen of each Dolma source (stages/text/dolma.py), documents in the seeded
+    # shuffle buffer (0 or 1: none)
+    dolma_shards: int = added(1, when=lambda c: not c.reads_dolma)
+    shuffle_buffer: int = added(10_000, when=lambda c: not c.reads_dolma)
 
     def check(self) -> None:
         require(self.seq_len >= 2, f"--seq-len must be at least 2 (a start token and one more), got {self.seq_len}")
@@ -366,15 +381,9 @@ class DataConfig(Config):
     def shares(self) -> tuple[float, ...]:
         return self.mix or (1.0,)
 
-    def hashed(self) -> dict:
-        """asdict without also and mix when there is one source, and without the Dolma settings when no
-        source is Dolma, so such an extract keeps its id."""
-        out = asdict(self)
-        if not self.also:
-            out.pop("also"), out.pop("mix")
-        if not any(s.startswith("dolma:") for s in self.sources):
-            out.pop("dolma_shards"), out.pop("shuffle_buffer")
-        return out
+    @property
+    def reads_dolma(self) -> bool:
+        return any(s.startswith("dolma:") for s in self.sources)
 
 
 def parse_layers(spec: str, num_blocks: int | None) -> list[int]:
@@ -450,8 +459,9 @@ class ScoreConfig(Config):
     chunk: int = 512  # points per batched kNN / Gram block; bounds memory, not results
     bootstrap: int = 0  # B more draws of --tokens positions, for the stability of S and l*
     outlier_mads: float | None = None  # also the robust proxies, outlier-norm positions left out
-    r2_penalty: str = "kfold"  # how r2_token's and r2_context's ridge penalty is chosen (score.Embeddings)
-    select: str = "S"  # which pick is l*: "S" (argmax of the paper's score) or "r2_token" (its argmax)
+    r2_penalty: str = added("kfold", old="gcv")  # how r2_token's and r2_context's ridge penalty is chosen
+    select: str = added("S")  # which pick is l*: "S" (argmax of the paper's score) or "r2_token" (its argmax)
+    proxies: str = "all"  # "all": every registered proxy; "paper": the paper's alone (the id lists them)
 
     def check(self) -> None:
         excluded_positions(self.exclude_positions)
@@ -470,6 +480,11 @@ class ScoreConfig(Config):
         )
         one_of(self, "r2_penalty", R2_PENALTIES)
         one_of(self, "select", SELECTIONS)
+        one_of(self, "proxies", PROXY_SETS)
+        require(
+            self.select == "S" or self.proxies == "all",
+            f"--select {self.select} picks by a proxy --proxies paper leaves out; use --proxies all",
+        )
 
 
 # -- use ------------------------------------------------------------------------------------------------
@@ -541,17 +556,22 @@ class GenerateConfig(Config):
     prior_steps: int = 50  # parallel: Euler steps of the prior
     recovery: str = "rounding"  # parallel: a name of stages/registry.py's RECOVERIES
     clamp: bool = False  # parallel: Diffusion-LM clamping of each step's x0 estimate
-    readout: str = "independent"  # parallel, --recovery hidden: independent, guided, refine:K, causal (METHOD 5.1)
-    guidance: float = 1.0  # gamma of guided, refine:K and causal: a multiplier of the prior's own calibration s^2
-    source: str = "prior"  # parallel: prior (its samples), null (its initial noise), oracle (held-out real states)
+    # parallel, --recovery hidden: independent, guided, refine:K, causal (METHOD 5.1)
+    readout: str = added("independent", when=lambda c: c.readout == "independent")
+    # gamma of guided, refine:K and causal: a multiplier of the prior's own calibration s^2
+    guidance: float = added(1.0, when=lambda c: c.readout == "independent")
+    # parallel: prior (its samples), null (its initial noise), oracle (held-out real states)
+    source: str = added("prior", when=lambda c: c.mode == "ar")
     cache: bool = True
     seed: int = 0
     device: str = "cpu"
     dtype: str = "float32"
-    model: str | None = None  # --baseline original-only: the backbone (no bridge)
-    prompts_from: str | None = None  # ar: prompts are the first prompt_tokens tokens of this dataset's documents
-    prompt_tokens: int = 8
-    num_prompts: int = 64  # prompts_from: this many documents (of its train split), num_samples each
+    model: str | None = added(None)  # --baseline original-only: the backbone (no bridge)
+    # ar: prompts are the first prompt_tokens tokens of this dataset's documents, num_prompts of them (of its
+    # train split), num_samples each
+    prompts_from: str | None = added(None)
+    prompt_tokens: int = added(8, when=lambda c: c.prompts_from is None)
+    num_prompts: int = added(64, when=lambda c: c.prompts_from is None)
 
     def check(self) -> None:
         one_of(self, "mode", ("ar", "parallel"))
@@ -612,20 +632,8 @@ class GenerateConfig(Config):
         return None if self.rounds else 1.0 if self.temperature is None else self.temperature
 
     def hashed(self) -> dict:
-        """asdict with the temperature actually used; an AR run (which has no source) at the default
-        temperature keeps the id it had before either existed."""
-        out = {**asdict(self), "temperature": self.decoding_temperature}
-        if self.mode == "ar":
-            out.pop("source")
-        if self.model is None:
-            out.pop("model")
-        if self.prompts_from is None:  # ids made before corpus prompts existed
-            for name in ("prompts_from", "prompt_tokens", "num_prompts"):
-                out.pop(name)
-        if self.readout == "independent":  # ids made before the readouts of METHOD 5.1 existed
-            out.pop("readout")
-            out.pop("guidance")
-        return out
+        """Config.hashed with the temperature actually used (None and 1.0 are one run)."""
+        return {**super().hashed(), "temperature": self.decoding_temperature}
 
 
 @dataclass(frozen=True)
@@ -741,8 +749,9 @@ class CompareConfig(Config):
         "dihal-direct",
     )  # rows whose recovery gets oracle/null
     budgets: tuple[int, ...] = (1, 5)  # multiples of the protocol's steps; every part trains at each
-    readouts: tuple[str, ...] = ("independent",)  # DiHAL (l*)'s readouts (METHOD 5.1): each but independent a row
-    guidance: float = GenerateConfig.guidance  # gamma of the guided readouts
+    # DiHAL (l*)'s readouts (METHOD 5.1): each but independent a row; gamma of the guided ones
+    readouts: tuple[str, ...] = added(("independent",))
+    guidance: float = added(GenerateConfig.guidance, when=lambda c: c.readouts == ("independent",))
     batch_size: int = 32  # samples per generation batch
     overrides: tuple[tuple[str, object], ...] = ()  # protocol fields changed for every part alike
     device: str = "cpu"
@@ -775,14 +784,6 @@ class CompareConfig(Config):
             readout_parts(readout)
         require(len(set(self.readouts)) == len(self.readouts), "--readout repeats a value")
         require(self.guidance >= 0, f"--guidance must be >= 0 (0: the independent readout), got {self.guidance}")
-
-    def hashed(self) -> dict:
-        """asdict; a comparison with DiHAL's independent readout alone keeps the id it had before the readouts."""
-        out = asdict(self)
-        if self.readouts == ("independent",):
-            out.pop("readouts")
-            out.pop("guidance")
-        return out
 
 
 @dataclass(frozen=True, kw_only=True)

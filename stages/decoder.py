@@ -25,7 +25,7 @@ from dihal.artifacts import hidden_states as hs
 from dihal.artifacts.errors import DihalError
 from dihal.artifacts.store import Artifact, ArtifactStore
 from dihal.stages.condition import check_condition_prior, condition_prior
-from dihal.stages.configs import DECODER_DEPTH, DecoderTrainConfig, part_hash
+from dihal.stages.configs import DECODER_DEPTH, DecoderTrainConfig
 from dihal.stages.diffusion import trainer
 from dihal.stages.diffusion.cross_decoder import VAL_BATCH, CrossDecoder, DecoderConfig, teacher_forced
 from dihal.stages.diffusion.flow import corrupt
@@ -145,7 +145,7 @@ def run(
     (its embedding table is read from it), else it is read once on the run's device and dtype."""
     progress = progress or NullProgress()
     group = hs.open_with_layers(extract, (0,))
-    config, parents = part_hash(cfg), {"extract": extract.id, **check_condition_prior(cfg, extract, prior)}
+    config, parents = cfg.hashed(), {"extract": extract.id, **check_condition_prior(cfg, extract, prior)}
 
     def train_fn(art, report):
         table = frozen_table(extract, cfg, loaded)

@@ -11,7 +11,7 @@ import math
 import os
 import shutil
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -46,7 +46,7 @@ AUTO_HEADROOM = 4.0  # --store-dtype auto: float16 only for a layer whose first 
 
 def resolved_config(cfg: ExtractConfig) -> dict:
     """What the artifact id hashes: the flags plus what makes the inputs unique."""
-    resolved = {**asdict(cfg), "data": cfg.data.hashed()}
+    resolved = cfg.hashed()
     if digests := data_mod.content_digests(cfg.data):  # local files: their content, not only their path
         resolved["data_sha256"] = digests
     if "pydoc" in cfg.data.sources:

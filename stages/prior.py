@@ -27,7 +27,7 @@ from dihal.artifacts import files
 from dihal.artifacts import hidden_states as hs
 from dihal.artifacts.errors import DihalError
 from dihal.artifacts.store import Artifact, ArtifactStore
-from dihal.stages.configs import PriorConfig, part_hash
+from dihal.stages.configs import PriorConfig
 from dihal.stages.diffusion import flow, trainer
 from dihal.stages.diffusion.denoiser import Denoiser, DenoiserConfig
 from dihal.stages.diffusion.normalizer import Normalizer
@@ -174,7 +174,7 @@ def run(
         raise DihalError("a prior over latents needs --latents ID (a `dihal train-autoencoder` artifact), and only it")
     if latents is not None and latents.manifest.get("parents", {}).get("extract") != extract.id:
         raise DihalError(f"autoencoder {latents.id} was not trained on extract {extract.id}; use one that was")
-    config, parents = part_hash(cfg), {"extract": extract.id, **({"autoencoder": latents.id} if latents else {})}
+    config, parents = cfg.hashed(), {"extract": extract.id, **({"autoencoder": latents.id} if latents else {})}
     train_fn = lambda art, report: train(cfg, group, art, report, latents)
     return trainer.write_trained(
         store, STAGE, CACHE_VERSION, config, parents, extract, cfg, train_fn, force=force, progress=progress

@@ -59,6 +59,14 @@ PROXIES: dict[str, Proxy] = {
 }
 
 
+PROXY_SETS = ("all", "paper")  # `dihal score --proxies`: every registered proxy, or the paper's alone (S)
+
+
+def proxy_set(which: str) -> dict[str, Proxy]:
+    """The proxies a score of --proxies `which` computes: all of them, or the paper's (the terms of S)."""
+    return dict(PROXIES) if which == "all" else {k: p for k, p in PROXIES.items() if p.in_score}
+
+
 def score_terms() -> list[Proxy]:
     """The proxies S is made of, in order."""
     return [p for p in PROXIES.values() if p.in_score]

@@ -24,7 +24,6 @@ from __future__ import annotations
 import functools
 import json
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict
 
 import numpy as np
 import pandas as pd
@@ -463,7 +462,7 @@ def layer_proxies(
 ) -> dict[str, float]:
     """The registered proxies of one layer (every one, or those named), X already normalized, float64."""
     g = Geometry(x, cfg, pairs, embeddings, targets)
-    chosen = [registry.PROXIES[name] for name in proxies] if proxies else registry.PROXIES.values()
+    chosen = [registry.PROXIES[name] for name in proxies] if proxies else registry.proxy_set(cfg.proxies).values()
     return {p.name: registry.resolve(p.fn)(g) for p in chosen}
 
 
@@ -575,7 +574,8 @@ def score_layers(
     exclude = excluded_positions(cfg.exclude_positions)
     draws = range(1 + cfg.bootstrap)
     # r2_token and r2_context at positions of their own; under gcv, the rule of before, at the geometry's (its ids)
-    ridge = any(p.embeddings for p in registry.PROXIES.values()) and cfg.r2_penalty != "gcv"
+    fits = any(p.embeddings for p in registry.proxy_set(cfg.proxies).values())
+    ridge = fits and cfg.r2_penalty != "gcv"
     if uses_pool(group, cfg):  # the extract's pool: O(pool x D) read per layer
         pool_seq, pool_pos, _ = hs.read_pool(group, layers[0])
         picks = [np.sort(draw_rng(cfg.seed, d).choice(pool_seq.size, size=cfg.tokens, replace=False)) for d in draws]
@@ -600,7 +600,7 @@ def score_layers(
 
     pairs = sample_pairs(cfg.tokens, cfg.pairs, cfg.seed)
     embeddings = [None] * len(positions)
-    if any(p.embeddings for p in registry.PROXIES.values()):
+    if fits:
         at = ridge_positions if ridge else positions
         embeddings = Embeddings.for_draws(group, at, cfg.seed, cfg.device, cfg.r2_penalty)
     rows = []
@@ -631,18 +631,17 @@ def score_layers(
 
 
 def config_dict(cfg: ScoreConfig, layers: list[int]) -> dict:
-    """What a score's id hashes: its config, the candidates resolved, the registered proxies (a
-    score made before r2_token and r2_context were registered has other columns, so another id) and
-    the penalty grid their GCV chooses from (a score of the fixed penalty before it has another id)."""
-    config = {**asdict(cfg), "candidates": layers, "device": None, "proxies": list(registry.PROXIES)}
-    if any(p.embeddings for p in registry.PROXIES.values()):
+    """What a score's id hashes: its config, the candidates resolved, the proxies computed (their columns:
+    a score made before r2_token and r2_context were registered, or of --proxies paper, has others) and,
+    with the ridge proxies, the penalty grid and the k-fold rule they choose by."""
+    chosen = registry.proxy_set(cfg.proxies)
+    config = {**cfg.hashed(), "candidates": layers, "device": None, "proxies": list(chosen)}
+    if any(p.embeddings for p in chosen.values()):
         config["r2_penalties"] = [float(f"{k:.6g}") for k in Embeddings.PENALTIES]
-    if cfg.select == "S":  # the paper's l*, as before there was a choice: the id it had
-        config.pop("select")
-    if cfg.r2_penalty == "gcv":  # the rule before there was a choice, at the geometry's positions: its id
-        config.pop("r2_penalty")
+        if cfg.r2_penalty == "kfold":
+            config["r2_folds"], config["r2_rows"] = Embeddings.FOLDS, Embeddings.ROWS
     else:
-        config["r2_folds"], config["r2_rows"] = Embeddings.FOLDS, Embeddings.ROWS
+        config.pop("r2_penalty", None)  # no ridge fit to choose a penalty for
     return config
 
 

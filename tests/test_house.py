@@ -249,11 +249,9 @@ def test_artifact_ids_do_not_move():
     # than the landed main's 41fc8ad98336 (README, Artifacts)
     assert artifact_id_for(C.ExtractConfig(model="smollm2-135m", layers="0,3", data=data)) == "4264ada3be75"
     bridge = C.BridgeConfig.from_protocol("cpu-small", layer=3, positions="learned")
-    assert schema2_id("bridge", C.part_hash(bridge), PARENT) == "bd3dce03b649"  # condition_from at its default
+    assert schema2_id("bridge", bridge.hashed(), PARENT) == "bd3dce03b649"  # condition_from at its default
     # a learned-position bridge keeps its id; the default, rotary since issue 47, hashes its positions
-    assert schema2_id("bridge", C.part_hash(C.BridgeConfig.from_protocol("cpu-small", layer=3)), PARENT) != (
-        "bd3dce03b649"
-    )
+    assert schema2_id("bridge", C.BridgeConfig.from_protocol("cpu-small", layer=3).hashed(), PARENT) != "bd3dce03b649"
     bridge2 = C.BridgeConfig.from_protocol(
         "sweep-tiny",
         layer=2,
@@ -264,27 +262,25 @@ def test_artifact_ids_do_not_move():
         device="cuda",
         positions="learned",
     )
-    assert schema2_id("bridge", C.part_hash(bridge2), PARENT) == "d1ba952ccba3"
+    assert schema2_id("bridge", bridge2.hashed(), PARENT) == "d1ba952ccba3"
     assert (
         schema2_id(
             "bridge",
-            C.part_hash(
-                C.BridgeConfig.from_protocol("cpu-small", layer=3, condition_from="prior", condition_noise=0.5)
-            ),
+            C.BridgeConfig.from_protocol("cpu-small", layer=3, condition_from="prior", condition_noise=0.5).hashed(),
             PARENT,
         )
         != "bd3dce03b649"
     )
     prior = C.PriorConfig.from_protocol("compare-cpu", layer=0, self_condition=True)
-    assert schema2_id("prior", C.part_hash(prior), PARENT) == "b959c4f12aa6"  # latent False is not hashed
+    assert schema2_id("prior", prior.hashed(), PARENT) == "b959c4f12aa6"  # latent False is not hashed
     latent = C.PriorConfig.from_protocol("compare-cpu", latent=True)
-    assert schema2_id("prior", C.part_hash(latent), PARENT) != schema2_id("prior", C.part_hash(prior), PARENT)
+    assert schema2_id("prior", latent.hashed(), PARENT) != schema2_id("prior", prior.hashed(), PARENT)
     # the decoder's network changed (section 5 rev 2: the frozen table), so its config gained a revision
     decoder = C.DecoderTrainConfig.from_protocol("compare-cpu")
-    assert schema2_id("decoder", C.part_hash(decoder), PARENT) == "a8a443db7c36"  # the landed main's
+    assert schema2_id("decoder", decoder.hashed(), PARENT) == "a8a443db7c36"  # the landed main's
     from dihal.stages import decoder as dec
 
-    assert schema2_id("decoder", {**C.part_hash(decoder), "revision": 2}, PARENT) != "a8a443db7c36"
+    assert schema2_id("decoder", {**decoder.hashed(), "revision": 2}, PARENT) != "a8a443db7c36"
     assert dec.CACHE_VERSION == 2  # the revision became the decoder's CACHE_VERSION
     # an AR generation hashes the temperature it uses: at the defaults, the landed main's ids
     # (computed with its configs.py: fc16c39bd5d2 and a8e2c81d9800); a parallel one moved (README)
@@ -296,7 +292,7 @@ def test_artifact_ids_do_not_move():
     assert schema2_id("generate", gen.hashed(), {"prior": "0123456789ab"}) != "ec66f62b7c09"
     from dihal.stages import score as sc
 
-    later = ("r2_penalty", "select")  # fields added since
+    later = ("r2_penalty", "select", "proxies")  # fields added since
     score = {k: v for k, v in asdict(C.ScoreConfig(tokens=512, bootstrap=2)).items() if k not in later}
     score |= {"candidates": [1, 2, 3], "device": None}
     assert schema2_id("score", score, PARENT) == "a0aa95eb4ce8"  # the config as the landed main hashed it
@@ -318,8 +314,8 @@ def test_artifact_ids_do_not_move():
     # schema 3: the same configs under their stages' CACHE_VERSION (every id moved once, docs/history.md)
     # extract's version 2 (documents joined by the pretraining end-of-document token) moved it from 81d08198107b
     assert ex.artifact_id_for(float32) == "f91c89e46bcd"
-    assert Job("bridge", br.CACHE_VERSION, C.part_hash(bridge), PARENT).id == "b027ee570f95"
-    assert Job("bridge", br.CACHE_VERSION + 1, C.part_hash(bridge), PARENT).id != "b027ee570f95"
+    assert Job("bridge", br.CACHE_VERSION, bridge.hashed(), PARENT).id == "b027ee570f95"
+    assert Job("bridge", br.CACHE_VERSION + 1, bridge.hashed(), PARENT).id != "b027ee570f95"
 
 
 def test_recipe_overrides_keep_their_order_on_the_command_line(tiny_dirs):

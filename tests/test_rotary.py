@@ -11,7 +11,7 @@ import torch
 import dihal
 from dihal.artifacts.errors import DihalError
 from dihal.artifacts.store import ArtifactStore
-from dihal.stages.configs import BridgeConfig, part_hash
+from dihal.stages.configs import BridgeConfig
 from dihal.stages.diffusion.denoiser import Denoiser, DenoiserConfig, rotate
 from tests.conftest import invoke
 
@@ -62,8 +62,8 @@ def test_the_cached_forward_equals_the_whole_one_at_any_length():
 
 def test_learned_positions_keep_their_ids_and_rotary_hashes_its_option():
     learned = BridgeConfig.from_protocol("cpu-small", layer=1, positions="learned")
-    assert "positions" not in part_hash(learned)  # every bridge made before keeps its id
-    assert part_hash(BridgeConfig.from_protocol("cpu-small", layer=1))["positions"] == "rotary"  # the default
+    assert "positions" not in learned.hashed()  # every bridge made before keeps its id
+    assert BridgeConfig.from_protocol("cpu-small", layer=1).hashed()["positions"] == "rotary"  # the default
     state = _net("learned").state_dict()
     assert "pos.weight" in state and "pos.weight" not in _net("rotary").state_dict()
 
