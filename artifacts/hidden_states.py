@@ -21,7 +21,7 @@ The pool makes scoring read O(pool x D) per layer instead of the whole layer: a 
 position p >= 1 of chunk i is in it with probability quota_i / valid_i, quotas proportional to
 each chunk's valid positions (so every position has the same chance, up to rounding).
 
-Group attributes carry the layer convention (docs/method.md section 0) and the chunk size.
+Group attributes carry the layer convention (METHOD §0) and the chunk size.
 A chunk whose `committed` flag is set is complete; resume skips it.
 
 Reading a complete extract goes through `open_group(artifact)`: every chunk file is checked against

@@ -23,11 +23,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import Timer, save  # noqa: E402
-from dihal.stages.bridge import BridgeTask  # noqa: E402
 from dihal.stages.configs import BridgeConfig  # noqa: E402
 from dihal.stages.diffusion.denoiser import Denoiser, DenoiserConfig  # noqa: E402
 from dihal.stages.diffusion.draws import DeviceDraws, ItemDraws  # noqa: E402
 from dihal.stages.diffusion.normalizer import Normalizer  # noqa: E402
+from dihal.stages.train_bridge import BridgeTask  # noqa: E402
 
 D, BATCH, SEQ_LEN, REPEATS = 4096, 64, 128, 3
 

@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np, torch, torch.nn.functional as F
 from dihal.artifacts import hidden_states as hs
 from dihal.stages.configs import DecoderTrainConfig
-from dihal.stages.decoder import DecoderTask
+from dihal.stages.train_decoder import DecoderTask
 from dihal.stages.diffusion.cross_decoder import CrossDecoder, DecoderConfig
 from dihal.stages.diffusion.normalizer import Normalizer
 torch.set_num_threads(1)

@@ -16,9 +16,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import Timer, save, store  # noqa: E402
-from dihal.stages import bridge as bstage  # noqa: E402
 from dihal.stages import extract as ex  # noqa: E402
 from dihal.stages import generate as gen  # noqa: E402
+from dihal.stages import train_bridge as bstage  # noqa: E402
 from dihal.stages.lm.models import load_model  # noqa: E402
 from dihal.stages.parts.bridge import Bridge  # noqa: E402
 from dihal.stages.text.data import DataConfig  # noqa: E402

@@ -1,4 +1,4 @@
-"""The paper's claims as commands: `dihal compare` (claim 3, docs/method.md section 5) and
+"""The paper's claims as commands: `dihal compare` (claim 3, METHOD §5) and
 `dihal confirm` (claim 4). `dihal sweep` (claims 1 and 2) is in locate.py.
 
 The comparison's rows come from stages/registry.py's ROWS; every trained part runs under
@@ -12,19 +12,19 @@ from pathlib import Path
 
 import typer
 
-from dihal.artifacts.errors import DihalError
 from dihal.artifacts.store import ArtifactStore
 from dihal.cli import options as o
 from dihal.cli.locate import extract_config, extract_parent
 from dihal.cli.tables import compare_tables, confirm_tables
 from dihal.cli.ui import console, dry, make_progress, report
-from dihal.stages.configs import CompareConfig, ConfirmConfig, ScoreConfig, parse_condition
+from dihal.stages.configs import CompareConfig, ConfirmConfig, ScoreConfig, check_evaluator, parse_condition
 from dihal.stages.registry import ROW_KEYS
 
 
 @o.command()
 @o.recipe_options(batch_flag="--train-batch")
 def compare(
+    ctx: typer.Context,
     layer: int | None = o.opt(CompareConfig, "layer", help="l* (default: the score's argmax S)."),
     oracle: int | None = o.opt(CompareConfig, "oracle", help="A sweep's oracle layer: one more DiHAL row."),
     protocol: str = o.opt(CompareConfig, "protocol"),
@@ -71,12 +71,15 @@ def compare(
     root: str = o.Root,
     recipe: tuple = (),
 ) -> None:
-    """Diffusion-LM, SED, CoDAR and DiHAL from one prior at a matched budget, with references (section 5)."""
+    """Diffusion-LM, SED, CoDAR and DiHAL from one prior at a matched budget, with references (METHOD §5)."""
     device, dtype = o.device_and_dtype(device, dtype, dry_run)
     condition_from, noise = parse_condition(condition_noise)
     cfg = o.build(
         CompareConfig,
-        {**locals(), "condition_noise": noise},
+        o.given(ctx),
+        condition_noise=noise,
+        device=device,
+        dtype=dtype,
         seeds=o.seeds(seeds),
         overrides=recipe,
         condition_from=condition_from,
@@ -86,14 +89,9 @@ def compare(
         budgets=o.numbers(budgets, "--budgets", int),
         readouts=o.comma_list(readout),
     )
-    if (
-        evaluator is not None
-        and not extract
-        and Path(evaluator).expanduser().resolve() == Path(model).expanduser().resolve()
-    ):
-        raise DihalError(f"--evaluator {evaluator} is the backbone; the primary evaluator must be another model")
-    seed = 0  # the extract and score of the comparison
-    ecfg = extract_config(locals(), device, dtype, "all")
+    if evaluator is not None and not extract:  # before the extract; with --extract, compare.check reads its model
+        check_evaluator(evaluator, model)
+    ecfg = extract_config({**o.given(ctx), "seed": 0}, device, dtype, "all")  # the comparison's own extract: seed 0
     scfg = ScoreConfig(tokens=tokens, select=select, device=device)
     if not extract:
         from dihal.stages.extract import check_planned
@@ -124,6 +122,7 @@ def compare(
 @o.command()
 @o.recipe_options(batch_flag="--train-batch")
 def confirm(
+    ctx: typer.Context,
     sweep: str = typer.Option("latest", "--sweep", help="Sweep whose l*, oracle and worst layer to train fully."),
     protocol: str = o.protocol_opt(ConfirmConfig),
     at: str = o.opt(ConfirmConfig, "at", help="l_star, oracle, worst, layers"),
@@ -143,7 +142,15 @@ def confirm(
 ) -> None:
     """Claim 4: l*, the oracle and the worst layer fully trained per seed; fidelity and generations."""
     device, dtype = o.device_and_dtype(device, dtype, dry_run)
-    cfg = o.build(ConfirmConfig, locals(), at=o.comma_list(at), seeds=o.seeds(seeds), overrides=recipe)
+    cfg = o.build(
+        ConfirmConfig,
+        o.given(ctx),
+        at=o.comma_list(at),
+        seeds=o.seeds(seeds),
+        overrides=recipe,
+        device=device,
+        dtype=dtype,
+    )
     if dry_run:
         return dry("confirm", cfg)
     from dihal.stages import confirm as stage

@@ -1,4 +1,4 @@
-"""Locate: `dihal extract`, `dihal score`, `dihal sweep` (docs/method.md sections 0, 1 and claim 1).
+"""Locate: `dihal extract`, `dihal score`, `dihal sweep` (METHOD §0, §1 and claim 1).
 
 Each command: parse, build the config (which checks itself), print it under --dry-run, or run the
 stage and print its table. The stage (and torch) is imported inside the command.
@@ -34,6 +34,7 @@ def extract_parent(store, ref: str | None, cfg: ExtractConfig):
 
 @o.command()
 def extract(
+    ctx: typer.Context,
     model: str = o.Model,
     dataset: list[str] = o.Dataset,
     mix: str | None = o.Mix,
@@ -61,12 +62,12 @@ def extract(
     trust_remote_code: bool = o.Trust,
     root: str = o.Root,
 ) -> None:
-    """Per-layer hidden states -> chunked Zarr (docs/method.md, layer convention)."""
+    """Per-layer hidden states -> chunked Zarr (METHOD §0)."""
     from dihal.stages import extract as stage
 
     device, dtype = o.device_and_dtype(device, dtype, dry_run)
-    data = o.build(DataConfig, {k: v for k, v in locals().items() if k != "dataset"}, **o.data_sources(dataset, mix))
-    cfg = o.build(ExtractConfig, locals(), data=data)
+    data = o.build(DataConfig, o.given(ctx), **o.data_sources(dataset, mix))
+    cfg = o.build(ExtractConfig, o.given(ctx), data=data, device=device, dtype=dtype)
     if dry_run:
         plan = stage.plan(cfg, dry_run=True)
         stage.check_generated(stage.resolve_sources(cfg, ArtifactStore(root)).data, ArtifactStore(root))
@@ -85,6 +86,7 @@ def extract(
 
 @o.command()
 def score(
+    ctx: typer.Context,
     extract: str = typer.Option("latest", "--extract", help="Extract artifact: id, unique prefix or 'latest'."),
     tokens: int = o.opt(ScoreConfig, "tokens", help="n sampled token positions (same for every layer)."),
     k: int = o.opt(ScoreConfig, "k", help="Neighbours per point for m_curv (self included)."),
@@ -108,9 +110,9 @@ def score(
     as_json: bool = o.AsJson,
     root: str = o.Root,
 ) -> None:
-    """Geometry proxies per layer -> ranked table, scores.json and a plot (docs/method.md, locate)."""
+    """Geometry proxies per layer -> ranked table, scores.json and a plot (METHOD §1)."""
     device, _ = o.device_and_dtype(device, "float32", dry_run)
-    cfg = o.build(ScoreConfig, locals())
+    cfg = o.build(ScoreConfig, o.given(ctx), device=device)
     if dry_run:
         return dry("score", cfg)
     from dihal.stages import score as stage
@@ -129,6 +131,7 @@ def score(
 @o.command()
 @o.recipe_options()
 def sweep(
+    ctx: typer.Context,
     layers: str | None = typer.Option(None, "--layers", help="Layers to bridge, e.g. 1-29 or 1,3,5 (default 1..L-1)."),
     protocol: str = o.opt(SweepConfig, "protocol"),
     extract: str | None = typer.Option(None, "--extract", help="Extract holding layer 0 and the swept layers."),
@@ -165,9 +168,10 @@ def sweep(
         layers = f"1-{stage.num_blocks(store.resolve(extract, 'extract') if extract else model, trust_remote_code) - 1}"
     layer_list = tuple(ex.parse_layers(layers, None))
     overrides = recipe + ((("skip_init", skip_init),) if skip_init != default(BridgeConfig, "skip_init") else ())
-    cfg = o.build(SweepConfig, locals(), layers=layer_list, overrides=overrides, seeds=o.seeds(seeds))
-    ecfg = extract_config(locals(), device, dtype, "all")  # S z-scores over every candidate, whichever are swept
-    scfg = o.build(ScoreConfig, locals())
+    resolved = dict(device=device, dtype=dtype)
+    cfg = o.build(SweepConfig, o.given(ctx), layers=layer_list, overrides=overrides, seeds=o.seeds(seeds), **resolved)
+    ecfg = extract_config(o.given(ctx), device, dtype, "all")  # S z-scores over every candidate, whichever are swept
+    scfg = o.build(ScoreConfig, o.given(ctx), device=device)
     if extract is None:
         ex.check_planned(ecfg.data, tokens=None if score else scfg.tokens, why="every bridge's validation loss")
     if dry_run:

@@ -58,7 +58,7 @@ class OneLineErrors(TyperGroup):
 
 app = typer.Typer(
     cls=OneLineErrors,
-    help="dihal: locate where diffusion should enter a language model, then put it there. The method: docs/method.md.",
+    help="dihal: locate where diffusion should enter a language model, then put it there. Method: docs/method.md.",
     no_args_is_help=True,
     pretty_exceptions_enable=False,
     add_completion=False,

@@ -41,6 +41,14 @@ def opt(cls, name: str, *flags: str, **kw):
     return typer.Option(default(cls, name), *(flags or ("--" + name.replace("_", "-"),)), **kw)
 
 
+def given(ctx: typer.Context) -> dict:
+    """The running command's own parameters by name, as parsed from its command line (or their defaults);
+    the recipe's options are left out (they reach the command as `recipe`). A config is built from them
+    by name, with whatever the command resolved itself (--device auto, say) passed on top, by name."""
+    skip = RECIPE_PARAMS.get(ctx.command.name.replace("-", "_"), ())
+    return {k: v for k, v in ctx.params.items() if k not in skip}
+
+
 def build(cls, values: dict, **extra):
     """cls from the command's parameters that are its fields (by name), with `extra` on top."""
     names = {f.name for f in fields(cls)}
@@ -95,6 +103,9 @@ RECIPE = {
 }
 
 
+RECIPE_PARAMS: dict[str, set[str]] = {}  # command function -> the parameters recipe_options added to it
+
+
 def recipe_options(batch_flag: str = "--batch-size", exclude: tuple[str, ...] = ()):
     """Adds every RECIPE option to a command (written once, here) and hands the command the ones the
     user gave as `recipe`, a tuple of (field, value) pairs in RECIPE's order."""
@@ -113,6 +124,7 @@ def recipe_options(batch_flag: str = "--batch-size", exclude: tuple[str, ...] = 
             )
 
         report = inspect.Parameter("report_to", inspect.Parameter.KEYWORD_ONLY, default=ReportTo, annotation=list[str])
+        RECIPE_PARAMS[fn.__name__] = {p.name for _, p in added} | {report.name}  # not the command's own (given())
 
         @functools.wraps(fn)
         def command(**kwargs):

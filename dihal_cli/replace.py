@@ -1,5 +1,5 @@
-"""Replace: `dihal train-bridge` (docs/method.md section 2), and the comparison's other trained
-parts, `dihal train-prior` and `dihal train-decoder` (section 5).
+"""Replace: `dihal train-bridge` (METHOD §2), and the comparison's other trained
+parts, `dihal train-prior` and `dihal train-decoder` (METHOD §5).
 
 Every trained part is a recipe (stages/configs.py): a named protocol with the recipe options
 given here on top (options.recipe_options adds them, written once); the recipe validates every
@@ -37,16 +37,17 @@ def condition(spec: str) -> dict:
     return {"condition_from": kind, "condition_noise": value}
 
 
-def train_from_extract(cls, stage_name: str, values: dict, command: str | None = None, reads=None, **fixed):
-    """A part trained on a named extract (the prior, the decoder) from the command's parameters
-    (`values`) and its own settings (`fixed`); None under --dry-run. reads: {keyword of the stage's
-    run: (stage, artifact reference or None)}, the other parts it trains on."""
-    v = values
+def train_from_extract(ctx, cls, command: str, recipe: tuple, reads=None, **fixed):
+    """A part trained on a named extract by `command` (train-prior: stages/train_prior.py, ...) from the
+    running command's parameters (o.given(ctx)), its recipe and its own settings (`fixed`); None under
+    --dry-run. reads: {keyword of the stage's run: (stage, artifact reference or None)}, the other parts
+    it trains on."""
+    v = o.given(ctx)
     device, dtype = o.device_and_dtype(v["device"], v["dtype"], v["dry_run"])
-    cfg = cls.for_run(v["protocol"], v["recipe"], seed=v["seed"], device=device, dtype=dtype, **fixed)
+    cfg = cls.for_run(v["protocol"], recipe, seed=v["seed"], device=device, dtype=dtype, **fixed)
     if v["dry_run"]:
-        return dry(command or f"train-{stage_name}", cfg)
-    stage = importlib.import_module(f"dihal.stages.{stage_name}")
+        return dry(command, cfg)
+    stage = importlib.import_module(f"dihal.stages.{command.replace('-', '_')}")
     store = ArtifactStore(v["root"])
     parts = {k: store.resolve(ref, stage) if ref else None for k, (stage, ref) in (reads or {}).items()}
     extract = store.resolve(v["extract"], "extract")
@@ -56,6 +57,7 @@ def train_from_extract(cls, stage_name: str, values: dict, command: str | None =
 @o.command("train-bridge")
 @o.recipe_options()
 def train_bridge(
+    ctx: typer.Context,
     layer: int = typer.Option(..., "--layer", help="Replace embeddings + blocks 1..layer."),
     protocol: str = o.protocol_opt(BridgeConfig),
     extract: str | None = typer.Option(None, "--extract", help="Holds layers 0, --layer (omitted: extract now)."),
@@ -85,19 +87,21 @@ def train_bridge(
     prior: str | None = typer.Option(None, "--prior", help="With prior:T, the layer-0 prior (dihal train-prior)."),
     device: str = o.Device,
     dtype: str = o.Dtype,
-    seed: int = o.Seed,
+    seed: int = typer.Option(
+        0, "--seed", help="The bridge's seed; without --extract, also the extract's (its split and order)."
+    ),
     force: bool = o.Force,
     dry_run: bool = o.DryRun,
     trust_remote_code: bool = o.Trust,
     root: str = o.Root,
     recipe: tuple = (),
 ) -> None:
-    """Train the conditional flow-matching bridge h_0 -> h_layer (docs/method.md, replace)."""
+    """Train the conditional flow-matching bridge h_0 -> h_layer (METHOD §2)."""
     device, dtype = o.device_and_dtype(device, dtype, dry_run)
     fixed = dict(layer=layer, prediction=prediction, skip_init=skip_init, positions=positions)
     fixed |= condition(condition_noise)
     cfg = BridgeConfig.for_run(protocol, recipe, seed=seed, device=device, dtype=dtype, **fixed)
-    ecfg = extract_config(locals(), device, dtype, f"0,{layer}")
+    ecfg = extract_config(o.given(ctx), device, dtype, f"0,{layer}")
     own = OwnTextConfig(own_text=own_text, own_samples=o.count_or_auto(own_samples, "--own-samples"), own_seed=own_seed)
     if own.own_text and extract:
         raise DihalError("--own-text makes the extract; leave out --extract (or give an extract of generate:<ID>)")
@@ -113,7 +117,7 @@ def train_bridge(
     if dry_run:
         ecfg, made = own_stage.planned(own, ecfg), [own_stage.samples_config(own, ecfg)] if own.own_text else []
         return dry("train-bridge", cfg, *made, *([] if extract else [ecfg]), plan=None if extract else ecfg)
-    from dihal.stages import bridge as stage
+    from dihal.stages import train_bridge as stage
 
     prior_art = store.resolve(prior, "prior") if prior else None
     if own.own_text:
@@ -132,6 +136,7 @@ def train_bridge(
 @o.command("train-prior")
 @o.recipe_options()
 def train_prior(
+    ctx: typer.Context,
     layer: int = o.opt(PriorConfig, "layer", help="0: normalized h_0 (the comparison's prior); l: h_l (DiHAL-direct)."),
     self_condition: bool = o.opt(PriorConfig, "self_condition", help="SED's self-conditioning."),
     latents: str | None = typer.Option(None, "--latents", help="Model this autoencoder's latents (LD4LG-style)."),
@@ -145,10 +150,12 @@ def train_prior(
     root: str = o.Root,
     recipe: tuple = (),
 ) -> None:
-    """Sequence diffusion prior over normalized states, positions 1..T-1 (docs/method.md section 5)."""
+    """Sequence diffusion prior over normalized states, positions 1..T-1 (METHOD §5)."""
     fixed = dict(layer=layer, self_condition=self_condition, latent=latents is not None)
     if (
-        art := train_from_extract(PriorConfig, "prior", locals(), reads={"latents": ("autoencoder", latents)}, **fixed)
+        art := train_from_extract(
+            ctx, PriorConfig, "train-prior", recipe, reads={"latents": ("autoencoder", latents)}, **fixed
+        )
     ) is None:
         return
     m, over = art.manifest["metrics"], "latents" if latents else f"layer {layer}"
@@ -162,6 +169,7 @@ def train_prior(
 @o.command("train-decoder")
 @o.recipe_options(exclude=("depth",))
 def train_decoder(
+    ctx: typer.Context,
     condition_noise: str = typer.Option(
         o.condition_default(DecoderTrainConfig), "--condition-noise", help=CONDITION_HELP
     ),
@@ -176,10 +184,15 @@ def train_decoder(
     root: str = o.Root,
     recipe: tuple = (),
 ) -> None:
-    """CoDAR's recovery: a causal decoder cross-attending to normalized h_0 (docs/method.md section 5)."""
+    """CoDAR's recovery: a causal decoder cross-attending to normalized h_0 (METHOD §5)."""
     if (
         art := train_from_extract(
-            DecoderTrainConfig, "decoder", locals(), reads={"prior": ("prior", prior)}, **condition(condition_noise)
+            ctx,
+            DecoderTrainConfig,
+            "train-decoder",
+            recipe,
+            reads={"prior": ("prior", prior)},
+            **condition(condition_noise),
         )
     ) is None:
         return
@@ -191,6 +204,7 @@ def train_decoder(
 @o.command("train-autoencoder")
 @o.recipe_options(exclude=("depth",))
 def train_autoencoder(
+    ctx: typer.Context,
     latents: int = o.opt(AutoencoderConfig, "latents", help="K latent vectors per sequence."),
     latent_dim: int = o.opt(AutoencoderConfig, "latent_dim", help="Width d of each latent."),
     protocol: str = o.protocol_opt(AutoencoderConfig),
@@ -203,9 +217,9 @@ def train_autoencoder(
     root: str = o.Root,
     recipe: tuple = (),
 ) -> None:
-    """LD4LG-style: resampler over the frozen backbone's last layer, decoded by CoDAR's decoder (section 5)."""
+    """LD4LG-style: resampler over the frozen backbone's last layer, decoded by CoDAR's decoder (METHOD §5)."""
     fixed = dict(latents=latents, latent_dim=latent_dim)
-    if (art := train_from_extract(AutoencoderConfig, "latent", locals(), "train-autoencoder", **fixed)) is None:
+    if (art := train_from_extract(ctx, AutoencoderConfig, "train-autoencoder", recipe, **fixed)) is None:
         return
     m = art.manifest["metrics"]
     console.print(

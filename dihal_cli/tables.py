@@ -10,6 +10,8 @@ import sys
 from rich import box
 from rich.table import Table
 
+from dihal.stages.registry import SOURCE_LABELS
+
 
 def table(title: str, columns: list[str], rows: list[list], highlight_row: int | None = None) -> Table:
     """Numbers at 4 significant digits, cells never wrapped, compact enough for 80 columns."""
@@ -225,7 +227,7 @@ def compare_tables(result: dict) -> list[Table]:
         out.append(table(head, ["row", "Gen.PPL", "H", "div", "MAUVE", "status"], cells))
         ctrl = {(c["row"], c["source"]): c for c in result.get("controls", []) if c["budget"] == k}
         names = list(dict.fromkeys(row for row, _ in ctrl))
-        sources = ("trained prior", "oracle prior", "null prior")
+        sources = [SOURCE_LABELS[s] for s in ("prior", "oracle", "null")]  # as compare.json names them
         cell = lambda c: "-" if c is None else f"{short(c['gen_ppl_token_evaluator'])} / {c['token_entropy']:.2f}"
         if names:
             out.append(
@@ -265,7 +267,7 @@ def compare_tables(result: dict) -> list[Table]:
 
 
 def whose_text_tables(result: dict, k: int, ev: str, rows: list[dict]) -> list[Table]:
-    """METHOD 5.1 at budget k: each row's cost class, cost, prior gain and plan agreement, then like with like."""
+    """METHOD §5.1 at budget k: each row's cost class, cost, prior gain and plan agreement, then like with like."""
     if not any("prior_gain" in r for r in rows):  # a comparison made before revision 3
         return []
     number = lambda x, f: "-" if x is None or x != x else format(x, f)

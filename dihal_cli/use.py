@@ -1,4 +1,4 @@
-"""Use: `dihal generate` and `dihal evaluate` (docs/method.md sections 3 and 5).
+"""Use: `dihal generate` and `dihal evaluate` (METHOD §3 and §5).
 
 Each command: parse, build the config (which checks itself), print it under --dry-run, or run the
 stage and print what it made. The stage (and torch) is imported inside the command.
@@ -35,6 +35,7 @@ def read_prompts(prompt: list[str], prompts_file: str | None) -> tuple[str, ...]
 
 @o.command()
 def generate(
+    ctx: typer.Context,
     bridge: str | None = typer.Option(None, "--bridge", help="Bridge artifact: id, prefix or latest (ar: latest)."),
     mode: str = o.opt(GenerateConfig, "mode", help="ar: the hybrid, token by token; parallel: a prior's samples."),
     prior: str | None = typer.Option(None, "--prior", help="parallel: the prior artifact (dihal train-prior)."),
@@ -79,10 +80,10 @@ def generate(
     trust_remote_code: bool = o.Trust,
     root: str = o.Root,
 ) -> None:
-    """Hybrid generation: bridge -> upper blocks -> LM head (docs/method.md, use)."""
+    """Hybrid generation: bridge -> upper blocks -> LM head (METHOD §3)."""
     prompts = read_prompts(prompt, prompts_file)
     device, dtype = o.device_and_dtype(device, dtype, dry_run)
-    cfg = o.build(GenerateConfig, locals(), prompts=prompts, cache=not no_cache)
+    cfg = o.build(GenerateConfig, o.given(ctx), prompts=prompts, cache=not no_cache, device=device, dtype=dtype)
     if dry_run:
         return dry("generate", cfg)
     from dihal.stages import generate as stage
@@ -130,6 +131,7 @@ def generate(
 
 @o.command()
 def evaluate(
+    ctx: typer.Context,
     bridge: str | None = typer.Option(None, "--bridge", help="Bridge artifact: fidelity, teacher forced."),
     samples: str | None = typer.Option(
         None, "--samples", help="Generate artifact: Gen.PPL, diversity (with --bridge: fidelity on it)."
@@ -168,7 +170,7 @@ def evaluate(
     harness's tasks (--bridge --lm-eval)."""
     harness_flags = (lm_eval_include, lm_eval_limit, lm_eval_fewshot, lm_eval_log_samples or None)
     if lm_eval is not None or any(flag is not None for flag in harness_flags):
-        return evaluate_lm_eval(locals())
+        return evaluate_lm_eval(o.given(ctx))
     for flag, given in (("--dataset", dataset), ("--extract", extract)):
         if given is not None and bridge is None:
             raise DihalError(f"{flag} measures a bridge's fidelity; give --bridge ID with it")
@@ -176,9 +178,9 @@ def evaluate(
         raise DihalError("give --bridge ID (fidelity) or --samples ID (generation quality), or both")
     device, dtype = o.device_and_dtype(device, dtype, dry_run)
     if bridge is not None:
-        cfg = o.build(FidelityConfig, locals(), sample_steps=parse_steps(sample_steps))
+        cfg = o.build(FidelityConfig, o.given(ctx), sample_steps=parse_steps(sample_steps), device=device, dtype=dtype)
     else:
-        cfg = o.build(SamplesConfig, locals())
+        cfg = o.build(SamplesConfig, o.given(ctx), device=device, dtype=dtype)
     from dihal.stages import evaluate as stage
 
     if bridge is not None:
@@ -216,7 +218,7 @@ def evaluate(
 
 
 def evaluate_lm_eval(v: dict) -> None:
-    """evaluate --bridge ID --lm-eval TASKS: stages/harness.py."""
+    """evaluate --bridge ID --lm-eval TASKS: stages/evaluate_harness.py."""
     if v["lm_eval"] is None:
         raise DihalError(
             "--lm-eval-include, --lm-eval-limit, --lm-eval-fewshot and --lm-eval-log-samples go with --lm-eval TASKS"
@@ -236,7 +238,7 @@ def evaluate_lm_eval(v: dict) -> None:
         device=device,
         dtype=dtype,
     )
-    from dihal.stages import harness
+    from dihal.stages import evaluate_harness as harness
 
     harness.harness()
     harness.task_manager(cfg)

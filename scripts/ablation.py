@@ -1,5 +1,5 @@
-"""The ablations of docs/method.md section 5 as markdown tables, for every comparison in a store run at 1x:
-the headline of CoDAR and DiHAL (l*) per --condition-noise, and (section 5.1) the headline of DiHAL (l*)'s
+"""The ablations of METHOD §5 as markdown tables, for every comparison in a store run at 1x:
+the headline of CoDAR and DiHAL (l*) per --condition-noise, and (METHOD §5.1) the headline of DiHAL (l*)'s
 guided and causal readouts per --guidance (gamma), beside independent.
 
     python scripts/ablation.py runs/compare-smollm2 [out.md]

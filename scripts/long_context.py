@@ -17,7 +17,7 @@ import pandas as pd
 import dihal
 
 BINS = ((1, 63), (64, 127), (128, 255))
-RULE = 1.02  # docs/method.md section 2: rotary is the default if its in-length KL <= 1.02 x learned's
+RULE = 1.02  # METHOD §2: rotary is the default if its in-length KL <= 1.02 x learned's
 
 
 def binned(per: pd.DataFrame, lo: int, hi: int) -> dict:

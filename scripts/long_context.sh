@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# A bridge past its training length (issue 47, docs/method.md section 2): at layer 1 of MODEL, a learned-
+# A bridge past its training length (issue 47, METHOD §2): at layer 1 of MODEL, a learned-
 # position and a rotary bridge trained alike on pydoc sequences of 64 tokens (cpu-small, 1000 steps, seed 0);
 # fidelity of both in length (the rule that fixes --positions' default reads these), of the rotary one on
 # held-out pydoc sequences of 256 tokens by position bin, and Gen.PPL of its 192-token samples against the

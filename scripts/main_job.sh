@@ -13,15 +13,18 @@ DEV="--device ${DEVICE:-cpu} --dtype ${DTYPE:-float32}"
 SEQUENCES=${SEQUENCES:-384}
 STEPS=${BRIDGE_STEPS:-300}
 SELECT=${SELECT:-S}  # which pick the bridge goes at: S (the paper's l*) or r2_token
+# the paper's path scores the paper's proxies alone (S in half a minute); r2_token, dihal's own, costs a ridge
+# fit per layer (about 50 s more here) and comes with SELECT=r2_token, PROXIES=all or scripts/reproduce_cpu.sh
+PROXIES=${PROXIES:-$([ "$SELECT" = S ] && echo paper || echo all)}
 step() { echo "== step $1/6: $2 ($(date +%H:%M:%S))"; }
 
 step 1 "extract every layer of $MODEL on pydoc, $SEQUENCES sequences of 64 tokens"
 dihal extract --model "$MODEL" --dataset pydoc --max-sequences "$SEQUENCES" $DEV
 EXTRACT=$(dihal runs latest extract)
 
-step 2 "score every layer by the geometry of its hidden states (docs/method.md section 1)"
-dihal score --extract "$EXTRACT" --select "$SELECT"   # prints l* by S (the paper's) and by r2_token (dihal's)
-LSTAR=$(dihal score --extract "$EXTRACT" --select "$SELECT" --json | python3 -c "import json,sys; print(json.load(sys.stdin)['l_star'])")
+step 2 "score every layer by the geometry of its hidden states (METHOD §1)"
+dihal score --extract "$EXTRACT" --select "$SELECT" --proxies "$PROXIES"   # the ranking and l* (by r2_token too with all)
+LSTAR=$(dihal score --extract "$EXTRACT" --select "$SELECT" --proxies "$PROXIES" --json | python3 -c "import json,sys; print(json.load(sys.stdin)['l_star'])")
 
 step 3 "train the bridge that replaces the embeddings and blocks 1..$LSTAR ($STEPS steps)"
 dihal train-bridge --layer "$LSTAR" --extract "$EXTRACT" --train-steps "$STEPS" $DEV

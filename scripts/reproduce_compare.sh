@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# docs/method.md section 5 (revision 2) on the embedded default, CPU-sized: smollm2-135m on pydoc, every
+# METHOD §5 (revision 2) on the embedded default, CPU-sized: smollm2-135m on pydoc, every
 # row of the comparison (Diffusion-LM, SED, CoDAR, LD4LG-style, DiHAL at l* and at argmin S, DiHAL-direct,
 # and the references) from one prior per seed and budget, every part under `compare-cpu` with batch 16
 # (the same for every part), the temperature grid 0, 0.7, 1.0 for every curve row and reference, oracle
@@ -15,7 +15,7 @@
 #             not baselines); N = 48 (the intervals show the cost).
 #   QUICK=1   the same rows on seed 0, N = 16, one 30-step budget, 400 sequences, no ablation (a check
 #             of the whole pipeline, not a result)
-#   READOUTS  DiHAL (l*)'s readouts (docs/method.md section 5.1), each but independent a row of its own with
+#   READOUTS  DiHAL (l*)'s readouts (METHOD §5.1), each but independent a row of its own with
 #             DiHAL's controls; default independent,guided,refine:2,causal. The default run ends with the
 #             gamma ablation {0, 0.25, 1, 4} of guided and causal at 1x on seed 0 (scripts/ablation.py).
 #   MODEL     the backbone: smollm2-135m (evaluator gemma3-270m) or gemma3-270m (evaluator smollm2-135m);
@@ -56,7 +56,7 @@ else
     compare --seeds 0 --num-samples "$N" --budgets 1 --train-batch 16 --condition-noise "$noise" \
       --rows codar,dihal --controls '' --readout independent
   done
-  for gamma in 0 0.25 1 4; do  # the gamma ablation of METHOD 5.1 (gamma 1's rows are the 1x run's, reused)
+  for gamma in 0 0.25 1 4; do  # the gamma ablation of METHOD §5.1 (gamma 1's rows are the 1x run's, reused)
     compare --seeds 0 --num-samples "$N" --budgets 1 --train-batch 16 --condition-noise prior:0.5 \
       --rows dihal --controls '' --readout independent,guided,causal --guidance "$gamma"
   done

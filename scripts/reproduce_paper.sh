@@ -54,7 +54,7 @@ while read -r -u 3 MODEL LAYERS LIKE; do
     --sample-steps "$SAMPLE_STEPS" --top-p 0.95 --batch-size "$GEN_BATCH" --baseline original $DEV
   GENERATE=$(latest generate)
   $DIHAL evaluate --samples "$GENERATE" --limit "$NUM_SAMPLES" $DEV
-  # the diagnostic comparison (docs/method.md section 5): every row from one prior per seed, paper protocol,
+  # the diagnostic comparison (METHOD §5): every row from one prior per seed, paper protocol,
   # second evaluator the other backbone of the list
   OTHER=$(printf '%s\n' "$MODELS" | awk -v m="$MODEL" 'NF && $1 != m {print $1; exit}')
   $DIHAL compare --extract "$EXTRACT" --score "$SCORE" --protocol paper $RECIPE --seeds "$SEEDS" \

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
@@ -118,7 +119,7 @@ def main(root: str, out: str) -> None:
     print(f"written: {out}")
 
 
-# -- the claims table (docs/method.md section 4) ------------------------------------------------
+# -- the claims table (METHOD §4) ------------------------------------------------
 PAPER = {
     1: "rho 0.91 (Llama-3.1-8B), 0.93 (Qwen3-8B)",
     2: "l* = 3 (Llama), 2 (Qwen3); competitive with the oracle",
@@ -181,11 +182,11 @@ def newest_comparisons(store: ArtifactStore) -> dict:
 
 
 def claim_compare(store: ArtifactStore) -> tuple[str, str]:
-    """Claim 3 at a glance, per budget as `dihal compare` judged it (docs/method.md section 5): DiHAL's Gen.PPL
+    """Claim 3 at a glance, per budget as `dihal compare` judged it (METHOD §5): DiHAL's Gen.PPL
     under the primary evaluator at the held-out entropy, and the budget's verdict. The baselines' outcomes,
     the LM-written rows and the verdict per cost class are claim_compare_details'."""
     newest = newest_comparisons(store)
-    if not newest:  # (a comparison made before section 5 revision 2 has no verdicts: rerun it)
+    if not newest:  # (a comparison made before METHOD §5, method revision 2 has no verdicts: rerun it)
         return "not run", "-"
     ours = []
     for budget, (result, _) in newest.items():
@@ -213,13 +214,13 @@ def claim_compare_details(store: ArtifactStore) -> list[str]:
 
 
 def lm_written(result: dict, budget: int) -> str:
-    """The rows of one budget whose prior gain is below LM_WRITTEN (METHOD 5.1), with their gains."""
+    """The rows of one budget whose prior gain is below LM_WRITTEN (METHOD §5.1), with their gains."""
     rows = [r for r in result["summary"] if r["budget"] == budget and r.get("lm_written") is True]
     return ", ".join(f"{r['row']} (gain {r['prior_gain']:.2f})" for r in rows)
 
 
 def by_class(result: dict, budget: int) -> str:
-    """Like with like (METHOD 5.1): each DiHAL readout's verdict against the baselines of its cost class."""
+    """Like with like (METHOD §5.1): each DiHAL readout's verdict against the baselines of its cost class."""
     lines = [v for v in result.get("verdicts_by_class", []) if v["budget"] == budget]
     return ", ".join(f"{v['class']} {v['dihal'].partition(', ')[2] or 'independent'}: {v['claim_3']}" for v in lines)
 
@@ -271,8 +272,15 @@ def claims(out: str, roots: list[str]) -> None:
     for root, store in stores.items():
         if rows := claim_compare_details(store):
             detail += ["", f"{backbone(store)} ({root}):", "", *rows]
-    if detail:
-        lines += ["", "## Claim 3 in detail", *detail]
+    if detail:  # the cell holds the verdict; the baselines, LM-written rows and cost classes go beside it
+        beside = Path(out).with_name(Path(out).stem + "_claim3.md")
+        beside.write_text("## Claim 3 in detail\n" + "\n".join(detail) + "\n")
+        lines += [
+            "",
+            f"Claim 3 in detail (each budget's baselines, LM-written rows, cost classes): [{beside.name}]"
+            f"({beside.name})",
+        ]
+        print(f"written: {beside}")
     Console().print(table)
     with open(out, "w") as fh:
         fh.write("# The paper's claims, checked\n\n" + "\n".join(lines) + "\n")

@@ -1,4 +1,4 @@
-"""`dihal compare`: the diagnostic comparison of docs/method.md section 5 (revision 2), as one stage.
+"""`dihal compare`: the diagnostic comparison of METHOD §5 (revision 2), as one stage.
 
 For every budget (multiples of the protocol's steps) and seed it trains (or finds in the store)
 each part a row needs under ONE protocol, so the budget is matched: the prior over normalized h_0,
@@ -28,22 +28,15 @@ import pandas as pd
 from dihal.artifacts import hidden_states as hs
 from dihal.artifacts.errors import DihalError
 from dihal.artifacts.store import Artifact, ArtifactStore, Job
-from dihal.stages import bridge as bridge_stage
 from dihal.stages import compare_stats, generate_parallel, registry
-from dihal.stages import decoder as decoder_stage
 from dihal.stages import evaluate as eval_stage
 from dihal.stages import generate as gen_stage
-from dihal.stages import latent as latent_stage
-from dihal.stages import prior as prior_stage
 from dihal.stages import score as score_stage
 from dihal.stages.configs import (
     PROTOCOLS,
-    AutoencoderConfig,
-    BridgeConfig,
     CompareConfig,
-    DecoderTrainConfig,
     GenerateConfig,
-    PriorConfig,
+    check_evaluator,
 )
 from dihal.stages.lineage import origin
 from dihal.stages.lm import tokens
@@ -52,7 +45,9 @@ from dihal.stages.runtime.progress import NullProgress, Progress
 from dihal.stages.text.text_metrics import token_entropy
 
 STAGE = "compare"
-CACHE_VERSION = 5  # 2: AR rows' unprompted generation fixed; 3: section 5 revision 2; 4: seeds' diversity; 5: stops
+CACHE_VERSION = (
+    5  # 2: AR rows' unprompted generation fixed; 3: METHOD §5, method revision 2; 4: seeds' diversity; 5: stops
+)
 
 
 def layers_from_score(score_art: Artifact, cfg: CompareConfig) -> tuple[int, int]:
@@ -119,37 +114,17 @@ def budget_overrides(cfg: CompareConfig, k: int) -> dict:
 
 
 def part_configs(cfg: CompareConfig, seed: int, l_star: int, worst: int, k: int = 1) -> dict[str, tuple]:
-    """{part label: (stage run, config)} of one seed and budget: each distinct part of the registry's
-    rows (and of the AR references) once, every one under the one protocol."""
+    """{part label: (part, its stage's run, its config)} of one seed and budget: each distinct part of the
+    registry's rows (and of the AR references) once, every one under the one protocol."""
     layers = layer_names(l_star, worst, cfg.oracle)
     common = dict(seed=seed, device=cfg.device, dtype=cfg.dtype)
     condition = dict(condition_noise=cfg.condition_noise, condition_from=cfg.condition_from)
     overrides = budget_overrides(cfg, k) if k != 1 else dict(cfg.overrides)
 
-    def build(spec) -> tuple:
-        if isinstance(spec, registry.PriorPart):
-            pcfg = PriorConfig.for_run(
-                cfg.protocol,
-                overrides,
-                layer=layers[spec.layer],
-                self_condition=spec.self_condition,
-                latent=spec.latent,
-                **common,
-            )
-            return prior_stage.run, pcfg
-        if isinstance(spec, registry.AutoencoderPart):  # its decoder and resampler have fixed depths
-            acfg = AutoencoderConfig.for_run(
-                cfg.protocol, {k: v for k, v in overrides.items() if k != "depth"}, **common
-            )
-            return latent_stage.run, acfg
-        if isinstance(spec, registry.DecoderPart):  # the decoder's depth is fixed (DECODER_DEPTH)
-            decoder_overrides = {k: v for k, v in overrides.items() if k != "depth"}
-            dcfg = DecoderTrainConfig.for_run(cfg.protocol, decoder_overrides, **condition, **common)
-            return decoder_stage.run, dcfg
-        noise = condition if spec.noisy else {"condition_noise": 0.0}
-        return bridge_stage.run, BridgeConfig.for_run(
-            cfg.protocol, overrides, layer=layers[spec.layer], **noise, **common
-        )
+    def build(spec) -> tuple:  # every kind of part alike: its stage, its config under the one protocol
+        own = {k: v for k, v in overrides.items() if not (spec.fixed_depth and k == "depth")}
+        part_cfg = registry.resolve(spec.config).for_run(cfg.protocol, own, **spec.fields(layers, condition), **common)
+        return spec, registry.resolve(spec.run), part_cfg
 
     specs = [spec for row in active_rows(cfg) for spec in row.parts()] + [registry.AR_REFERENCE_BRIDGE]
     return {spec.label(layers): build(spec) for spec in dict.fromkeys(specs)}
@@ -161,39 +136,36 @@ def train_parts(
     """loaded: the backbone this comparison holds; the decoder and the autoencoder read their frozen
     embedding table from it instead of loading it again."""
     parts = {}  # the prior over h_0 comes first: with prior:T the decoder and the noisy bridges read it
-    for name, (run, part_cfg) in part_configs(cfg, seed, l_star, worst, k).items():
+    for name, (spec, run, part_cfg) in part_configs(cfg, seed, l_star, worst, k).items():
         progress.log(f"budget x{k}, seed {seed}: {name}")
         reads = {"prior": parts["prior"]} if getattr(part_cfg, "condition_from", None) == "prior" else {}
         if getattr(part_cfg, "latent", False):
             reads = {"latents": parts["autoencoder"]}
-        if run in (decoder_stage.run, latent_stage.run):
+        if spec.reads_backbone:
             reads["loaded"] = loaded
         parts[name] = run(part_cfg, extract, store, progress=progress, **reads)
     return parts
 
 
-def generations(cfg: CompareConfig, l_star: int, worst: int, backbone: str = "the backbone") -> list[dict]:
+def generations(cfg: CompareConfig) -> list[dict]:
     """Every generation of one seed and budget: (row, source, temperature) and what it reads."""
-    layers = layer_names(l_star, worst, cfg.oracle, backbone)
     out = []
     for row in active_rows(cfg):
         temps = cfg.temperatures if row.curve else (None,)
         sources = ["prior"] + (["oracle", "null"] if (row.controls_of or row.key) in cfg.controls else [])
         for source in sources:
             for t in temps if source == "prior" else (temps[-1],):  # controls at the grid's last temperature
-                out.append(
-                    {"row": row, "label": row.label(layers), "source": source, "temperature": t, "cost": row.cost}
-                )
+                out.append({"row": row, "key": row.key, "source": source, "temperature": t, "cost": row.cost})
     return out
 
 
-def generate_rows(cfg, parts, store, loaded, seed, l_star, worst, progress, backbone: str = "the backbone"):
+def generate_rows(cfg, parts, store, loaded, seed, l_star, worst, progress):
     """(what, generate artifact) for every registry row, source and temperature, then the AR references."""
-    layers = layer_names(l_star, worst, cfg.oracle, backbone)
+    layers = layer_names(l_star, worst, cfg.oracle)
     common = dict(sample_steps=cfg.sample_steps, num_samples=cfg.num_samples, batch_size=cfg.batch_size, seed=seed)
     common |= dict(device=cfg.device, dtype=cfg.dtype, top_p=cfg.top_p)
     out = []
-    for g in generations(cfg, l_star, worst, backbone):
+    for g in generations(cfg):
         row = g["row"]
         gcfg = GenerateConfig(
             mode="parallel",
@@ -214,7 +186,7 @@ def generate_rows(cfg, parts, store, loaded, seed, l_star, worst, progress, back
     for t in cfg.temperatures:
         ar = GenerateConfig(max_new_tokens=origin(reference).seq_len - 1, baseline="original", temperature=t, **common)
         art = gen_stage.run(ar, reference, store, loaded, progress=progress)
-        what = {"label": "AR references", "source": "prior", "temperature": t, "kind": "curve", "cost": "reference"}
+        what = {"key": AR_REFERENCES, "source": "prior", "temperature": t, "kind": "curve", "cost": "reference"}
         out.append((what, art))
     return out
 
@@ -227,9 +199,26 @@ def held_out_texts(extract: Artifact, loaded, n: int) -> tuple[list[str], list[l
     return [loaded.tokenizer.decode(k, skip_special_tokens=True) for k in kept], kept
 
 
-AR_NAMES = {"hybrid": "AR hybrid (l*)", "original": "original (AR)"}
-# the tables' names of what a recovery read (GenerateConfig.source); "null" alone reads back as NaN in pandas
-SOURCE_NAMES = {"prior": "trained prior", "oracle": "oracle prior", "null": "null prior"}
+# Rows beside the registry's, by key; an AR reference generation holds both of its models' samples
+AR_REFERENCES, AR_ROWS, HELD_OUT = "ar-references", {"hybrid": "ar-hybrid", "original": "ar-original"}, "held-out"
+# Labels, used only where a table, JSON or plot is written (rows and sources are keys until then)
+ROW_LABELS = {"ar-hybrid": "AR hybrid (l*)", "ar-original": "original (AR)", HELD_OUT: "held-out text"}
+
+
+def row_labels(cfg: CompareConfig, plan: Plan) -> dict[str, str]:
+    """Every row key of this comparison -> its label (the registry's name with its layer filled in)."""
+    named = layer_names(plan.l_star, plan.worst, cfg.oracle, plan.short)
+    return {**{row.key: row.label(named) for row in active_rows(cfg)}, **ROW_LABELS}
+
+
+def labelled(frame: pd.DataFrame, rows: dict[str, str]) -> pd.DataFrame:
+    """A frame of keys as it is written: its row and source columns turned into labels."""
+    out = frame.copy()
+    if "row" in out:
+        out["row"] = out["row"].map(rows)
+    if "source" in out:
+        out["source"] = out["source"].map(registry.SOURCE_LABELS)
+    return out
 
 
 def scored_samples(art: Artifact, ev, store: ArtifactStore, cfg: CompareConfig) -> pd.DataFrame:
@@ -258,26 +247,25 @@ def sample_table(gens, evaluators: dict, store, cfg, budget: int, seed: int, pro
     frames = []
     for i, (what, art) in enumerate(gens):
         progress.log(
-            f"budget x{budget}, seed {seed}: scoring {i + 1}/{len(gens)}: {what['label']}, "
+            f"budget x{budget}, seed {seed}: scoring {i + 1}/{len(gens)}: {what['key']}, "
             f"{what['source']}, t={what['temperature']}"
         )
         scores = {name: scored_samples(art, ev, store, cfg) for name, ev in evaluators.items()}
         for model, samples in texts_of(art).items():
-            row = AR_NAMES.get(model, what["label"]) if what["label"] == "AR references" else what["label"]
             frame = pd.DataFrame(
                 {
                     "budget": budget,
                     "seed": seed,
-                    "row": row,
+                    "row": AR_ROWS[model] if what["key"] == AR_REFERENCES else what["key"],
                     "kind": what["kind"],
-                    "source": SOURCE_NAMES[what["source"]],
+                    "source": what["source"],
                     "temperature": what["temperature"],
                     "index": range(len(samples)),
                     "text": [r["text"] for r in samples],
                     "n_tokens": [r["n_tokens"] for r in samples],
                     "ms_per_sample": art.manifest["metrics"].get(model, art.manifest["metrics"]).get("ms_per_sample"),
                     "cost": what["cost"],
-                    "plan_agreement": art.manifest["metrics"].get("plan_agreement"),  # METHOD 5.1, per artifact
+                    "plan_agreement": art.manifest["metrics"].get("plan_agreement"),  # METHOD §5.1, per artifact
                     "generate": art.id,
                 }
             )
@@ -293,9 +281,9 @@ def held_out_samples(texts: list[str], ids: list[list[int]], evaluators: dict) -
     """The held-out text of the same length, scored like a row (the same for every budget and seed)."""
     frame = pd.DataFrame(
         {
-            "row": "held-out text",
+            "row": HELD_OUT,
             "kind": "point",
-            "source": "data",
+            "source": compare_stats.DATA,
             "temperature": np.nan,
             "index": range(len(texts)),
             "text": texts,
@@ -309,16 +297,17 @@ def held_out_samples(texts: list[str], ids: list[list[int]], evaluators: dict) -
     return frame
 
 
-def plot(samples: pd.DataFrame, lines: pd.DataFrame, h_ref: float, path, title: str) -> None:
+def plot(lines: pd.DataFrame, rows: dict[str, str], h_ref: float, path, title: str) -> None:
     """Gen.PPL against entropy under each evaluator (a line per curve row, a marker per point row, the
     held-out entropy dashed) and diversity against primary Gen.PPL at the grid's top temperature."""
     fig, axes = plotting.figure(16, 5, ncols=3)
     mean = (
-        lines[lines.source.isin(["trained prior", "data"])]
+        lines[lines.source.isin([compare_stats.TRAINED, compare_stats.DATA])]
         .groupby(["row", "kind", "temperature"], dropna=False, sort=False)
         .mean(numeric_only=True)
         .reset_index()
     )
+    mean["row"] = mean["row"].map(rows)
     for ax, ev in zip(axes[:2], compare_stats.EVALUATORS):
         for (row, kind), g in mean.groupby(["row", "kind"], sort=False):
             g = g.sort_values("token_entropy")
@@ -363,8 +352,7 @@ def check(cfg: CompareConfig, extract: Artifact, score_art: Artifact) -> Plan:
     hs.open_with_layers(extract, needed, ": compare needs layers 0, l*, argmin S (and the oracle)")
     backbone = extract.config["model"]
     primary = eval_stage.second_evaluator(cfg.evaluator, backbone)
-    if primary == backbone:
-        raise DihalError(f"--evaluator {primary} is the backbone; the primary evaluator must be another model")
+    check_evaluator(primary, backbone)
     group = hs.open_group(extract)
     n_val = len(hs.split_indices(group, "validation"))
     if cfg.controls and n_val < cfg.num_samples:
@@ -387,7 +375,7 @@ def collect(cfg: CompareConfig, plan: Plan, extract: Artifact, store: ArtifactSt
         for seed in cfg.seeds:
             parts = train_parts(cfg, extract, store, seed, plan.l_star, plan.worst, k, progress, loaded)
             parts_table += [{"budget": k, "seed": seed, **part_row(n, a, loaded.model)} for n, a in parts.items()]
-            gens = generate_rows(cfg, parts, store, loaded, seed, plan.l_star, plan.worst, progress, plan.short)
+            gens = generate_rows(cfg, parts, store, loaded, seed, plan.l_star, plan.worst, progress)
             frames.append(sample_table(gens, evaluators, store, cfg, k, seed, progress))
             frames.append(real.assign(budget=k, seed=seed))
     return {
@@ -400,16 +388,24 @@ def collect(cfg: CompareConfig, plan: Plan, extract: Artifact, store: ArtifactSt
 
 
 def write(art: Artifact, cfg: CompareConfig, plan: Plan, got: dict, stats: dict, ours: str, seconds: float) -> None:
-    """The tables (CSV), compare.json, a plot per budget, and the manifest's metrics."""
-    lines, heads, controls, parts = stats["lines"], stats["heads"], stats["controls"], got["parts"]
+    """The tables (CSV), compare.json, a plot per budget, and the manifest's metrics: every row and source
+    key turned into its label here."""
+    rows = row_labels(cfg, plan)
+    lines, heads, controls = (labelled(stats[k], rows) for k in ("lines", "heads", "controls"))
+    parts = got["parts"]
     lines.to_csv(art.file("compare.csv"), index=False)
     heads.to_csv(art.file("summary.csv"), index=False)
     controls.to_csv(art.file("controls.csv"), index=False)
     parts.to_csv(art.file("parts.csv"), index=False)
-    got["samples"].drop(columns=["text"]).to_csv(art.file("samples.csv"), index=False)
+    labelled(got["samples"], rows).drop(columns=["text"]).to_csv(art.file("samples.csv"), index=False)
     control_means = controls.groupby(["budget", "row", "source"], sort=False)[
         ["gen_ppl_token_evaluator", "gen_ppl_token_backbone", "token_entropy", "diversity"]
     ].mean()  # over seeds
+    name = lambda v, key: {**v, key: rows[v[key]]}
+    verdicts = [{**v, "baselines": [name(b, "baseline") for b in v["baselines"]]} for v in stats["verdicts"]]
+    by_class = [
+        name({**v, "baselines": [name(b, "baseline") for b in v["baselines"]]}, "dihal") for v in stats["by_class"]
+    ]
     result = {
         "l_star": plan.l_star,
         "argmin_S": plan.worst,
@@ -420,26 +416,24 @@ def write(art: Artifact, cfg: CompareConfig, plan: Plan, got: dict, stats: dict,
         "temperatures": list(cfg.temperatures),
         "budgets": list(cfg.budgets),
         "seeds": list(cfg.seeds),
-        "ours": ours,
+        "ours": rows[ours],
         "summary": heads.to_dict("records"),
-        "verdicts": stats["verdicts"],
-        "verdicts_by_class": stats["by_class"],  # like with like (METHOD 5.1)
+        "verdicts": verdicts,
+        "verdicts_by_class": by_class,  # like with like (METHOD §5.1)
         "lm_written": sorted({h["row"] for h in heads.to_dict("records") if h.get("lm_written") is True}),
         "parts": parts.to_dict("records"),
         "controls": control_means.reset_index().to_dict("records"),
         "wall_seconds": seconds,
     }
     art.file("compare.json").write_text(json.dumps(result, indent=2, default=float))
-    samples = got["samples"]
     for k in cfg.budgets:
         title = f"section 5 at {k}x the protocol's steps; seeds {list(cfg.seeds)}"
-        path = art.file(f"compare_x{k}.png")
-        plot(samples[samples.budget == k], lines[lines.budget == k], got["h_ref"], path, title)
+        plot(stats["lines"][stats["lines"].budget == k], rows, got["h_ref"], art.file(f"compare_x{k}.png"), title)
     big = ("summary", "parts", "verdicts", "verdicts_by_class", "controls")
     art.manifest["metrics"] = {k: v for k, v in result.items() if k not in big}
-    art.manifest["metrics"]["claim_3"] = {str(v["budget"]): v["claim_3"] for v in stats["verdicts"]}
+    art.manifest["metrics"]["claim_3"] = {str(v["budget"]): v["claim_3"] for v in verdicts}
     art.manifest["metrics"]["claim_3_by_class"] = {
-        f"{v['budget']} {v['class']}: {v['dihal']}": v["claim_3"] for v in stats["by_class"]
+        f"{v['budget']} {v['class']}: {v['dihal']}": v["claim_3"] for v in by_class
     }
 
 
@@ -463,10 +457,9 @@ def run(
     def work(art: Artifact) -> None:
         start = time.time()
         got = collect(cfg, plan, extract, store, load_model, progress)
-        named = layer_names(plan.l_star, plan.worst, cfg.oracle, plan.short)
-        ours = next(r.label(named) for r in active_rows(cfg) if r.ours)
-        baselines = [r.label(named) for r in active_rows(cfg) if r.baseline]
-        dihal = [r.label(named) for r in active_rows(cfg) if r.ours or r.controls_of == "dihal"]
+        ours = next(r.key for r in active_rows(cfg) if r.ours)
+        baselines = [r.key for r in active_rows(cfg) if r.baseline]
+        dihal = [r.key for r in active_rows(cfg) if r.ours or r.controls_of == "dihal"]
         evaluator = got["evaluators"]["evaluator"]
         stats = compare_stats.analyse(
             got["samples"], got["h_ref"], cfg, ours, baselines, evaluator, got["texts"], dihal=dihal

@@ -1,5 +1,9 @@
-"""The statistics of `dihal compare` (docs/method.md section 5), on the table of every generated sample
+"""The statistics of `dihal compare` (METHOD §5), on the table of every generated sample
 (one line per sample: budget, seed, row, source, temperature, text, its scores under both evaluators).
+
+Rows and sources are their keys here (a registry Row's key, "ar-hybrid", "held-out"; "prior", "oracle",
+"null", "data"): stages/compare.py turns them into labels only when it writes. An outcome and a claim
+are values of the enums below, made once where they are decided.
 
     metrics_of   a row's section-5 metrics: Gen.PPL (token-weighted and median) under both evaluators,
                  entropy, diversity and distinct-n (per seed, averaged), length
@@ -8,11 +12,13 @@
     verdict      claim 3 per baseline: DiHAL's curve at the baseline's entropies against the baseline
     whose_text   a row's prior gain (null-prior Gen.PPL / trained-prior Gen.PPL) and plan agreement under
                  the primary evaluator at the controls' temperature; below LM_WRITTEN it is "LM-written"
-    by_class     like with like (METHOD 5.1): each DiHAL readout against the baselines of its cost class
+    by_class     like with like (METHOD §5.1): each DiHAL readout against the baselines of its cost class
     analyse      all of it for one comparison: the per-row lines, the headlines, the verdicts, the controls
 """
 
 from __future__ import annotations
+
+from enum import Enum
 
 import numpy as np
 import pandas as pd
@@ -23,9 +29,41 @@ from dihal.stages.text.text_metrics import text_metrics
 
 EVALUATORS = ("evaluator", "backbone")  # the primary one first: the backbone scores its own choices
 DEGENERATE = 0.9  # a row whose entropy is below 0.9 x the held-out text's at every temperature
-CONTROLS = ("oracle prior", "null prior")
+TRAINED, CONTROLS, DATA = (
+    "prior",
+    ("oracle", "null"),
+    "data",
+)  # sources: a recovery reads the trained prior or a control
 LM_WRITTEN = 1.5  # a prior gain below it: the row writes from its own language model, not from the diffusion
 CLASSES = ("one-pass", "token-by-token")  # refine rows are reported beside both
+
+
+class Outcome(str, Enum):
+    """DiHAL against one baseline at the baseline's entropies (a str: it is written as its value)."""
+
+    DIHAL_BETTER = "DiHAL better"
+    BASELINE_BETTER = "baseline better"
+    MIXED = "mixed"
+    BASELINE_DEGENERATE = "baseline degenerate"
+    DIHAL_DEGENERATE = "DiHAL degenerate"
+    NOT_COMPARABLE = "not comparable (entropies not reached)"
+    BASELINE_LM_WRITTEN = "baseline LM-written"  # its prior gain is below LM_WRITTEN: decides nothing
+    DIHAL_LM_WRITTEN = "DiHAL LM-written"
+
+    @property
+    def comparable(self) -> bool:
+        return self in (Outcome.DIHAL_BETTER, Outcome.BASELINE_BETTER, Outcome.MIXED)
+
+
+class Claim(str, Enum):
+    """Claim 3 at one budget (and cost class)."""
+
+    HOLDS = "holds"
+    PARTLY = "partly"
+    DOES_NOT_HOLD = "does not hold"
+    DIHAL_DEGENERATE = "does not hold (DiHAL degenerate)"
+    NOT_DECIDED = "not decided (DiHAL LM-written)"
+    NOT_TESTABLE = "not testable (no comparable baseline)"
 
 
 def gen_ppl(group: pd.DataFrame, ev: str) -> float:
@@ -114,8 +152,10 @@ def status(samples: pd.DataFrame, kind: str, h_ref: float, value: float) -> str:
     return "not reached" if kind == "curve" and not np.isfinite(value) else "ok"
 
 
-def verdict(samples: pd.DataFrame, ours: str, baseline: str, ev: str, h_ref: float) -> dict:
-    """DiHAL's Gen.PPL and diversity interpolated at each of the baseline's entropies, against its own."""
+def verdict(samples: pd.DataFrame, ours: str, baseline: str, ev: str, h_ref: float, lm_written=frozenset()) -> dict:
+    """DiHAL's Gen.PPL and diversity interpolated at each of the baseline's entropies, against its own.
+    lm_written: the rows whose prior gain is below LM_WRITTEN; where either side is one, the outcome says
+    so and what was measured is kept apart ("measured")."""
     mine, theirs = samples[samples.row == ours], samples[samples.row == baseline]
     my_curve = [
         (m["token_entropy"], np.log(m[f"gen_ppl_token_{ev}"]), m["diversity"])
@@ -139,36 +179,41 @@ def verdict(samples: pd.DataFrame, ours: str, baseline: str, ev: str, h_ref: flo
     reached = [p for p in points if np.isfinite(p["dihal_gen_ppl"])]
     wins = [p["dihal_gen_ppl"] < p["baseline_gen_ppl"] for p in reached]
     if status(theirs, "curve", h_ref, 0.0) == "degenerate":
-        outcome = "baseline degenerate"
+        outcome = Outcome.BASELINE_DEGENERATE
     elif status(mine, "curve", h_ref, 0.0) == "degenerate":
-        outcome = "DiHAL degenerate"
+        outcome = Outcome.DIHAL_DEGENERATE
     elif not reached:
-        outcome = "not comparable (entropies not reached)"
+        outcome = Outcome.NOT_COMPARABLE
     else:
-        outcome = "DiHAL better" if all(wins) else "baseline better" if not any(wins) else "mixed"
-    return {"baseline": baseline, "outcome": outcome, "points": points}
+        outcome = Outcome.DIHAL_BETTER if all(wins) else Outcome.BASELINE_BETTER if not any(wins) else Outcome.MIXED
+    out = {"baseline": baseline, "outcome": outcome, "points": points}
+    if ours in lm_written or baseline in lm_written:
+        out["outcome"] = Outcome.DIHAL_LM_WRITTEN if ours in lm_written else Outcome.BASELINE_LM_WRITTEN
+        out["measured"] = outcome
+    return out
 
 
-def claim(verdicts: list[dict]) -> str:
+def claim(verdicts: list[dict]) -> Claim:
     """Claim 3 at one budget: holds if DiHAL beats every comparable baseline at its entropies."""
-    comparable = [v for v in verdicts if v["outcome"] in ("DiHAL better", "baseline better", "mixed")]
-    if any(v["outcome"] == "DiHAL degenerate" for v in verdicts):
-        return "does not hold (DiHAL degenerate)"
-    if any(v["outcome"] == "DiHAL LM-written" for v in verdicts):
-        return "not decided (DiHAL LM-written)"
+    outcomes = [Outcome(v["outcome"]) for v in verdicts]
+    comparable = [o for o in outcomes if o.comparable]
+    if Outcome.DIHAL_DEGENERATE in outcomes:
+        return Claim.DIHAL_DEGENERATE
+    if Outcome.DIHAL_LM_WRITTEN in outcomes:
+        return Claim.NOT_DECIDED
     if not comparable:
-        return "not testable (no comparable baseline)"
-    won = sum(v["outcome"] == "DiHAL better" for v in comparable)
-    return "holds" if won == len(comparable) else "does not hold" if won == 0 else "partly"
+        return Claim.NOT_TESTABLE
+    won = comparable.count(Outcome.DIHAL_BETTER)
+    return Claim.HOLDS if won == len(comparable) else Claim.DOES_NOT_HOLD if won == 0 else Claim.PARTLY
 
 
 def whose_text(samples: pd.DataFrame, budget: int, row: str) -> dict:
-    """METHOD 5.1 for one row and budget, under the primary evaluator at the temperature its controls ran
+    """METHOD §5.1 for one row and budget, under the primary evaluator at the temperature its controls ran
     (the grid's last; a point row's own): prior gain = Gen.PPL(null prior) / Gen.PPL(trained prior), plan
     agreement = the share of its tokens that are the cosine-nearest token of the prior's sample there.
     NaN where the row has no null-prior control (its gain is not measured) or no plan."""
     mine = samples[(samples.budget == budget) & (samples.row == row)]
-    null, trained = mine[mine.source == "null prior"], mine[mine.source == "trained prior"]
+    null, trained = mine[mine.source == "null"], mine[mine.source == TRAINED]
     t = null["temperature"].iloc[0] if len(null) else trained["temperature"].max()
     same = trained[trained.temperature.isna()] if pd.isna(t) else trained[trained.temperature == t]
     gain = gen_ppl(null, "evaluator") / gen_ppl(same, "evaluator") if len(null) and len(same) else float("nan")
@@ -188,7 +233,7 @@ def summarize(samples: pd.DataFrame, h_ref: float, seed: int) -> tuple[pd.DataFr
         for k, g in samples.groupby(keys + ["seed"], sort=False, dropna=False)
     ]
     rng, heads = np.random.default_rng([seed, 5]), []
-    for (budget, row, kind), g in samples[samples.source.isin(["trained prior", "data"])].groupby(
+    for (budget, row, kind), g in samples[samples.source.isin([TRAINED, DATA])].groupby(
         ["budget", "row", "kind"], sort=False
     ):
         head = headline(g, kind, h_ref, rng, bootstrap_resamples(len(g)))
@@ -233,9 +278,7 @@ def mauve_scores(samples: pd.DataFrame, evaluator, held_out: np.ndarray, top_t: 
         return pd.DataFrame(columns=["budget", "row", "seed", "mauve"])
     import mauve
 
-    picked = samples[
-        (samples.source == "trained prior") & (samples.temperature.isna() | (samples.temperature == top_t))
-    ]
+    picked = samples[(samples.source == TRAINED) & (samples.temperature.isna() | (samples.temperature == top_t))]
     out = []
     for (budget, row, s), g in picked.groupby(["budget", "row", "seed"], sort=False):
         p = eval_stage.last_token_features(evaluator, g["text"].tolist())
@@ -245,23 +288,16 @@ def mauve_scores(samples: pd.DataFrame, evaluator, held_out: np.ndarray, top_t: 
 
 
 def by_class(samples: pd.DataFrame, heads: pd.DataFrame, dihal: list[str], baselines: list[str], h_ref, budgets):
-    """Like with like (METHOD 5.1): each DiHAL readout against the baselines of its own cost class (a refine
+    """Like with like (METHOD §5.1): each DiHAL readout against the baselines of its own cost class (a refine
     row against every baseline, beside both classes); an LM-written row's win or loss decides nothing."""
     out = []
     for k in budgets:
-        one = samples[(samples.budget == k) & (samples.source == "trained prior")]
+        one = samples[(samples.budget == k) & (samples.source == TRAINED)]
         head = heads[heads.budget == k].set_index("row")
-        cost, lm = head["cost"].to_dict(), {r: w is True for r, w in head["lm_written"].items()}
+        cost, lm = head["cost"].to_dict(), frozenset(r for r, w in head["lm_written"].items() if w is True)
         for mine in dihal:
             theirs = [b for b in baselines if cost.get(mine) == "refine" or cost.get(b) == cost.get(mine)]
-            vs = []
-            for b in theirs:
-                v = verdict(one, mine, b, "evaluator", h_ref)
-                measured = v["outcome"]
-                if lm.get(b) or lm.get(mine):
-                    v["outcome"] = "DiHAL LM-written" if lm.get(mine) else "baseline LM-written"
-                    v["measured"] = measured
-                vs.append(v)
+            vs = [verdict(one, mine, b, "evaluator", h_ref, lm) for b in theirs]
             klass = cost.get(mine) if cost.get(mine) in CLASSES else f"{cost.get(mine)} (beside both)"
             out.append({"budget": k, "class": klass, "dihal": mine, "claim_3": claim(vs), "baselines": vs})
     return out
@@ -281,14 +317,14 @@ def analyse(
     top_t = max(cfg.temperatures)
     held_features = eval_stage.last_token_features(evaluator, texts) if mauve_available() else None
     scores = mauve_scores(samples, evaluator, held_features, top_t, cfg.seeds[0])
-    at_top = lines.source.eq("trained prior") & (lines.temperature.isna() | lines.temperature.eq(top_t))
+    at_top = lines.source.eq(TRAINED) & (lines.temperature.isna() | lines.temperature.eq(top_t))
     lines = lines.merge(scores, on=["budget", "row", "seed"], how="left")
     lines.loc[~at_top.to_numpy(), "mauve"] = np.nan
     per_row = scores.groupby(["budget", "row"])["mauve"].mean() if len(scores) else {}
     heads["mauve_at_top_t"] = [per_row.get((b, r), np.nan) for b, r in zip(heads.budget, heads.row)]
     verdicts = []
     for k in cfg.budgets:
-        one = samples[(samples.budget == k) & (samples.source == "trained prior")]
+        one = samples[(samples.budget == k) & (samples.source == TRAINED)]
         vs = [verdict(one, ours, b, "evaluator", h_ref) for b in baselines]
         verdicts.append({"budget": k, "claim_3": claim(vs), "baselines": vs})
     classes = by_class(samples, heads, dihal or [ours], baselines, h_ref, cfg.budgets)

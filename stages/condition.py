@@ -1,4 +1,4 @@
-"""The corrupted conditions a recovery trains on (docs/method.md section 5, --condition-noise): `sigma:S`
+"""The corrupted conditions a recovery trains on (METHOD §5, --condition-noise): `sigma:S`
 is c + sigma z (stages/diffusion/flow.py corrupt); `prior:T` is the trained layer-0 prior's own x0
 estimate of c noised to t <= T. Shared by the bridge's and the decoder's training."""
 

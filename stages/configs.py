@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import MISSING, asdict, dataclass, field, fields
+from pathlib import Path
 
 from dihal.artifacts.errors import DihalError
 from dihal.stages.registry import PROXY_SETS, RECOVERIES, ROW_KEYS
@@ -36,18 +37,18 @@ SPLITS = ("train", "validation")
 PREDICTIONS = ("x0", "velocity")
 SCHEDULES = ("cosine", "constant")
 PRECISIONS = ("float32", "bfloat16")
-SOURCES = ("prior", "null", "oracle")  # what a parallel recovery reads: section 5's controls bracket the prior
+SOURCES = ("prior", "null", "oracle")  # what a parallel recovery reads: METHOD §5's controls bracket the prior
 CONFIRM_NAMED = {"l_star": "l_star", "oracle": "oracle_layer", "worst": "worst_layer"}  # --at name -> sweep key
 DIST_TIMEOUT_MINUTES = 60.0  # a torchrun rank's wait for the others (NCCL's own 10 minutes ends a sweep early)
 DIST_TIMEOUT_ENV = "DIHAL_DIST_TIMEOUT"  # how `dihal --dist-timeout` reaches every rank's process group
-COMPARISON_CONDITION_NOISE = 0.5  # section 5: sigma_max of the corrupted conditions of decoder and bridges
-DECODER_DEPTH = 2  # section 5: the decoder has the protocol's width and depth 2
+COMPARISON_CONDITION_NOISE = 0.5  # METHOD §5: sigma_max of the corrupted conditions of decoder and bridges
+DECODER_DEPTH = 2  # METHOD §5: the decoder has the protocol's width and depth 2
 
 # the CPU protocols share one network and batch; each names only what it changes
 _CPU = dict(epochs=None, batch_size=32, schedule="cosine", width=256, depth=4, heads=4, val_sequences=64)
 
 PROTOCOLS: dict[str, dict] = {
-    # the measurement setting of docs/method.md section 2 with 1000 steps instead of 600 (about 7 minutes
+    # the measurement setting of METHOD §2 with 1000 steps instead of 600 (about 7 minutes
     # on two CPU cores for smollm2-135m): at layer 3, 600 steps gave top-1 0.642 at 8 steps, 1000 gave 0.659
     "cpu-small": dict(_CPU, steps=1000, lr=1e-3, warmup=30, ema=0.995, eval_every=100, checkpoint_every=50),
     # one fixed short budget per layer for sweeps (under 2 minutes a layer on CPU)
@@ -256,13 +257,23 @@ def parse_condition(spec: str) -> tuple[str, float]:
     return kind, number
 
 
+def check_evaluator(evaluator: str, backbone: str) -> None:
+    """The comparison's primary evaluator must be a model other than the backbone (it judges the backbone's
+    own choices otherwise): checked once, here, before any extract (the CLI) or model load (compare.check)."""
+    same = lambda spec: Path(spec).expanduser().resolve()
+    require(
+        same(evaluator) != same(backbone),
+        f"--evaluator {evaluator} is the backbone; the primary evaluator must be another model",
+    )
+
+
 def condition_label(cfg) -> str:
     return f"{cfg.condition_from}:{cfg.condition_noise:g}"
 
 
 @dataclass(frozen=True, kw_only=True)
 class BridgeConfig(PartRecipe):
-    """A bridge's whole recipe (docs/method.md section 2); protocol fields come from PROTOCOLS."""
+    """A bridge's whole recipe (METHOD §2); protocol fields come from PROTOCOLS."""
 
     protocol: str = "cpu-small"
     layer: int
@@ -271,8 +282,8 @@ class BridgeConfig(PartRecipe):
     prediction: str = "x0"
     skip_init: str = "ridge"  # "ridge": A starts at the least-squares map c -> y; "zero": plain init
     condition_noise: float = 0.0  # sigma: sigma_max of c + sigma z; prior: T, the prior's estimates from t <= T
-    condition_from: str = added("sigma")  # "sigma" or "prior" (section 5's corrupted conditions)
-    # the denoiser's positions: "rotary" (runs past --seq-len; the default by docs/method.md section 2's rule,
+    condition_from: str = added("sigma")  # "sigma" or "prior" (METHOD §5's corrupted conditions)
+    # the denoiser's positions: "rotary" (runs past --seq-len; the default by METHOD §2's rule,
     # measured: scripts/long_context.sh) or "learned" (ends at --seq-len; every bridge before issue 47)
     positions: str = added("rotary", old="learned")
 
@@ -292,7 +303,7 @@ class BridgeConfig(PartRecipe):
 
 @dataclass(frozen=True, kw_only=True)
 class PriorConfig(PartRecipe):
-    """A sequence prior over normalized states (section 5); protocol fields come from PROTOCOLS."""
+    """A sequence prior over normalized states (METHOD §5); protocol fields come from PROTOCOLS."""
 
     protocol: str = "compare-cpu"
     layer: int = 0  # 0: normalized h_0; l >= 1: normalized h_l (DiHAL-direct)
@@ -308,7 +319,7 @@ class PriorConfig(PartRecipe):
 
 @dataclass(frozen=True, kw_only=True)
 class DecoderTrainConfig(PartRecipe):
-    """CoDAR's decoder (section 5): the protocol's width, depth DECODER_DEPTH."""
+    """CoDAR's decoder (METHOD §5): the protocol's width, depth DECODER_DEPTH."""
 
     protocol: str = "compare-cpu"
     condition_noise: float = COMPARISON_CONDITION_NOISE
@@ -321,7 +332,7 @@ class DecoderTrainConfig(PartRecipe):
 
 @dataclass(frozen=True, kw_only=True)
 class AutoencoderConfig(PartRecipe):
-    """The LD4LG-style row's autoencoder (section 5): a Perceiver resampler from the frozen backbone's
+    """The LD4LG-style row's autoencoder (METHOD §5): a Perceiver resampler from the frozen backbone's
     last-layer states to `latents` x `latent_dim`, and the CoDAR decoder (frozen table) reading them."""
 
     protocol: str = "compare-cpu"
@@ -551,12 +562,12 @@ class GenerateConfig(Config):
     top_p: float = 1.0
     sample_steps: int = 8  # Euler steps of the bridge sampler per position
     batch_size: int = 8
-    mode: str = "ar"  # ar: the hybrid, token by token; parallel: a prior's samples, recovered (section 5)
+    mode: str = "ar"  # ar: the hybrid, token by token; parallel: a prior's samples, recovered (METHOD §5)
     baseline: str = "none"  # "original": also generate with the unmodified backbone; "original-only": it alone
     prior_steps: int = 50  # parallel: Euler steps of the prior
     recovery: str = "rounding"  # parallel: a name of stages/registry.py's RECOVERIES
     clamp: bool = False  # parallel: Diffusion-LM clamping of each step's x0 estimate
-    # parallel, --recovery hidden: independent, guided, refine:K, causal (METHOD 5.1)
+    # parallel, --recovery hidden: independent, guided, refine:K, causal (METHOD §5.1)
     readout: str = added("independent", when=lambda c: c.readout == "independent")
     # gamma of guided, refine:K and causal: a multiplier of the prior's own calibration s^2
     guidance: float = added(1.0, when=lambda c: c.readout == "independent")
@@ -683,7 +694,7 @@ class SweepConfig(Config):
 @dataclass(frozen=True, kw_only=True)
 class HarnessConfig(Config):
     """`dihal evaluate --bridge ID --lm-eval TASKS`: lm-evaluation-harness tasks on the hybrid and on its
-    backbone, both read in windows of the bridge's positions (stages/harness.py)."""
+    backbone, both read in windows of the bridge's positions (stages/evaluate_harness.py)."""
 
     tasks: tuple[str, ...]
     include: str | None = None  # a folder of task YAMLs (--lm-eval-include); its files' digest is in the id
@@ -736,7 +747,7 @@ class CompareConfig(Config):
     prior_steps: int = GenerateConfig.prior_steps
     sample_steps: int = GenerateConfig.sample_steps
     condition_noise: float = COMPARISON_CONDITION_NOISE
-    condition_from: str = "prior"  # section 5's default prior:0.5; "sigma": revision 1's c + sigma z
+    condition_from: str = "prior"  # METHOD §5's default prior:0.5; "sigma": method revision 1's c + sigma z
     evaluator: str | None = None  # the primary evaluator, a model other than the backbone; None: the other builtin
     temperatures: tuple[float, ...] = (0.0, 0.7, 1.0)  # the decoding grid of every row that ends in a distribution
     top_p: float = 1.0
@@ -749,7 +760,7 @@ class CompareConfig(Config):
         "dihal-direct",
     )  # rows whose recovery gets oracle/null
     budgets: tuple[int, ...] = (1, 5)  # multiples of the protocol's steps; every part trains at each
-    # DiHAL (l*)'s readouts (METHOD 5.1): each but independent a row; gamma of the guided ones
+    # DiHAL (l*)'s readouts (METHOD §5.1): each but independent a row; gamma of the guided ones
     readouts: tuple[str, ...] = added(("independent",))
     guidance: float = added(GenerateConfig.guidance, when=lambda c: c.readouts == ("independent",))
     batch_size: int = 32  # samples per generation batch

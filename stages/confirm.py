@@ -1,4 +1,4 @@
-"""`dihal confirm`: docs/method.md section 4, claim 4 -- fully trained, does the geometry-chosen
+"""`dihal confirm`: METHOD §4, claim 4 -- fully trained, does the geometry-chosen
 layer stay competitive with the oracle, and ahead of the worst layer?
 
 From a sweep it takes l*, the oracle and the worst layer (or layers named by number), trains a
@@ -17,9 +17,9 @@ import pandas as pd
 
 from dihal.artifacts.errors import DihalError
 from dihal.artifacts.store import Artifact, ArtifactStore, Job
-from dihal.stages import bridge as bridge_stage
 from dihal.stages import evaluate as eval_stage
 from dihal.stages import generate as gen_stage
+from dihal.stages import train_bridge as bridge_stage
 from dihal.stages.configs import CONFIRM_NAMED, ConfirmConfig
 from dihal.stages.lineage import origin
 from dihal.stages.runtime import dist

@@ -1,4 +1,4 @@
-"""`dihal evaluate`: bridge fidelity (--bridge) or generation quality (--samples), docs/method.md section 3."""
+"""`dihal evaluate`: bridge fidelity (--bridge) or generation quality (--samples), METHOD §3."""
 
 from __future__ import annotations
 
@@ -45,7 +45,7 @@ def readable(bridge_art: Artifact, theirs, own) -> bool:
 
 def unseen(held_out: Artifact, own: Artifact) -> bool:
     """The validation split of extract held_out holds no document the extract `own` trains on: each
-    source the two share is split by the same rule (docs/method.md section 0: the same seed and
+    source the two share is split by the same rule (METHOD §0: the same seed and
     fraction give every document the same split)."""
     a, b = held_out.config["data"], own.config["data"]
     shared = {a["dataset"], *a.get("also", ())} & {b["dataset"], *b.get("also", ())}

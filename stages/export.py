@@ -324,7 +324,7 @@ def model_card(config: dict, manifest: dict, results: Results) -> str:
         "",
     ]
     if results.fidelity:
-        lines += ["Teacher-forced fidelity (docs/method.md section 3):", ""]
+        lines += ["Teacher-forced fidelity (METHOD §3):", ""]
         lines += ["| source | steps | rel. error | cosine | KL | top-1 | PPL ratio |", "|---|---|---|---|---|---|---|"]
         for r in results.fidelity:
             cells = [_num(r.get(k)) for k in ("rel_recon_error", "cosine", "kl", "top1_agreement", "ppl_ratio")]

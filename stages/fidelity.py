@@ -1,4 +1,4 @@
-"""Bridge fidelity (docs/method.md section 3), teacher forced on held-out sequences.
+"""Bridge fidelity (METHOD §3), teacher forced on held-out sequences.
 
 For each number of sampling steps: relative reconstruction error ||h_hat - h||^2 / ||h - mu||^2,
 mean cosine similarity, KL(original || hybrid) of next-token distributions, top-1 agreement,

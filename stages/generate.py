@@ -1,5 +1,5 @@
-"""`dihal generate`: autoregressive hybrid generation (docs/method.md section 3, --mode ar); the parallel
-mode of section 5 is stages/generate_parallel.py.
+"""`dihal generate`: autoregressive hybrid generation (METHOD §3, --mode ar); the parallel
+mode of METHOD §5 is stages/generate_parallel.py.
 
 Each step: the bridge samples h_l for the new position from its embedding (noise drawn once
 per position; with the causal denoiser, earlier positions are cached per sampling step), the
@@ -43,7 +43,7 @@ def sample_token(logits: torch.Tensor, cfg: GenerateConfig, gen: torch.Generator
 
 
 def prompt_ids(tokenizer, prompt: str) -> list[int]:
-    """The start token (METHOD section 0: BOS, else the document separator, else EOS), then the prompt."""
+    """The start token (METHOD §0: BOS, else the document separator, else EOS), then the prompt."""
     ids = tokenizer(prompt, add_special_tokens=False)["input_ids"] if prompt else []
     return [start_token(tokenizer)[0]] + ids
 
@@ -107,8 +107,8 @@ def _dtype(module) -> torch.dtype:
 
 def corpus_prompts(cfg: GenerateConfig, tokenizer) -> GenerateConfig:
     """cfg with --prompts-from made into prompts: the decoded first --prompt-tokens tokens of the first
-    --num-prompts documents of the dataset's train split (the split rule of docs/method.md section
-    0 at the default fraction and seed) that are at least twice as long; cfg itself otherwise."""
+    --num-prompts documents of the dataset's train split (the split rule of METHOD §0
+    at the default fraction and seed) that are at least twice as long; cfg itself otherwise."""
     if cfg.prompts_from is None:
         return cfg
     from dihal.stages.configs import DataConfig

@@ -1,4 +1,4 @@
-"""`dihal generate --mode parallel` (docs/method.md section 5): whole sequences from a prior's noise, then
+"""`dihal generate --mode parallel` (METHOD §5): whole sequences from a prior's noise, then
 tokens by a recovery of stages/registry.py's RECOVERIES.
 
     source    the prior's samples (cfg.prior_steps Euler steps, clamped for Diffusion-LM), its initial
@@ -89,7 +89,7 @@ def parallel_label(prior_art: Artifact, cfg: GenerateConfig, recovery_art: Artif
 
 
 # The prior's samples of this process, by what determines them: rows that share a prior, its steps, the
-# seed and clamping read the same samples (section 5), so `dihal compare` integrates each prior once for
+# seed and clamping read the same samples (METHOD §5), so `dihal compare` integrates each prior once for
 # all of them (CoDAR, DiHAL and DiHAL at argmin S, at every temperature) instead of once per row. Kept on
 # the CPU, the last PRIOR_SAMPLES_KEPT of them; each entry keeps the seconds its integration took, which
 # every generation that reads it reports as its prior's cost.
@@ -130,7 +130,7 @@ def sources(
 
 def plan_agreement(e: torch.Tensor, tokens: torch.Tensor, prior, table) -> float:
     """The share of tokens (N, T') equal to the cosine-nearest token of the prior's sample at their
-    position (METHOD 5.1; 1 for rounding by definition): how much of the text the diffusion planned."""
+    position (METHOD §5.1; 1 for rounding by definition): how much of the text the diffusion planned."""
     from dihal.stages.lm.vocab import rounding
 
     return float((rounding(e, table(), prior.mu, prior.sigma) == tokens.to(e.device)).float().mean())
@@ -215,7 +215,7 @@ def run_parallel(
         prior_seconds, start = integrated or clock.now(cfg.device) - start, clock.now(cfg.device)  # reused: its cost
         e_digest = hashlib.sha256(e.detach().cpu().numpy().tobytes()).hexdigest()[:16]
         recovery = resolve(RECOVERIES[cfg.recovery].fn)(loaded, prior, recovery_art, cfg, table)
-        if hasattr(recovery, "calibrate"):  # guided readouts: s^2 from this run's own samples (METHOD 5.1)
+        if hasattr(recovery, "calibrate"):  # guided readouts: s^2 from this run's own samples (METHOD §5.1)
             recovery.calibrate(e)
         tokens = []
         for first in range(0, cfg.num_samples, cfg.batch_size):
@@ -249,7 +249,7 @@ def run_parallel(
             "prior_steps": cfg.prior_steps,
             "prior_samples_reused": reused,  # integrated for an earlier row of this process (the same samples)
             "prior_samples_sha256": e_digest,  # rows sharing the prior and seed (and clamping) share it
-            "plan_agreement": agreement,  # METHOD 5.1: tokens equal to the cosine-nearest token of the sample
+            "plan_agreement": agreement,  # METHOD §5.1: tokens equal to the cosine-nearest token of the sample
             **(recovery.describe() if hasattr(recovery, "describe") else {}),
         }
         art.manifest["decoding"] = decoding.describe(cfg.decoding_temperature, cfg.top_p, cfg.top_k)

@@ -1,4 +1,4 @@
-"""The hybrid of docs/method.md section 3 as a `transformers` causal LM (`dihal.load_hybrid`), so the tools
+"""The hybrid of METHOD §3 as a `transformers` causal LM (`dihal.load_hybrid`), so the tools
 that take a `PreTrainedModel` (lm-evaluation-harness's HFLM, a notebook's own loop) can use a trained bridge.
 
 forward(input_ids, attention_mask) is teacher forced: the bridge samples h_l from the tokens' layer-0

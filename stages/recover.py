@@ -1,12 +1,12 @@
-"""Token recoveries of docs/method.md section 5: each maps prior samples e (B, T', D), normalized,
+"""Token recoveries of METHOD §5: each maps prior samples e (B, T', D), normalized,
 at positions 1..T' to T' tokens.
 
     rounding  token_i = the vocabulary entry whose raw embedding has the highest cosine with the
               de-normalized e_i (deterministic, as in Diffusion-LM and SED)
-    decoder   the CoDAR decoder, token by token (stages/decoder.py)
+    decoder   the CoDAR decoder, token by token (stages/train_decoder.py)
     hidden    the bridge conditioned on e gives h_l (position 0: the stored start-token state);
               the upper blocks, final norm and LM head give logits at positions 0..T'-1, and
-              token_{i+1} is read from logits_i by the readout of METHOD 5.1 (--readout):
+              token_{i+1} is read from logits_i by the readout of METHOD §5.1 (--readout):
                 independent  D(logits_i), one parallel pass
                 guided       D(logits_i + gamma log p(e_{i+1} | v)), one parallel pass
                 refine:K     K more passes, the bridge conditioned on the clean embeddings of the
@@ -15,7 +15,7 @@ at positions 1..T' to T' tokens.
                              clean embeddings of the tokens chosen so far, each by the guided rule
               log p(e | v) = -|u(e) - u(t_v)|^2 / (2 s^2), the cosine form: u is the unit vector of the
               raw (de-normalized) vector, t_v token v's layer-0 state, as rounding reads them (by L2 the
-              hub tokens win, docs/method.md section 5); s^2 is the mean per-dimension squared distance
+              hub tokens win, METHOD §5); s^2 is the mean per-dimension squared distance
               between the run's samples and their cosine-nearest tokens, measured on those samples.
               gamma = 0 is independent, gamma -> infinity is rounding.
     direct    DiHAL-direct: the prior's samples are normalized h_l themselves; unnormalized, with

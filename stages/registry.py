@@ -9,7 +9,7 @@ imports nothing heavy and the CLI can list every name without loading torch.
                 ranks the layers by each one with a sign (lm-eval's `higher_is_better`)
     RECOVERIES  name -> Recovery(needs, fn): how `dihal generate --mode parallel` maps prior
                 samples to tokens, and which trained part (if any) it needs
-    ROWS        the comparison's rows (docs/method.md section 5): a prior, a recovery and the
+    ROWS        the comparison's rows (METHOD §5): a prior, a recovery and the
                 parts they need; `dihal compare` trains each distinct part once per seed
 """
 
@@ -25,7 +25,7 @@ def resolve(target: str):
     return getattr(importlib.import_module(module), attribute)
 
 
-# -- proxies of the locate step (docs/method.md section 1) --------------------------------------------------
+# -- proxies of the locate step (METHOD §1) --------------------------------------------------
 @dataclass(frozen=True)
 class Proxy:
     name: str
@@ -77,7 +77,7 @@ def predictors() -> list[Proxy]:
     return [p for p in PROXIES.values() if p.sign is not None]
 
 
-# -- recoveries of the comparison (docs/method.md section 5) ------------------------------------------------
+# -- recoveries of the comparison (METHOD §5) ------------------------------------------------
 @dataclass(frozen=True)
 class Recovery:
     name: str
@@ -100,13 +100,25 @@ RECOVERIES: dict[str, Recovery] = {
 
 # -- the comparison's rows ----------------------------------------------------------------------------------
 # A layer is named by what it is: "l_star", "worst" (argmin S), "oracle" (a sweep's, when given) or "0".
+#
+# A part is what a row trains: its class says which stage trains it (`run`, "module:function"), from which
+# config (`config`, a stages/configs.py class, built with `for_run` under the comparison's one protocol),
+# with which of its own fields (`fields`), and its label. dihal compare builds every part the same way
+# (compare.part_configs), so a new kind of part is one class here and the Row that uses it.
+_CONFIGS = "dihal.stages.configs"
+
+
 @dataclass(frozen=True)
 class PriorPart:
     layer: str = "0"  # "0": normalized h_0; a named layer: DiHAL-direct's prior over h_l
     self_condition: bool = False
     latent: bool = False  # over the autoencoder's latents (LD4LG-style)
 
-    stage = "prior"
+    stage, run, config = "prior", "dihal.stages.train_prior:run", f"{_CONFIGS}:PriorConfig"
+    fixed_depth = reads_backbone = False
+
+    def fields(self, layers: dict[str, int], condition: dict) -> dict:
+        return {"layer": layers[self.layer], "self_condition": self.self_condition, "latent": self.latent}
 
     def label(self, layers: dict[str, int]) -> str:
         if self.latent:
@@ -118,7 +130,11 @@ class PriorPart:
 
 @dataclass(frozen=True)
 class DecoderPart:
-    stage = "decoder"
+    stage, run, config = "decoder", "dihal.stages.train_decoder:run", f"{_CONFIGS}:DecoderTrainConfig"
+    fixed_depth = reads_backbone = True  # depth DECODER_DEPTH; the backbone's frozen embedding table
+
+    def fields(self, layers: dict[str, int], condition: dict) -> dict:
+        return condition
 
     def label(self, layers: dict[str, int]) -> str:
         return "decoder"
@@ -126,7 +142,11 @@ class DecoderPart:
 
 @dataclass(frozen=True)
 class AutoencoderPart:
-    stage = "autoencoder"
+    stage, run, config = "autoencoder", "dihal.stages.train_autoencoder:run", f"{_CONFIGS}:AutoencoderConfig"
+    fixed_depth = reads_backbone = True  # its decoder's and resampler's depths are fixed; the backbone encodes
+
+    def fields(self, layers: dict[str, int], condition: dict) -> dict:
+        return {}
 
     def label(self, layers: dict[str, int]) -> str:
         return "autoencoder"
@@ -135,9 +155,13 @@ class AutoencoderPart:
 @dataclass(frozen=True)
 class BridgePart:
     layer: str
-    noisy: bool = True  # trained on corrupted conditions (--condition-noise); False: section 2's bridge
+    noisy: bool = True  # trained on corrupted conditions (--condition-noise); False: METHOD §2's bridge
 
-    stage = "bridge"
+    stage, run, config = "bridge", "dihal.stages.train_bridge:run", f"{_CONFIGS}:BridgeConfig"
+    fixed_depth = reads_backbone = False
+
+    def fields(self, layers: dict[str, int], condition: dict) -> dict:
+        return {"layer": layers[self.layer], **(condition if self.noisy else {"condition_noise": 0.0})}
 
     def label(self, layers: dict[str, int]) -> str:
         return f"bridge L{layers[self.layer]} ({'noisy c' if self.noisy else 'section 2'})"
@@ -154,12 +178,12 @@ class Row:
     needs_oracle: bool = False  # only when a sweep's oracle layer is given
     baseline: bool = False  # claim 3 compares DiHAL (l*) with it
     ours: bool = False  # the row claim 3 is about
-    readout: str = "independent"  # hidden rows: how tokens are read from the upper blocks' logits (METHOD 5.1)
+    readout: str = "independent"  # hidden rows: how tokens are read from the upper blocks' logits (METHOD §5.1)
     controls_of: str | None = None  # the row whose --controls entry gives it the oracle and null priors too
 
     @property
     def cost(self) -> str:
-        """Its cost class (METHOD 5.1, like with like): one pass over the sequence, token by token, or
+        """Its cost class (METHOD §5.1, like with like): one pass over the sequence, token by token, or
         refine (K more passes)."""
         if self.recovery in ("decoder", "latent") or self.readout == "causal":
             return "token-by-token"
@@ -203,7 +227,7 @@ ROW_KEYS = tuple(row.key for row in ROWS)
 
 
 def readout_row(readout: str) -> Row:
-    """DiHAL (l*) read by another readout of METHOD 5.1 (`dihal compare --readout`): a row of its own, with
+    """DiHAL (l*) read by another readout of METHOD §5.1 (`dihal compare --readout`): a row of its own, with
     DiHAL's controls."""
     return Row(
         f"dihal:{readout}",
@@ -217,3 +241,6 @@ def readout_row(readout: str) -> Row:
 
 
 AR_REFERENCE_BRIDGE = BridgePart("l_star", noisy=False)  # the AR hybrid and original references
+# what a recovery reads (GenerateConfig.source), as the comparison's tables name it; a label also keeps
+# "null" from reading back as NaN in pandas
+SOURCE_LABELS = {"prior": "trained prior", "oracle": "oracle prior", "null": "null prior", "data": "data"}

@@ -1,4 +1,4 @@
-"""`dihal score`: docs/method.md section 1 as code (locate: geometry proxies per layer).
+"""`dihal score`: METHOD §1 as code (locate: geometry proxies per layer).
 
 For every candidate layer l, X (n x D, float64) holds the states at the SAME n sampled token
 positions. Proxies:
@@ -328,8 +328,8 @@ class RidgeFolds:
 
 
 class Embeddings:
-    """dihal's own proxies of how far layer l still is from the embedding interface (docs/method.md
-    section 1, not the paper's): the held-out R^2 of the ridge map from the token embeddings h_0 to
+    """dihal's own proxies of how far layer l still is from the embedding interface (METHOD §1,
+    not the paper's): the held-out R^2 of the ridge map from the token embeddings h_0 to
     h_l, from the token alone (r2_token) and from a causal window of it and its WINDOW - 1
     predecessors (r2_context).
 

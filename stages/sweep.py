@@ -1,4 +1,4 @@
-"""`dihal sweep`: one bridge per layer and seed under one fixed protocol, then docs/method.md section 4
+"""`dihal sweep`: one bridge per layer and seed under one fixed protocol, then METHOD §4
 claims 1 and 2: does the geometry score S_l predict the validation bridge loss, and is l* the oracle?
 
 The loss of a layer is its mean over --seeds. Every predictor (S, each proxy alone, S under each
@@ -21,10 +21,10 @@ from scipy.stats import kendalltau, spearmanr
 from dihal.artifacts import hidden_states as hs
 from dihal.artifacts.errors import DihalError
 from dihal.artifacts.store import Artifact, ArtifactStore, Job
-from dihal.stages import bridge as bridge_stage
 from dihal.stages import evaluate as eval_stage
 from dihal.stages import registry
 from dihal.stages import score as score_stage
+from dihal.stages import train_bridge as bridge_stage
 from dihal.stages.configs import NORMALIZATIONS, ScoreConfig, SweepConfig
 from dihal.stages.runtime import bootstrap, dist, plotting
 from dihal.stages.runtime.progress import NullProgress, Progress
@@ -163,6 +163,8 @@ def normalize_variants(score_art: Artifact, extract: Artifact, store: ArtifactSt
     values.setdefault("r2_penalty", "gcv")  # a score made before the choice existed used GCV
     if isinstance(values.get("candidates"), list):
         values["candidates"] = ",".join(map(str, values["candidates"]))
+    if isinstance(values.get("proxies"), list):  # the id lists the proxies computed: --proxies paper's or all
+        values["proxies"] = "paper" if values["proxies"] == list(registry.proxy_set("paper")) else "all"
     cfg = ScoreConfig(**values)
     out = {}
     for mode in NORMALIZATIONS:

@@ -105,7 +105,7 @@ def test_fidelity_on_states_with_known_answers():
 
 
 # -- the comparison's curves and verdicts (claim 3) --------------------------------------------------------------
-def samples(spec: dict, budget: int = 1, source: str = "trained prior", per: int = 4) -> pd.DataFrame:
+def samples(spec: dict, budget: int = 1, source: str = "prior", per: int = 4) -> pd.DataFrame:
     """{row: [(temperature, entropy, Gen.PPL), ...]} -> a samples table whose every group has exactly that
     entropy and Gen.PPL (each sample: 10 tokens whose NLL sums to 10 ln PPL)."""
     rows = []
@@ -206,16 +206,61 @@ def test_by_class_compares_like_with_like_and_lm_written_rows_decide_nothing():
     assert mine_lm["claim_3"] == "not decided (DiHAL LM-written)"
 
 
+def test_a_renamed_row_or_source_changes_the_written_labels_and_no_statistic(monkeypatch):
+    """Rows and sources travel through the statistics as keys and become labels only when written: with
+    SED's row renamed and the trained prior's source relabelled, every number of the headlines, the lines
+    and the verdicts is the same, and only the written names differ."""
+    from dataclasses import replace
+
+    from dihal.stages import compare, registry
+    from dihal.stages.configs import CompareConfig
+
+    table = pd.concat(
+        [
+            samples({"dihal": DIHAL, "sed": [(None, 2.8, 200.0)]}),
+            samples({"dihal": [(1.0, 3.0, 60.0)], "sed": [(None, 2.8, 300.0)]}, source="null"),
+        ],
+        ignore_index=True,
+    )
+    table["cost"] = table["row"].map({"dihal": "one-pass", "sed": "one-pass"})
+    table.loc[table.row == "sed", "kind"] = "point"
+    monkeypatch.setattr(cs, "bootstrap_resamples", lambda n: 20)  # the intervals' width is not what is tested
+    cfg = CompareConfig(rows=("dihal", "sed"), controls=("dihal", "sed"), temperatures=(0.0, 0.7, 1.0), seeds=(0,))
+    plan = compare.Plan(l_star=3, worst=1, backbone="m", short="m", primary="e")
+
+    def written(stats: dict) -> dict:
+        rows = compare.row_labels(cfg, plan)
+        return {k: compare.labelled(stats[k], rows) for k in ("lines", "heads", "controls")}
+
+    before = cs.analyse(table, 3.0, cfg, "dihal", ["sed"], None, [], dihal=["dihal"])
+    plain = written(before)
+    renamed_rows = tuple(replace(r, name="Self-conditioned") if r.key == "sed" else r for r in registry.ROWS)
+    monkeypatch.setattr(registry, "ROWS", renamed_rows)
+    monkeypatch.setitem(registry.SOURCE_LABELS, "prior", "trained")
+    after = cs.analyse(table, 3.0, cfg, "dihal", ["sed"], None, [], dihal=["dihal"])
+    relabelled = written(after)
+    assert after["verdicts"] == before["verdicts"] and after["by_class"] == before["by_class"]
+    assert before["verdicts"][0]["baselines"][0]["outcome"] == cs.Outcome.DIHAL_BETTER
+    for name, frame in plain.items():
+        numbers = frame.select_dtypes("number").columns
+        assert len(frame) and len(numbers) > 3
+        pd.testing.assert_frame_equal(relabelled[name][numbers], frame[numbers])
+    assert set(plain["heads"]["row"]) == {"DiHAL (l*=3)", "SED"}
+    assert set(relabelled["heads"]["row"]) == {"DiHAL (l*=3)", "Self-conditioned"}
+    assert "trained" in set(relabelled["lines"]["source"]) and "trained prior" in set(plain["lines"]["source"])
+    assert plain["heads"].set_index("row")["prior_gain"]["SED"] == pytest.approx(1.5)
+
+
 def test_prior_gain_is_the_null_priors_gen_ppl_over_the_trained_priors():
     trained = samples({"SED": [(1.0, 3.0, 40.0)]})
-    null = samples({"SED": [(1.0, 3.0, 100.0)]}, source="null prior")
+    null = samples({"SED": [(1.0, 3.0, 100.0)]}, source="null")
     both = pd.concat([trained, null], ignore_index=True)
     assert cs.whose_text(both, 1, "SED") == {
         "prior_gain": pytest.approx(2.5),
         "plan_agreement": pytest.approx(np.nan, nan_ok=True),
         "lm_written": False,
     }
-    weak = pd.concat([trained, samples({"SED": [(1.0, 3.0, 50.0)]}, source="null prior")], ignore_index=True)
+    weak = pd.concat([trained, samples({"SED": [(1.0, 3.0, 50.0)]}, source="null")], ignore_index=True)
     assert (
         cs.whose_text(weak, 1, "SED")["prior_gain"] == pytest.approx(1.25)
         and cs.whose_text(weak, 1, "SED")["lm_written"]
@@ -266,10 +311,11 @@ class RecordingNet(torch.nn.Module):
 
 @pytest.mark.parametrize("self_condition", [True, False])
 def test_self_conditioning_feeds_each_steps_estimate_to_the_next(self_condition):
+    from dihal.stages.diffusion.normalizer import Normalizer
     from dihal.stages.parts.prior import Prior
 
-    prior = Prior.__new__(Prior)
-    prior.net, prior.self_condition = RecordingNet(3), self_condition
+    unit = Normalizer(torch.zeros(3), torch.ones(3), torch.zeros(3), torch.ones(3), torch.zeros(3))
+    prior = Prior(RecordingNet(3), unit, 0, self_condition, 5)
     x = torch.randn(2, 4, 3, generator=torch.Generator().manual_seed(0))
     out = prior._integrate(x.clone(), 4, None)
     # Euler on the flow path by hand: y = 0.5 x + 0.25 y_prev, x <- x + (t' - t)(x - y) / t, y_prev(0) = 0

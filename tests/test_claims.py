@@ -143,8 +143,8 @@ def test_fidelity_beyond_the_training_text_on_a_dataset_and_on_the_backbones_sam
     both write the per-position breakdown."""
     import torch
 
-    from dihal.stages import bridge as bstage
     from dihal.stages import evaluate as ev
+    from dihal.stages import train_bridge as bstage
     from dihal.stages.fidelity import evaluate_fidelity
     from dihal.stages.lm.models import load_model
     from dihal.stages.parts.bridge import Bridge

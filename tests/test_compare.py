@@ -7,6 +7,7 @@ import json
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -22,7 +23,7 @@ from dihal.stages.lm.vocab import embedding_table, nearest, rounding
 from dihal.stages.parts.autoencoder import Autoencoder, latents_of
 from dihal.stages.parts.decoder import Decoder
 from dihal.stages.parts.prior import Prior
-from dihal.stages.prior import PriorTask
+from dihal.stages.train_prior import PriorTask
 from tests.conftest import ROOT as REPO
 from tests.conftest import build_tiny, invoke
 
@@ -35,18 +36,37 @@ TEMPLATES = torch.tensor(
 )  # 3 sequences of 3 positions in 2-D
 
 
+def _toy_extract(path) -> object:
+    """The three templates as an extract's layer 0 (position 0 zero), 4 of each: 9 train, 3 validation."""
+    from dihal.artifacts import hidden_states as hs
+
+    states = torch.cat([torch.zeros(12, 1, 2), TEMPLATES.repeat(4, 1, 1)], dim=1).numpy()
+    group = hs.create(path, layers=[0], n_seq=12, seq_len=4, width=2, dtypes={0: "float32"}, chunk_seqs=4, attrs={})
+    group["layers/0"][:] = states
+    group["split"][:] = np.array([0] * 9 + [1] * 3, dtype=np.int8)
+    return group
+
+
 def _toy_prior(self_condition: bool, steps: int = 500):
-    """A prior trained on a mixture of three fixed sequences with the comparison's own loss."""
+    """A prior trained on a mixture of three fixed sequences with the comparison's own loss (PriorTask's,
+    built as the stage builds it, on an extract of the templates at unit statistics)."""
+    import tempfile
+
+    from dihal.stages.configs import PriorConfig
+
     torch.manual_seed(0)
     net = Denoiser(
         DenoiserConfig(
             dim=2, width=64, depth=2, heads=4, max_len=3, causal=False, condition=False, self_condition=self_condition
         )
     )
-    task = PriorTask.__new__(PriorTask)  # the loss only: data come from the templates, not a store
-    task.cfg = type("C", (), {"self_condition": self_condition})()
-    task.mu, task.sigma = torch.zeros(2), torch.ones(2)
-    task.normalize = lambda raw: torch.as_tensor(raw[:, 1:])  # as PriorTask.normalize: position 0 dropped
+    norm = Normalizer(torch.zeros(2), torch.ones(2), torch.zeros(2), torch.ones(2), torch.zeros(2))
+    cfg = PriorConfig.for_run(
+        "compare-cpu", {}, layer=0, self_condition=self_condition, seed=0, device="cpu", dtype="float32"
+    )
+    with tempfile.TemporaryDirectory() as tmp:
+        task = PriorTask(_toy_extract(Path(tmp) / "h.zarr"), cfg, norm)
+        torch.testing.assert_close(task.y_val, TEMPLATES)  # positions 1..3 of the validation sequences
     opt = torch.optim.AdamW(net.parameters(), lr=3e-3)
     losses = []
     for step in range(steps):
@@ -57,7 +77,6 @@ def _toy_prior(self_condition: bool, steps: int = 500):
         loss.backward()
         opt.step()
         losses.append(loss.item())
-    norm = Normalizer(torch.zeros(2), torch.ones(2), torch.zeros(2), torch.ones(2), torch.zeros(2))
     return Prior(net.eval(), norm, 0, self_condition, 4), losses
 
 
@@ -168,7 +187,7 @@ def test_hidden_recovery_with_the_true_states_gives_the_original_greedy_tokens(k
 
 @pytest.mark.slow
 def test_decoder_learns_the_toy_set_to_99_percent(tiny_dirs, root):
-    from dihal.stages import decoder as dec
+    from dihal.stages import train_decoder as dec
 
     assert (
         invoke(
@@ -398,7 +417,7 @@ def test_ld4lg_autoencoder_reconstructs_through_its_latents_and_its_prior_feeds_
 
     from dihal.artifacts import files
     from dihal.artifacts import hidden_states as hs
-    from dihal.stages import latent
+    from dihal.stages import train_autoencoder as latent
 
     ok(invoke(*tiny_extract(tiny_dirs)))
     store = ArtifactStore(root)
@@ -787,7 +806,7 @@ def test_mauve_scores_each_rows_top_temperature_against_held_out_features(monkey
                                 "row": row,
                                 "temperature": t,
                                 "index": i,
-                                "source": "trained prior",
+                                "source": "prior",
                                 "text": f"{row} {t} {seed} {i}",
                             }
                         )
@@ -798,7 +817,7 @@ def test_mauve_scores_each_rows_top_temperature_against_held_out_features(monkey
             "row": "CoDAR",
             "temperature": 1.0,
             "index": 0,
-            "source": "null prior",
+            "source": "null",
             "text": "control",
         }
     )
@@ -822,7 +841,7 @@ def test_mauve_scores_each_rows_top_temperature_against_held_out_features(monkey
             (samples.budget == r.budget)
             & (samples.seed == r.seed)
             & (samples.row == r.row)
-            & (samples.source == "trained prior")
+            & (samples.source == "prior")
             & (samples.temperature.isna() | (samples.temperature == 1.0))
         ]
         assert r.mauve == sum(len(t) for t in texts.text)

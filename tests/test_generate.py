@@ -67,8 +67,8 @@ def test_oracle_bridge_greedy_hybrid_equals_original(kind, cache):
 def tiny_trained_bridge(tiny_dirs, tmp_path_factory):
     """A bridge trained briefly on a tiny Llama extract (its quality is irrelevant here)."""
     from dihal.artifacts.store import ArtifactStore
-    from dihal.stages import bridge as bstage
     from dihal.stages import extract as estage
+    from dihal.stages import train_bridge as bstage
     from dihal.stages.text.data import DataConfig
 
     store = ArtifactStore(tmp_path_factory.mktemp("gen-runs"))

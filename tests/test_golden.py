@@ -23,7 +23,7 @@ TASKS = ROOT / "tests" / "data" / "lm_eval"
 STAGES = {
     "extract": ("extract", lambda s: _chain_extract(s)),
     "score": ("score", lambda s: _one(s, "score", lambda a: a.config["pairs"] == 50)),
-    "bridge": ("bridge", lambda s: _one(s, "bridge", lambda a: a.config["steps"] == 6)),
+    "bridge": ("train_bridge", lambda s: _one(s, "bridge", lambda a: a.config["steps"] == 6)),
     "evaluate-fidelity": ("evaluate", lambda s: _one(s, "evaluate", lambda a: _fidelity_of_chain_bridge(s, a))),
     "generate-ar": ("generate", lambda s: _ar_generation(s)),
     "evaluate-samples": (
@@ -31,16 +31,16 @@ STAGES = {
         lambda s: _one(s, "evaluate", lambda a: a.manifest["parents"] == {"generate": _ar_generation(s).id}),
     ),
     "generate-original": ("generate", lambda s: _one(s, "generate", lambda a: a.config["baseline"] == "original-only")),
-    "prior": ("prior", lambda s: _on_chain_extract(s, "prior")),
-    "decoder": ("decoder", lambda s: _on_chain_extract(s, "decoder")),
-    "autoencoder": ("latent", lambda s: _on_chain_extract(s, "autoencoder")),
+    "prior": ("train_prior", lambda s: _on_chain_extract(s, "prior")),
+    "decoder": ("train_decoder", lambda s: _on_chain_extract(s, "decoder")),
+    "autoencoder": ("train_autoencoder", lambda s: _on_chain_extract(s, "autoencoder")),
     "generate-parallel": (
         "generate",
         lambda s: _one(s, "generate", lambda a: a.manifest["parents"] == {"prior": _on_chain_extract(s, "prior").id}),
     ),
     "sweep": ("sweep", lambda s: s.resolve("latest", "sweep")),
     "confirm": ("confirm", lambda s: s.resolve("latest", "confirm")),
-    "evaluate-lm-eval": ("harness", lambda s: _one(s, "evaluate", lambda a: a.config["kind"] == "lm_eval")),
+    "evaluate-lm-eval": ("evaluate_harness", lambda s: _one(s, "evaluate", lambda a: a.config["kind"] == "lm_eval")),
     "compare": ("compare", lambda s: s.resolve("latest", "compare")),
 }
 

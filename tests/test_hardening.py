@@ -199,7 +199,7 @@ def test_out_of_gpu_memory_is_one_line_and_marks_the_artifact_failed(tiny_dirs, 
     `failed` (not left `running`), and the same command resumes once it fits."""
     import torch
 
-    from dihal.stages import bridge
+    from dihal.stages import train_bridge as bridge
 
     assert (
         invoke(*_extract(tiny_dirs, "--max-sequences", "16", "--layers", "0,2", "--val-fraction", "0.25")).exit_code

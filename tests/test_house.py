@@ -237,8 +237,8 @@ def test_artifact_ids_do_not_move():
     """Resolved configs as the landed main hashed them (before the configs moved into stages/configs.py),
     and the ids they have now: schema 3 hashes each stage's CACHE_VERSION into every key (docs/history.md)."""
     from dihal.artifacts.store import Job
-    from dihal.stages import bridge as br
     from dihal.stages import extract as ex
+    from dihal.stages import train_bridge as br
 
     artifact_id_for = lambda cfg: schema2_id("extract", ex.resolved_config(cfg), ex.source_parents(cfg))
 
@@ -278,7 +278,7 @@ def test_artifact_ids_do_not_move():
     # the decoder's network changed (section 5 rev 2: the frozen table), so its config gained a revision
     decoder = C.DecoderTrainConfig.from_protocol("compare-cpu")
     assert schema2_id("decoder", decoder.hashed(), PARENT) == "a8a443db7c36"  # the landed main's
-    from dihal.stages import decoder as dec
+    from dihal.stages import train_decoder as dec
 
     assert schema2_id("decoder", {**decoder.hashed(), "revision": 2}, PARENT) != "a8a443db7c36"
     assert dec.CACHE_VERSION == 2  # the revision became the decoder's CACHE_VERSION
@@ -486,10 +486,10 @@ def test_every_stage_names_a_command_that_exists():
     stages = (
         "extract",
         "score",
-        "bridge",
-        "prior",
-        "decoder",
-        "latent",
+        "train_bridge",
+        "train_prior",
+        "train_decoder",
+        "train_autoencoder",
         "evaluate",
         "generate",
         "sweep",
@@ -538,3 +538,21 @@ def test_the_cli_reference_is_generated_from_the_app(tmp_path):
     assert out.read_text() == (ROOT / "docs" / "cli.md").read_text(), (
         "docs/cli.md is stale: typer dihal.cli.main utils docs --name dihal --output docs/cli.md"
     )
+
+
+def test_method_is_cited_one_way_and_every_citation_names_a_section():
+    """The code cites docs/method.md as `METHOD §N` (N a section with an anchor there), and no other way."""
+    import re
+
+    anchors = set(re.findall(r'<a id="s([\d.]+)"></a>', (ROOT / "docs" / "method.md").read_text()))
+    assert {"0", "1", "2", "3", "4", "5", "5.1"} <= anchors
+    other = re.compile(r"docs/method\.md,? sections?|METHOD (section )?\d|\(section \d")
+    for folder in ("stages", "dihal_cli", "artifacts", "scripts", "benchmarks"):
+        for path in (ROOT / folder).rglob("*"):
+            if path.suffix not in (".py", ".sh"):
+                continue
+            text = path.read_text()
+            where = path.relative_to(ROOT)
+            assert not other.search(text), f"{where}: cite docs/method.md as METHOD §N ({other.search(text)[0]!r})"
+            for cited in re.findall(r"METHOD §([\d.]*\d)", text):
+                assert cited in anchors, f"{where} cites METHOD §{cited}, which docs/method.md has no anchor for"

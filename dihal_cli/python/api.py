@@ -141,7 +141,7 @@ def _artifact(ref: str | Loaded | Artifact, stage: str, root) -> Artifact:
 
 
 def score_table(score: str | Loaded | Artifact = "latest", root: str | os.PathLike | None = None) -> pd.DataFrame:
-    """A score artifact's per-layer table (docs/method.md section 1): one row per layer, every proxy."""
+    """A score artifact's per-layer table (METHOD §1): one row per layer, every proxy."""
     return pd.read_csv(_artifact(score, "score", root).file("table.csv"))
 
 

@@ -1,4 +1,4 @@
-"""The CoDAR recovery's network, in one readable file (docs/method.md section 5).
+"""The CoDAR recovery's network, in one readable file (METHOD §5).
 
 A small causal transformer over tokens that cross-attends to a whole sequence of continuous
 states e (the prior's sample, normalized h_0 at positions 1..T-1). Its token input and output

@@ -1,4 +1,4 @@
-"""The bridge's denoiser, in one readable file (docs/method.md section 2).
+"""The bridge's denoiser, in one readable file (METHOD §2).
 
 A small pre-norm transformer over positions with causal attention (bidirectional for the
 comparison's prior, which also has no condition and may take its previous x0 estimate):

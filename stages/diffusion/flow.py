@@ -1,4 +1,4 @@
-"""The noise path and sampler of docs/method.md section 2, separate from the network (as in diffusers).
+"""The noise path and sampler of METHOD §2, separate from the network (as in diffusers).
 
 Rectified flow: x_t = (1 - t) y + t eps, t ~ U(0, 1). The network output is read as the clean
 target y_hat (prediction "x0") or as the velocity eps - y (prediction "velocity"); either way

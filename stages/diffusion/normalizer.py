@@ -1,4 +1,4 @@
-"""Per-dimension normalization of a target and its condition (docs/method.md section 2),
+"""Per-dimension normalization of a target and its condition (METHOD §2),
 fitted in one streaming pass over the train split so that no split is ever held in memory.
 
 Moments are merged block by block in float64 (Chan, Golub and LeVeque's pairwise update of

@@ -1,4 +1,4 @@
-"""Capture residual-stream states with forward hooks (docs/method.md section 0).
+"""Capture residual-stream states with forward hooks (METHOD §0).
 
 Layer 0 = the input of block 1 (a forward pre-hook, so model-specific embedding scaling such
 as Gemma's sqrt(d) is included); layer l >= 1 = the output of block l (a forward hook), which

@@ -1,5 +1,5 @@
-"""One decoding for every recovery that ends in a distribution over the vocabulary (docs/method.md
-section 5): the AR references, the hybrid, CoDAR's and LD4LG-style decoders, DiHAL's upper blocks.
+"""One decoding for every recovery that ends in a distribution over the vocabulary (METHOD
+§5): the AR references, the hybrid, CoDAR's and LD4LG-style decoders, DiHAL's upper blocks.
 
     temperature 0   argmax
     temperature t   softmax(logits / t) restricted to top-k and to the smallest nucleus reaching

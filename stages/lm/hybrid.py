@@ -1,4 +1,4 @@
-"""The hybrid model of docs/method.md section 3: bridge -> original blocks l+1..L -> final norm -> LM head.
+"""The hybrid model of METHOD §3: bridge -> original blocks l+1..L -> final norm -> LM head.
 
 The upper part is a *suffix model*: an instance of the backbone's own class whose blocks are
 the backbone's block objects l+1..L (shallow copies that share every parameter, renumbered
@@ -86,7 +86,7 @@ def lm_logits(model: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
 
 def original_forward(model: nn.Module, input_ids: torch.Tensor, layers: list[int]) -> tuple[torch.Tensor, dict]:
     """Final hidden states (after the final norm; lm_logits turns them into logits) plus the residual
-    states at `layers` (docs/method.md section 0)."""
+    states at `layers` (METHOD §0)."""
     from dihal.stages.lm.capture import capture_layers
 
     with torch.no_grad(), capture_layers(model, layers, stop_early=False) as captured:

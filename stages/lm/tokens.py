@@ -1,4 +1,4 @@
-"""The tokens that start, join and end text (docs/method.md section 0).
+"""The tokens that start, join and end text (METHOD §0).
 
 start       every sequence's first token: BOS, else the document separator <|endoftext|> (Qwen2/Qwen3 have
             no BOS), else EOS

@@ -1,4 +1,4 @@
-"""The vocabulary's geometry (docs/method.md section 5): every token's layer-0 state (the embedding table
+"""The vocabulary's geometry (METHOD §5): every token's layer-0 state (the embedding table
 as the extract sees it), the cosine-nearest token of a vector, rounding, and Diffusion-LM's clamp.
 
 Cosine, not L2: an x0 estimate at high noise is a shrunk embedding, and by L2 every shrunk vector is
@@ -28,7 +28,7 @@ def embedding_table(model, batch: int = 4096) -> torch.Tensor:
 def nearest(x: torch.Tensor, table: torch.Tensor, rows: int = 2048) -> torch.Tensor:
     """Index of the row of table (V, D) with the highest cosine to every vector of x (..., D), in blocks
     of rows. Cosine, not L2: an x0 estimate at high noise is a shrunk embedding, and by L2 every shrunk
-    vector is nearest to the few small-norm "hub" tokens (docs/method.md section 5)."""
+    vector is nearest to the few small-norm "hub" tokens (METHOD §5)."""
     flat = torch.nn.functional.normalize(x.reshape(-1, x.shape[-1]).float(), dim=-1)
     unit = torch.nn.functional.normalize(table.float(), dim=-1)
     out = torch.empty(flat.shape[0], dtype=torch.long, device=x.device)

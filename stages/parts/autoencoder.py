@@ -1,4 +1,4 @@
-"""An LD4LG-style autoencoder at use time (docs/method.md section 5): its stored latents, and its decoder
+"""An LD4LG-style autoencoder at use time (METHOD §5): its stored latents, and its decoder
 reading latents into tokens."""
 
 from __future__ import annotations

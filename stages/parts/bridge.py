@@ -1,4 +1,4 @@
-"""A trained bridge at use time (docs/method.md section 2): an h_0 sequence to a sampled h_l sequence,
+"""A trained bridge at use time (METHOD §2): an h_0 sequence to a sampled h_l sequence,
 whole (sample, sample_condition) or position by position with one key/value cache per Euler step
 (CachedSampler, the AR hybrid's)."""
 

@@ -1,4 +1,4 @@
-"""A trained CoDAR decoder at use time (docs/method.md section 5): normalized conditions to tokens, one at
+"""A trained CoDAR decoder at use time (METHOD §5): normalized conditions to tokens, one at
 a time; and the backbone's frozen embedding table it (and the LD4LG-style decoder) reads."""
 
 from __future__ import annotations

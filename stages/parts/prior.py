@@ -1,4 +1,4 @@
-"""A trained prior at use time (docs/method.md section 5): seeded noise to sequences of normalized states
+"""A trained prior at use time (METHOD §5): seeded noise to sequences of normalized states
 (positions 1..T-1), with Diffusion-LM's clamping as an option, and its x0 estimates of noised real
 states (the `prior:T` conditions the decoder and the comparison's bridges train on)."""
 

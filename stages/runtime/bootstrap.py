@@ -1,4 +1,4 @@
-"""Bootstrap intervals that contain their point estimate (docs/method.md section 5).
+"""Bootstrap intervals that contain their point estimate (METHOD §5).
 
 The point is the statistic computed on all the data, and each resample computes the same statistic
 on a resample of it; the 95% interval is the percentile interval of the resamples, widened to the

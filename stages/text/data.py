@@ -1,4 +1,4 @@
-"""Text sources and packing (docs/method.md section 0).
+"""Text sources and packing (METHOD §0).
 
 `--dataset` is the builtin `pydoc`, local .txt/.jsonl/.json/.parquet files or globs (JSON lines also
 gzipped or zstd-compressed, as Dolma's shards are), Dolma as published (`dolma:v1_7`, text/dolma.py),

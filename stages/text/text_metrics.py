@@ -1,4 +1,4 @@
-"""Generation-quality metrics on text (docs/method.md section 3).
+"""Generation-quality metrics on text (METHOD §3).
 
 Words are the lowercase whitespace-separated tokens of a text. diversity = product over
 n = 2, 3, 4 of (unique n-grams / total n-grams), pooled over all samples (LD4LG's definition);

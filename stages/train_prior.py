@@ -1,4 +1,4 @@
-"""`dihal train-prior`: docs/method.md section 5, the sequence diffusion prior of the comparison.
+"""`dihal train-prior`: METHOD §5, the sequence diffusion prior of the comparison.
 
 The prior models whole sequences of normalized states at positions 1..T-1 with no condition:
 layer 0 (the token embeddings, normalized exactly as the bridge normalizes its condition) for
@@ -9,7 +9,7 @@ Rectified flow, x0-parameterization, MSE over positions 1..T-1, trained by the s
 - `--self-condition` (SED): with probability 0.5 per sequence, a first pass's x0 estimate
   (no gradient) is fed as an extra input; at sampling, the previous step's estimate.
 - `--latents ID` (the LD4LG-style row): the sequence is an autoencoder's K latents of a sequence
-  (stages/latent.py), normalized per dimension over the train split, instead of a layer.
+  (stages/train_autoencoder.py), normalized per dimension over the train split, instead of a layer.
 - clamping (Diffusion-LM) is a sampling option (stages/parts/prior.py `Prior.sample(clamp_to=E)`): each step's x0
   estimate, de-normalized, is replaced by its cosine-nearest row of the raw embedding table E,
   rescaled to the estimate's norm.

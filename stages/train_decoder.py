@@ -1,4 +1,4 @@
-"""`dihal train-decoder`: the CoDAR recovery of docs/method.md section 5.
+"""`dihal train-decoder`: the CoDAR recovery of METHOD §5.
 
 A causal decoder with cross-attention (stages/diffusion/cross_decoder.py) learns to emit a sequence's
 tokens 1..T-1 from its normalized embeddings e = (h_0 - mu_c) / sigma_c at positions 1..T-1,
@@ -36,7 +36,7 @@ from dihal.stages.runtime.dist import distributed
 from dihal.stages.runtime.progress import NullProgress, Progress
 
 STAGE = "decoder"
-# 2: the token input and output are the backbone's frozen embedding table (section 5 revision 2); a
+# 2: the token input and output are the backbone's frozen embedding table (METHOD §5, method revision 2); a
 #    version-1 decoder trained its own vocabulary-sized table and head, and its weights do not load.
 #    Bump whenever a decoder's bytes change (tests/test_golden.py says when).
 CACHE_VERSION = 2

@@ -1,4 +1,4 @@
-"""`dihal train-autoencoder`: the LD4LG-style row of docs/method.md section 5.
+"""`dihal train-autoencoder`: the LD4LG-style row of METHOD §5.
 
 LD4LG compresses a frozen encoder's states into a few latent vectors with a Perceiver resampler,
 runs diffusion over those latents and decodes with the frozen decoder. BART and T5 are not
@@ -208,7 +208,7 @@ def run(
     force: bool = False,
     progress: Progress | None = None,
 ) -> Artifact:
-    """loaded: the backbone, when the caller holds it (stages/decoder.py frozen_table)."""
+    """loaded: the backbone, when the caller holds it (stages/train_decoder.py frozen_table)."""
     progress = progress or NullProgress()
     group = hs.open_with_layers(extract, (0,))
     config, parents = asdict(cfg), {"extract": extract.id}

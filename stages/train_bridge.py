@@ -1,4 +1,4 @@
-"""`dihal train-bridge`: docs/method.md section 2 (replace: the conditional diffusion bridge).
+"""`dihal train-bridge`: METHOD §2 (replace: the conditional diffusion bridge).
 
 The bridge models h_l (positions 1..T-1, normalized per dimension) given c = h_0 (normalized
 with its own statistics); position 0 (BOS, the attention sink) is one stored constant vector.
