@@ -248,6 +248,31 @@ def test_candidate_missing_from_extract(tiny_dirs, root):
     assert res.exit_code == 2 and "not in the extract" in res.output
 
 
+def test_proxies_paper_computes_the_papers_proxies_alone_with_the_same_s(tiny_dirs, root):
+    """--proxies paper: the paper's three proxies and S, equal to the default score's (S reads those three
+    only); no r2_* column, another id, and --select r2_token refused in one line."""
+    import pandas as pd
+
+    from dihal.artifacts.store import ArtifactStore
+
+    invoke("extract", "--model", str(tiny_dirs["llama"]), "--max-sequences", "20", "--seq-len", "32", "--layers", "0-3")
+    small = ["--tokens", "100", "--k", "8", "--pairs", "200"]
+    assert invoke("score", *small).exit_code == 0
+    assert invoke("score", *small, "--proxies", "paper").exit_code == 0
+    store = ArtifactStore(root)
+    every, paper = sorted(store.all("score"), key=lambda a: "r2_token" in pd.read_csv(a.file("table.csv")))[::-1]
+    full, alone = (pd.read_csv(a.file("table.csv")).set_index("layer") for a in (every, paper))
+    assert every.id != paper.id and every.config["proxies"][:3] == paper.config["proxies"] == [
+        "m_curv",
+        "m_mono",
+        "k_hat",
+    ]
+    assert "r2_token" in full and not any(c.startswith(("r2_", "participation", "entropy")) for c in alone)
+    pd.testing.assert_frame_equal(alone[["m_curv", "m_mono", "k_hat", "S"]], full[["m_curv", "m_mono", "k_hat", "S"]])
+    res = invoke("score", *small, "--proxies", "paper", "--select", "r2_token")
+    assert res.exit_code == 2 and "--proxies all" in res.output and res.output.count("\n") == 1
+
+
 def test_extract_keeps_a_uniform_pool_that_the_score_reads(tiny_dirs, root):
     """The pool holds exactly the states at its (sequence, position) pairs, only train positions >= 1,
     with per-chunk quotas proportional to the chunk's valid positions; a default-shaped score reads it."""
