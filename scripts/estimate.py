@@ -59,27 +59,33 @@ def training_gib(params: int, batch: int, tokens: int, width: int, depth: int, d
 
 
 def score_host_bytes(width: int, tokens: int, pool: int, base: float = 0.5 * GIB) -> float:
-    """Host memory of `dihal score` at its peak, from what it holds: the ridge proxies' windows of h_0 and
-    their features (float64) at max(tokens, ROWS) positions, the eigenbases each fit keeps (primal p x p
-    when the held-in rows are at least the features p, else the n x n kernel's; the held-in fit and FOLDS
-    fold fits, for the token and the window), the largest temporary of one fit, the geometry's pairwise
-    distances, a layer's targets and the pool's positions, and the process itself (base). Measured against
-    this: tests/test_paper_script.py."""
+    """Host memory of `dihal score` at its peak: the larger of its two phases, from what each holds.
+    Making the ridge fits (stages/score.py Embeddings, once): the windows of h_0 at max(tokens, ROWS)
+    positions and the states read for them, both widths' features (float64), the fits made so far, and
+    the largest temporary of one (the whole Gram F'F or kernel F F' its folds share, one
+    eigendecomposition's workspace, the scored rows in its basis). Scoring the layers: the fits (each a
+    float32 eigenbasis, p x p (primal) when its held-in rows are at least the features p, else the n x n
+    kernel's, the scored rows in it and their float64 Gram; the held-in fit and FOLDS fold fits of the
+    token and of the window) and the held-in rows' float32 features, beside the geometry's pairwise
+    distances, a layer's targets and the pool's positions. And the process itself (base). Measured
+    against this: tests/test_paper_script.py."""
     n = max(tokens, Embeddings.ROWS)
     held_out = max(1, round(Embeddings.HELD_OUT * n))
     train, folds = n - held_out, Embeddings.FOLDS
     fold_train, fold_test = train - train // folds, train // folds
-    held = n * Embeddings.WINDOW * width * 8 + 3 * n * width * 8 + 2 * pool * width * 8
-    temporary = 0.0
+    fits = features = temporary = 0.0
     for w in (1, Embeddings.WINDOW):
         p = w * width + 1
-        held += n * p * 8
-        temporary = max(temporary, 2 * n * w * width * 8)
+        features += n * p * 8
+        fits += train * p * 4  # RidgeFolds.f32
+        shared = (p * p * 8 if train >= p else 0) + (train * train * 8 if fold_train < p else 0)
         for rows, scored, copies in ((train, held_out, 1), (fold_train, fold_test, folds)):
             m = min(rows, p)  # the eigenbasis: p x p (primal) or rows x rows (the kernel's)
-            held += copies * (rows * m * 4 + scored * m * 4 + m * m * 8 + m * 8)
-            temporary = max(temporary, 3 * m * m * 8 + scored * m * 8 + train * p * 8 + rows * p * 8)
-    return base + held + temporary + 6 * tokens**2 * 8 + 4 * tokens * width * 8
+            fits += copies * (m * m * 4 + scored * m * 4 + m * m * 8 + m * 8)
+            temporary = max(temporary, shared + 3 * m * m * 8 + scored * m * 8)
+    making = n * Embeddings.WINDOW * width * 8 + 3 * n * width * 8 + features + fits + temporary
+    scoring = fits + 6 * tokens**2 * 8 + 4 * tokens * width * 8 + 2 * pool * width * 8 + 2 * n * width * 8
+    return base + max(making, scoring)
 
 
 def compare_parts(seeds: int, budgets: list[int]) -> tuple[int, float]:

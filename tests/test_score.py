@@ -511,8 +511,9 @@ def _repeated_tokens(seed: int, n=1200, d=400, vocab=20000, zipf=1.2):
 def _hindsight(emb, y, width: int = 1) -> float:
     """The best held-out R^2 any penalty of the grid gets (it peeks at the held-out rows)."""
     train, test = emb._targets(y)
-    basis = emb.fits[width]
-    g = basis.g(train)
+    fits = emb.fits[width]
+    basis, every = fits.whole, torch.arange(len(emb.train))
+    g = basis.g(train, fits.cross(train, every))
     return max(
         float(1 - ((test - basis.predict(g, k * len(emb.train)).double()) ** 2).sum() / (test**2).sum())
         for k in emb.PENALTIES
@@ -544,7 +545,8 @@ def test_more_features_than_held_in_rows_give_a_finite_value_inside_the_grid():
     window[:, 0] = rng.normal(size=(n, d))
     y = torch.from_numpy(window[:, 0] @ rng.normal(size=(d, 64)) / np.sqrt(d) + 0.5 * rng.normal(size=(n, 64)))
     emb = sc.Embeddings(window, seed=0, draw=0)
-    assert emb.fits[1].left.shape == (640, 640)  # the n x n kernel's eigenvectors: fewer rows than features
+    whole = emb.fits[1].whole  # the n x n kernel's eigenvectors: fewer rows than features
+    assert not whole.primal and whole.rotation.shape == (640, 640)
     fit = emb.fit(y, 1)
     assert np.isfinite(fit["r2"]) and -1 <= fit["r2"] <= 1
     assert sc.Embeddings.PENALTIES[0] < fit["penalty"] < sc.Embeddings.PENALTIES[-1]

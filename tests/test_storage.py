@@ -93,7 +93,8 @@ def test_the_main_job_runs_the_chain_and_ends_with_one_summary(tiny_dirs, tmp_pa
         f"== step {k}/6:" for k in range(1, 7)
     ]
     summary = (tmp_path / "runs" / "summary.md").read_text()
-    assert "| l* by S, the paper's (argmax S) |" in summary and "| l* by r2_token (argmax) |" in summary
+    # the paper's path: S alone (dihal's r2_token comes with SELECT=r2_token or PROXIES=all)
+    assert "| l* by S, the paper's (argmax S) |" in summary and "r2_token" not in summary
     assert "| fidelity on held-out text (validation split), 8 steps |" in summary
     assert "| hybrid: Gen.PPL, diversity |" in summary and "| original: Gen.PPL, diversity |" in summary
     plots = [line.split("`")[1] for line in summary.splitlines() if line.startswith("plot:")]
