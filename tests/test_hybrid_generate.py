@@ -68,6 +68,7 @@ def test_a_left_padded_batch_through_the_cache_gives_each_rows_own_logits(hybrid
         hybrid(input_ids=nxt, cache=__import__("transformers").DynamicCache())
 
 
+@pytest.mark.slow  # 6.5 s on 2 cores (the marker's rule: over ~4 s)
 @pytest.mark.parametrize("kind", KINDS)
 def test_transformers_own_generate_writes_the_hybrids_loops_tokens(kind, store_of):  # noqa: F811
     """GenerationMixin.generate itself (the parent's, not the override) against the hybrid's own cached loop

@@ -68,6 +68,7 @@ def test_learned_positions_keep_their_ids_and_rotary_hashes_its_option():
     assert "pos.weight" in state and "pos.weight" not in _net("rotary").state_dict()
 
 
+@pytest.mark.slow  # 6.2 s on 2 cores (the marker's rule: over ~4 s)
 def test_a_rotary_bridge_runs_the_hybrid_past_its_training_length(tiny_dirs, root):
     extract = ["extract", "--model", str(tiny_dirs["llama"]), "--max-sequences", "40", "--seq-len", "16"]
     assert invoke(*extract, "--layers", "0,2", "--device", "cpu").exit_code == 0
