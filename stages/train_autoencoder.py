@@ -28,7 +28,6 @@ from torch import nn
 
 from dihal.artifacts import files
 from dihal.artifacts import hidden_states as hs
-from dihal.artifacts.errors import DihalError
 from dihal.artifacts.store import Artifact, ArtifactStore
 from dihal.stages.configs import DECODER_DEPTH, AutoencoderConfig
 from dihal.stages.diffusion import trainer
@@ -107,12 +106,7 @@ class AutoencoderTask:
 
     def __init__(self, group, cfg: AutoencoderConfig, layer: int, norm: Normalizer):
         self.group, self.cfg, self.layer, self.norm = group, cfg, layer, norm
-        self.train_seqs = hs.split_indices(group, "train")
-        self.n_train, self.chunk = len(self.train_seqs), int(group.attrs["chunk_seqs"])
-        self.tokens_per_item = group["input_ids"].shape[1] - 1
-        val = hs.split_indices(group, "validation")[: cfg.val_sequences]
-        if val.size == 0:
-            raise DihalError("the extract has no validation sequences; extract with --val-fraction > 0")
+        val = trainer.take_split(self, group, cfg.val_sequences)
         self.val = self.read_seqs(val)
 
     def read_seqs(self, seqs: np.ndarray) -> dict[str, np.ndarray]:

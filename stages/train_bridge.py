@@ -16,7 +16,6 @@ import torch
 
 from dihal.artifacts import files
 from dihal.artifacts import hidden_states as hs
-from dihal.artifacts.errors import DihalError
 from dihal.artifacts.store import Artifact, ArtifactStore
 from dihal.stages.condition import check_condition_prior, condition_prior
 from dihal.stages.configs import BridgeConfig
@@ -47,14 +46,9 @@ class BridgeTask:
         """prior: a trained stages.parts.prior.Prior whose estimates corrupt c (--condition-noise prior:T)."""
         self.group, self.cfg, self.norm, self.start, self.prior = group, cfg, norm, start, prior
         self.on_device = norm.to(cfg.device)  # the loss normalizes where it trains
-        self.train_seqs = hs.split_indices(group, "train")
-        self.n_train, self.chunk = len(self.train_seqs), int(group.attrs["chunk_seqs"])
-        self.tokens_per_item = group["input_ids"].shape[1] - start
-        val = hs.split_indices(group, "validation")[: cfg.val_sequences]
-        if val.size == 0:
-            raise DihalError(
-                "the extract has no validation sequences; extract with --val-fraction > 0 and more --max-sequences"
-            )
+        val = trainer.take_split(
+            self, group, cfg.val_sequences, start, fix="--val-fraction > 0 and more --max-sequences"
+        )
         self.c_val = norm.c(_read(group, 0, val, start))
         self.y_val = norm.y(_read(group, cfg.layer, val, start))
 

@@ -22,7 +22,6 @@ import torch.nn.functional as F
 
 from dihal.artifacts import files
 from dihal.artifacts import hidden_states as hs
-from dihal.artifacts.errors import DihalError
 from dihal.artifacts.store import Artifact, ArtifactStore
 from dihal.stages.condition import check_condition_prior, condition_prior
 from dihal.stages.configs import DECODER_DEPTH, DecoderTrainConfig
@@ -47,12 +46,7 @@ class DecoderTask:
         """prior: a trained stages.parts.prior.Prior whose estimates corrupt e (--condition-noise prior:T)."""
         self.group, self.cfg, self.norm, self.prior = group, cfg, norm, prior
         self.on_device = norm.to(cfg.device)  # the prior's estimates are normalized where it trains
-        self.train_seqs = hs.split_indices(group, "train")
-        self.n_train, self.chunk = len(self.train_seqs), int(group.attrs["chunk_seqs"])
-        self.tokens_per_item = group["input_ids"].shape[1] - 1
-        val = hs.split_indices(group, "validation")[: cfg.val_sequences]
-        if val.size == 0:
-            raise DihalError("the extract has no validation sequences; extract with --val-fraction > 0")
+        val = trainer.take_split(self, group, cfg.val_sequences)
         self.val = {"c": hs.read_sequences(group, 0, val), "ids": np.asarray(group["input_ids"].oindex[val])}
 
     def read(self, positions: np.ndarray) -> dict[str, np.ndarray]:

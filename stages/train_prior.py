@@ -59,12 +59,7 @@ class PriorTask:
     def __init__(self, group, cfg: PriorConfig, norm: Normalizer):
         self.group, self.cfg = group, cfg
         self.mu, self.sigma = space(norm, cfg.layer)
-        self.train_seqs = hs.split_indices(group, "train")
-        self.n_train, self.chunk = len(self.train_seqs), int(group.attrs["chunk_seqs"])
-        self.tokens_per_item = group["input_ids"].shape[1] - 1
-        val = hs.split_indices(group, "validation")[: cfg.val_sequences]
-        if val.size == 0:
-            raise DihalError("the extract has no validation sequences; extract with --val-fraction > 0")
+        val = trainer.take_split(self, group, cfg.val_sequences)
         self.y_val = self.normalize(hs.read_sequences(group, cfg.layer, val))
 
     def normalize(self, raw: np.ndarray) -> torch.Tensor:

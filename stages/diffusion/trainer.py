@@ -50,6 +50,7 @@ import torch.distributed as dist
 from torch import nn
 
 from dihal.artifacts import files
+from dihal.artifacts import hidden_states as hs
 from dihal.artifacts.errors import DihalError
 from dihal.stages.configs import LoopConfig
 from dihal.stages.diffusion import draws
@@ -76,6 +77,19 @@ class Task(Protocol):
     ) -> torch.Tensor: ...
 
     def validate(self, net: nn.Module) -> float: ...
+
+
+def take_split(task, group, val_sequences: int, start: int = 1, fix: str = "--val-fraction > 0") -> np.ndarray:
+    """A Task's data from an extract's split: sets its train_seqs, n_train, chunk and tokens_per_item (positions
+    start..T-1 of a sequence) and returns the first val_sequences validation sequences, refusing an extract
+    that has none in one line (`fix`: what to extract with)."""
+    task.train_seqs = hs.split_indices(group, "train")
+    task.n_train, task.chunk = len(task.train_seqs), int(group.attrs["chunk_seqs"])
+    task.tokens_per_item = group["input_ids"].shape[1] - start
+    val = hs.split_indices(group, "validation")[:val_sequences]
+    if val.size == 0:
+        raise DihalError(f"the extract has no validation sequences; extract with {fix}")
+    return val
 
 
 # -- the order of the data ------------------------------------------------------------------------------------
