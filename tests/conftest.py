@@ -18,6 +18,20 @@ os.environ.setdefault("COLUMNS", "240")  # rich wraps long lines at the terminal
 os.environ["DIHAL_CACHE"] = os.environ.get("DIHAL_TEST_CACHE") or str(ROOT / ".cache" / "dihal-tests")
 
 
+def _build_the_cli_once() -> None:
+    """typer's CliRunner rebuilds the click command from the app's signatures on every invoke (about 30 ms,
+    90% of a `--dry-run` call); the app does not change after import, so the tests build it once per worker.
+    `dihal` itself builds it once per process, so this changes nothing a test can observe."""
+    import functools
+
+    import typer.testing
+
+    typer.testing._get_command = functools.cache(typer.testing._get_command)
+
+
+_build_the_cli_once()
+
+
 @pytest.fixture
 def no_model_loads(monkeypatch):
     forbid_model_loads(monkeypatch)
@@ -117,17 +131,39 @@ def build_tiny(kind: str, layers: int = 4, seed: int = 0):
     return model, tok
 
 
+def shared(tmp_path_factory, name: str, build) -> Path:
+    """A session fixture's folder made once for all xdist workers, as xdist documents: the first worker to
+    need it builds it under a file lock in the folder the workers share, the others wait and read it. A
+    build that fails leaves no mark, so the next worker tries again. Without xdist, the session's own."""
+    from filelock import FileLock
+
+    base = tmp_path_factory.getbasetemp()
+    path = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / f"shared-{name}"
+    with FileLock(f"{path}.lock"):
+        if not (path / ".built").exists():
+            if path.exists():
+                import shutil
+
+                shutil.rmtree(path)
+            path.mkdir()
+            build(path)
+            (path / ".built").touch()
+    return path
+
+
 @pytest.fixture(scope="session")
 def tiny_dirs(tmp_path_factory) -> dict[str, Path]:
-    """{kind: local model directory} for llama, gemma3 and qwen3."""
-    out = {}
-    for kind in ("llama", "gemma3", "qwen3"):
-        model, tok = build_tiny(kind)
-        path = tmp_path_factory.mktemp(f"tiny-{kind}")
-        model.save_pretrained(path)
-        tok.save_pretrained(path)
-        out[kind] = path
-    return out
+    """{kind: local model directory} for llama, gemma3 and qwen3, shared by the workers."""
+    kinds = ("llama", "gemma3", "qwen3")
+
+    def build(folder: Path) -> None:
+        for kind in kinds:
+            model, tok = build_tiny(kind)
+            model.save_pretrained(folder / kind)
+            tok.save_pretrained(folder / kind)
+
+    folder = shared(tmp_path_factory, "tiny", build)
+    return {kind: folder / kind for kind in kinds}
 
 
 @pytest.fixture()
@@ -214,15 +250,17 @@ def _extract(tiny_dirs, *extra):
 # -- a small chain shared by the store tests ----------------------------------------------------------
 @pytest.fixture(scope="session")
 def chain_store(tiny_dirs, tmp_path_factory):
-    """extract -> train-bridge (4 steps), made once per session (per xdist worker); `chain` copies it."""
-    path = tmp_path_factory.mktemp("chain") / "runs"
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("DIHAL_ROOT", str(path))
-        args = _extract(tiny_dirs, "--layers", "0,2", "--max-sequences", "12", "--val-fraction", "0.25")
-        assert invoke(*args).exit_code == 0
-        res = invoke("train-bridge", "--layer", "2", "--extract", "latest", *TINY_BRIDGE, "--train-steps", "4")
-        assert res.exit_code == 0, res.output
-    return path
+    """extract -> train-bridge (4 steps), made once per session for all workers; `chain` copies it."""
+
+    def build(folder: Path) -> None:
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("DIHAL_ROOT", str(folder / "runs"))
+            args = _extract(tiny_dirs, "--layers", "0,2", "--max-sequences", "12", "--val-fraction", "0.25")
+            assert invoke(*args).exit_code == 0
+            res = invoke("train-bridge", "--layer", "2", "--extract", "latest", *TINY_BRIDGE, "--train-steps", "4")
+            assert res.exit_code == 0, res.output
+
+    return shared(tmp_path_factory, "chain", build) / "runs"
 
 
 @pytest.fixture()

@@ -11,7 +11,7 @@ import torch
 
 import dihal
 from dihal.artifacts.errors import DihalError
-from tests.conftest import ROOT, invoke
+from tests.conftest import ROOT, invoke, shared
 
 TINY_BRIDGE = ["--protocol", "sweep-tiny", "--width", "16", "--depth", "1", "--heads", "2", "--batch-size", "4"]
 
@@ -19,33 +19,24 @@ TINY_BRIDGE = ["--protocol", "sweep-tiny", "--width", "16", "--depth", "1", "--h
 @pytest.fixture(scope="session")
 def api_stores(tiny_dirs, tmp_path_factory):
     """{kind: store} with extract -> score -> bridge at layer 2 (6 steps), for a BOS model (llama) and a
-    model without BOS (qwen3), made once per worker; 64 positions, so the local MC task's continuations
-    (up to 46 tokens of the tiny tokenizer) fit."""
-    out = {}
-    for kind in ("llama", "qwen3"):
-        path = tmp_path_factory.mktemp(f"api-{kind}") / "runs"
-        with pytest.MonkeyPatch.context() as mp:
-            mp.setenv("DIHAL_ROOT", str(path))
-            extract = ["extract", "--model", str(tiny_dirs[kind]), "--max-sequences", "24", "--seq-len", "64"]
-            assert invoke(*extract, "--val-fraction", "0.25", "--layers", "0-3", "--device", "cpu").exit_code == 0
-            score = [
-                "score",
-                "--extract",
-                "latest",
-                "--tokens",
-                "40",
-                "--k",
-                "4",
-                "--candidates",
-                "1,2",
-                "--pairs",
-                "50",
-            ]
-            assert invoke(*score).exit_code == 0
-            res = invoke("train-bridge", "--layer", "2", "--extract", "latest", *TINY_BRIDGE, "--train-steps", "6")
-            assert res.exit_code == 0, res.output
-        out[kind] = path
-    return out
+    model without BOS (qwen3), made once per session for all workers; 64 positions, so the local MC task's
+    continuations (up to 46 tokens of the tiny tokenizer) fit."""
+    kinds = ("llama", "qwen3")
+
+    def build(folder):
+        for kind in kinds:
+            with pytest.MonkeyPatch.context() as mp:
+                mp.setenv("DIHAL_ROOT", str(folder / kind))
+                extract = ["extract", "--model", str(tiny_dirs[kind]), "--max-sequences", "24", "--seq-len", "64"]
+                ok = invoke(*extract, "--val-fraction", "0.25", "--layers", "0-3", "--device", "cpu")
+                assert ok.exit_code == 0, ok.output
+                score = ["score", "--extract", "latest", "--tokens", "40", "--k", "4", "--candidates", "1,2"]
+                assert invoke(*score, "--pairs", "50").exit_code == 0
+                res = invoke("train-bridge", "--layer", "2", "--extract", "latest", *TINY_BRIDGE, "--train-steps", "6")
+                assert res.exit_code == 0, res.output
+
+    folder = shared(tmp_path_factory, "api", build)
+    return {kind: folder / kind for kind in kinds}
 
 
 @pytest.fixture()

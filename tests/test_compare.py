@@ -25,7 +25,7 @@ from dihal.stages.parts.decoder import Decoder
 from dihal.stages.parts.prior import Prior
 from dihal.stages.train_prior import PriorTask
 from tests.conftest import ROOT as REPO
-from tests.conftest import build_tiny, invoke
+from tests.conftest import build_tiny, invoke, shared
 
 TEMPLATES = torch.tensor(
     [
@@ -263,12 +263,14 @@ def tiny_extract(tiny_dirs) -> list[str]:
 @pytest.fixture(scope="session")
 def parts_store(tiny_dirs, tmp_path_factory):
     """A store with a tiny llama extract, a prior over h_0, a noisy-condition bridge at layer 2 and a
-    decoder, made once per session (per xdist worker); `parts` hands each test a copy of it."""
-    path = tmp_path_factory.mktemp("parts") / "runs"
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("DIHAL_ROOT", str(path))
-        make_parts(tiny_dirs)
-    return path
+    decoder, made once per session for all workers; `parts` hands each test a copy of it."""
+
+    def build(folder):
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("DIHAL_ROOT", str(folder / "runs"))
+            make_parts(tiny_dirs)
+
+    return shared(tmp_path_factory, "parts", build) / "runs"
 
 
 @pytest.fixture()
