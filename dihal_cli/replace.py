@@ -139,6 +139,11 @@ def train_prior(
     ctx: typer.Context,
     layer: int = o.opt(PriorConfig, "layer", help="0: normalized h_0 (the comparison's prior); l: h_l (DiHAL-direct)."),
     self_condition: bool = o.opt(PriorConfig, "self_condition", help="SED's self-conditioning."),
+    time_shift: float = o.opt(PriorConfig, "time_shift", help="Train on t = s u / (1 + (s-1) u): s > 1, more noise."),
+    token_ce: float = o.opt(PriorConfig, "token_ce", help="Weight of the x0 estimate's token cross-entropy."),
+    data: str = o.opt(
+        PriorConfig, "data", help="extract (stored h_0), corpus (its tokens, embedded) or corpus:SPEC (a dataset)."
+    ),
     latents: str | None = typer.Option(None, "--latents", help="Model this autoencoder's latents (LD4LG-style)."),
     protocol: str = o.protocol_opt(PriorConfig),
     extract: str = ExtractRef,
@@ -151,7 +156,8 @@ def train_prior(
     recipe: tuple = (),
 ) -> None:
     """Sequence diffusion prior over normalized states, positions 1..T-1 (METHOD §5)."""
-    fixed = dict(layer=layer, self_condition=self_condition, latent=latents is not None)
+    fixed = dict(layer=layer, self_condition=self_condition, latent=latents is not None, time_shift=time_shift)
+    fixed.update(token_ce=token_ce, data=data)
     if (
         art := train_from_extract(
             ctx, PriorConfig, "train-prior", recipe, reads={"latents": ("autoencoder", latents)}, **fixed

@@ -310,11 +310,36 @@ class PriorConfig(PartRecipe):
     depth: int
     self_condition: bool = False  # SED
     latent: bool = added(False)  # over an autoencoder's latents (the LD4LG-style row) instead of a layer
+    # the remedies of issue 52 (METHOD §5): train more at high noise, and teach the x0 estimate its token
+    time_shift: float = added(1.0)  # t = s u / (1 + (s - 1) u), u ~ U(0, 1) (flow.shift_time); 1: uniform
+    token_ce: float = added(0.0)  # weight of the cross-entropy of the x0 estimate's cosine-nearest token
+    # extract: the extract's stored h_0; corpus: its token ids, embedded by the backbone's table (no state read);
+    # corpus:SPEC: the train split of another dataset (a builtin, local files or a hub id), tokenized here
+    data: str = added("extract")
 
     def check(self) -> None:
         super().check()
         require(self.layer >= 0, f"--layer must be >= 0 (0: the embeddings), got {self.layer}")
         require(not self.latent or self.layer == 0, "--latents models an autoencoder's latents; leave out --layer")
+        require(
+            math.isfinite(self.time_shift) and self.time_shift > 0,
+            f"--time-shift must be a finite number > 0 (1: t uniform; 3: toward noise), got {self.time_shift}",
+        )
+        require(
+            math.isfinite(self.token_ce) and self.token_ce >= 0,
+            f"--token-ce must be a finite weight >= 0 (0: off), got {self.token_ce}",
+        )
+        require(
+            self.data == "extract" or self.data == "corpus" or self.data.startswith("corpus:") and self.data[7:],
+            f"--data must be extract, corpus or corpus:SPEC (a dataset), got {self.data!r}",
+        )
+        if self.reads_tokens:
+            require(self.layer == 0 and not self.latent, "--data corpus and --token-ce model layer 0 (the tokens)")
+
+    @property
+    def reads_tokens(self) -> bool:
+        """Whether training reads token ids (and the backbone's embedding table), not only stored states."""
+        return self.data != "extract" or self.token_ce > 0
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -10,6 +10,16 @@ Rectified flow, x0-parameterization, MSE over positions 1..T-1, trained by the s
   (no gradient) is fed as an extra input; at sampling, the previous step's estimate.
 - `--latents ID` (the LD4LG-style row): the sequence is an autoencoder's K latents of a sequence
   (stages/train_autoencoder.py), normalized per dimension over the train split, instead of a layer.
+- `--time-shift s`: t = s u / (1 + (s - 1) u) for u ~ U(0, 1) (flow.shift_time), more steps at high noise,
+  where the structure of text is learned; the sampler's grid is unchanged.
+- `--token-ce w`: adds w times the cross-entropy of the x0 estimate's token under cosine logits
+  cos(x0_hat, E_v) / TOKEN_CE_TEMPERATURE (raw units, the rounding recovery's geometry), over the token types
+  of the training sequences: the estimate is taught the token that rounding will read from it (the role of
+  CDCD's score interpolation and Plaid's output head, without a second network).
+- `--data corpus` reads token ids instead of stored states: h_0 is the embedding of the tokens with the
+  backbone's own scaling (stages/lm/vocab.py embedding_table), so no state is read or written per token;
+  `--data corpus:SPEC` trains on another dataset's train split, tokenized here at the extract's length. The
+  extract still gives the normalization, the validation sequences and the model.
 - clamping (Diffusion-LM) is a sampling option (stages/parts/prior.py `Prior.sample(clamp_to=E)`): each step's x0
   estimate, de-normalized, is replaced by its cosine-nearest row of the raw embedding table E,
   rescaled to the estimate's norm.
@@ -27,18 +37,22 @@ from dihal.artifacts import files
 from dihal.artifacts import hidden_states as hs
 from dihal.artifacts.errors import DihalError
 from dihal.artifacts.store import Artifact, ArtifactStore
-from dihal.stages.configs import PriorConfig
+from dihal.stages.configs import DataConfig, PriorConfig
 from dihal.stages.diffusion import flow, trainer
 from dihal.stages.diffusion.denoiser import Denoiser, DenoiserConfig
 from dihal.stages.diffusion.normalizer import Normalizer
+from dihal.stages.lineage import backbone_for
+from dihal.stages.lm.vocab import embedding_table
 from dihal.stages.parts.autoencoder import latents_of
 from dihal.stages.parts.prior import space
 from dihal.stages.runtime import plotting
 from dihal.stages.runtime.dist import distributed
 from dihal.stages.runtime.progress import NullProgress, Progress
+from dihal.stages.text import data as data_mod
 
 STAGE = "prior"
 CACHE_VERSION = 1  # bump whenever a prior's bytes change (tests/test_golden.py says when)
+TOKEN_CE_TEMPERATURE = 0.1  # --token-ce's logits are cosines / 0.1: a 20-nat range between opposite tokens
 
 
 def denoiser_config(cfg: PriorConfig, dim: int, length: int) -> DenoiserConfig:
@@ -55,22 +69,54 @@ def denoiser_config(cfg: PriorConfig, dim: int, length: int) -> DenoiserConfig:
 
 
 # -- training ---------------------------------------------------------------------------------------------------
+class Tokens:
+    """The token side of a prior's data: the backbone's raw (V, D) embedding table, the (N, T) token ids that
+    the task's sequence indices point into, and the token types of the training sequences (the vocabulary of
+    --token-ce's logits)."""
+
+    def __init__(self, table: torch.Tensor, ids: np.ndarray, train: np.ndarray):
+        self.table, self.ids = table.float().cpu(), np.asarray(ids, dtype=np.int64)
+        self.types = torch.from_numpy(np.unique(self.ids[train, 1:]))
+        self.lookup = torch.full((self.table.shape[0],), -1, dtype=torch.long)
+        self.lookup[self.types] = torch.arange(len(self.types))
+        self.unit = torch.nn.functional.normalize(self.table[self.types], dim=-1)
+
+    def embed(self, seqs: np.ndarray) -> np.ndarray:
+        """h_0 of sequences (B, T, D): their tokens' rows of the table, as the extract stores them."""
+        return self.table[torch.from_numpy(self.ids[seqs])].numpy()
+
+
 class PriorTask:
-    def __init__(self, group, cfg: PriorConfig, norm: Normalizer):
-        self.group, self.cfg = group, cfg
+    def __init__(self, group, cfg: PriorConfig, norm: Normalizer, tokens: Tokens | None = None, corpus=None):
+        """tokens: the token side (--data corpus, --token-ce); corpus: (N, T) ids of another dataset's train
+        split (--data corpus:SPEC), which the training sequences are then."""
+        self.group, self.cfg, self.tokens = group, cfg, tokens
         self.mu, self.sigma = space(norm, cfg.layer)
         val = trainer.take_split(self, group, cfg.val_sequences)
-        self.y_val = self.normalize(hs.read_sequences(group, cfg.layer, val))
+        if corpus is not None:
+            self.train_seqs, self.n_train = np.arange(len(corpus)), len(corpus)
+        self.y_val = self.normalize(self._states(val, validation=True))
+
+    def _states(self, seqs: np.ndarray, validation: bool = False) -> np.ndarray:
+        if self.cfg.data == "extract":
+            return hs.read_sequences(self.group, self.cfg.layer, seqs)
+        if validation and self.cfg.data != "corpus":  # the extract's own validation tokens, embedded
+            return self.tokens.table[torch.from_numpy(np.asarray(self.group["input_ids"][:])[seqs])].numpy()
+        return self.tokens.embed(seqs)
 
     def normalize(self, raw: np.ndarray) -> torch.Tensor:
         return (torch.from_numpy(raw[:, 1:].astype(np.float32)) - self.mu) / self.sigma
 
     def read(self, positions: np.ndarray) -> dict[str, np.ndarray]:
-        return {"y": hs.read_sequences(self.group, self.cfg.layer, self.train_seqs[positions])}
+        seqs = self.train_seqs[positions]
+        out = {"y": self._states(seqs)}
+        if self.cfg.token_ce:
+            out["ids"] = self.tokens.ids[seqs, 1:]
+        return out
 
     def loss(self, net, batch, draws, device) -> torch.Tensor:
         y = self.normalize(batch["y"]).to(device)
-        t = draws.rand()
+        t = flow.shift_time(draws.rand(), self.cfg.time_shift)
         eps = draws.randn(*y.shape[1:])
         x_t = flow.noisy(y, eps, t)
         x0_prev = None
@@ -79,8 +125,20 @@ class PriorTask:
             with torch.no_grad():
                 first = net(x_t, t, x0_prev=torch.zeros_like(y)).float()
             x0_prev = torch.where(use[:, None, None], first, torch.zeros_like(first))
-        out = net(x_t, t, x0_prev=x0_prev)
-        return ((out.float() - y) ** 2).mean(dim=(1, 2)).sum()
+        out = net(x_t, t, x0_prev=x0_prev).float()
+        loss = ((out - y) ** 2).mean(dim=(1, 2))
+        if self.cfg.token_ce:
+            loss = loss + self.cfg.token_ce * self.token_ce(out, torch.from_numpy(batch["ids"]).to(device))
+        return loss.sum()
+
+    def token_ce(self, out: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Per sequence, the mean cross-entropy of the true tokens under cos(x0_hat, E_v) / TOKEN_CE_TEMPERATURE
+        over the training sequences' token types; x0_hat de-normalized into the table's raw units."""
+        unit, lookup = self.tokens.unit.to(out.device), self.tokens.lookup.to(out.device)
+        raw = out * self.sigma.to(out.device) + self.mu.to(out.device)
+        logits = torch.nn.functional.normalize(raw, dim=-1) @ unit.T / TOKEN_CE_TEMPERATURE
+        ce = torch.nn.functional.cross_entropy(logits.flatten(0, 1), lookup[ids].flatten(), reduction="none")
+        return ce.view(ids.shape).mean(dim=1)
 
     def validate(self, net) -> float:
         return flow.validation_loss(net, self.y_val)
@@ -113,15 +171,57 @@ def latent_normalizer(latents: torch.Tensor) -> Normalizer:
     return Normalizer(mu, sigma, mu.clone(), sigma.clone(), torch.zeros_like(mu))
 
 
-def train(cfg: PriorConfig, group, art: Artifact, progress: Progress, latents_art: Artifact | None = None) -> dict:
+def corpus_spec(cfg: PriorConfig, extract: Artifact) -> DataConfig | None:
+    """--data corpus:SPEC as the data config it is read with: the extract's length, split rule and seed."""
+    if not cfg.data.startswith("corpus:"):
+        return None
+    own = extract.config["data"]
+    return DataConfig(
+        dataset=cfg.data.removeprefix("corpus:"),
+        seq_len=own["seq_len"],
+        val_fraction=own["val_fraction"],
+        seed=own["seed"],
+        text_field=own.get("text_field", "text"),
+    )
+
+
+def token_data(cfg: PriorConfig, extract: Artifact, group, progress: Progress) -> tuple[Tokens | None, dict]:
+    """The token side of --data corpus / --token-ce, read from the backbone once, and what the manifest says of
+    it; (None, {}) for a prior that reads only stored states."""
+    if not cfg.reads_tokens:
+        return None, {}
+    loaded = backbone_for(extract, cfg.device, cfg.precision)
+    table, spec = embedding_table(loaded.model), corpus_spec(cfg, extract)
+    if spec is None:
+        ids = np.asarray(group["input_ids"][:])
+        return Tokens(table, ids, hs.split_indices(group, "train")), {}
+    packed = data_mod.pack(spec, loaded.tokenizer, loaded.max_positions)
+    train_ids = packed.input_ids[packed.split == 0]
+    if len(train_ids) == 0:
+        raise DihalError(f"--data {cfg.data} gives no training sequence of {spec.seq_len} tokens; give more text")
+    progress.log(f"corpus {spec.dataset}: {len(train_ids)} training sequences of {spec.seq_len} tokens")
+    about = {"corpus_fingerprint": packed.fingerprint, "corpus_documents": packed.n_documents}
+    return Tokens(table, train_ids, np.arange(len(train_ids))), about
+
+
+def train(
+    cfg: PriorConfig,
+    group,
+    art: Artifact,
+    progress: Progress,
+    latents_art: Artifact | None = None,
+    extract: Artifact | None = None,
+) -> dict:
     rank, _ = distributed()
+    about = {}
     if cfg.latent:
         stored = {split: latents_of(latents_art, split) for split in ("train", "validation")}
         norm = latent_normalizer(stored["train"])
         task = LatentPriorTask(group, cfg, stored, norm)
     else:
         norm = Normalizer.fit(group, 0, max(cfg.layer, 0), hs.split_indices(group, "train"), 1)
-        task = PriorTask(group, cfg, norm)
+        tokens, about = token_data(cfg, extract, group, progress)
+        task = PriorTask(group, cfg, norm, tokens, corpus=tokens.ids if about else None)
     den_cfg = denoiser_config(cfg, int(task.mu.shape[0]), task.tokens_per_item)
     torch.manual_seed(cfg.seed)
     net = Denoiser(den_cfg)
@@ -145,7 +245,9 @@ def train(cfg: PriorConfig, group, art: Artifact, progress: Progress, latents_ar
         )
     return {
         **result,
+        **about,
         "n_train_sequences": task.n_train,
+        "distinct_sequences_seen": min(result["steps"] * result["global_batch"], task.n_train),
         "parameters": sum(p.numel() for p in net.parameters()),
         # the text's tokens the sequences hold (for latents, the K vectors per sequence stand for them)
         "tokens_seen": result["steps"] * result["global_batch"] * (group["input_ids"].shape[1] - 1),
@@ -170,7 +272,15 @@ def run(
     if latents is not None and latents.manifest.get("parents", {}).get("extract") != extract.id:
         raise DihalError(f"autoencoder {latents.id} was not trained on extract {extract.id}; use one that was")
     config, parents = cfg.hashed(), {"extract": extract.id, **({"autoencoder": latents.id} if latents else {})}
-    train_fn = lambda art, report: train(cfg, group, art, report, latents)
+    if spec := corpus_spec(cfg, extract):  # another dataset: its content is part of the id, as an extract's
+        data_mod.check(spec)
+        if data_mod.is_generated(spec.dataset):
+            raise DihalError("--data corpus:generate:ID is not read by train-prior; extract it and use --data corpus")
+        if digests := data_mod.content_digests(spec):
+            config["data_sha256"] = digests
+        if spec.dataset == "pydoc":
+            config["pydoc_python"] = data_mod.python_version_tag()
+    train_fn = lambda art, report: train(cfg, group, art, report, latents, extract)
     return trainer.write_trained(
         store, STAGE, CACHE_VERSION, config, parents, extract, cfg, train_fn, force=force, progress=progress
     )

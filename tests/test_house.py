@@ -120,6 +120,7 @@ ZERO_OK = {
     "bootstrap",
     "val-fraction",
     "shuffle-buffer",
+    "token-ce",
 }
 ZERO_OK_IN = {("train-prior", "layer")}
 

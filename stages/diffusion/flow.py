@@ -1,8 +1,8 @@
 """The noise path and sampler of METHOD §2, separate from the network (as in diffusers).
 
-Rectified flow: x_t = (1 - t) y + t eps, t ~ U(0, 1). The network output is read as the clean
-target y_hat (prediction "x0") or as the velocity eps - y (prediction "velocity"); either way
-the sampler integrates dx/dt = (x_t - y_hat) / t from t = 1 to t = 0 with Euler steps.
+Rectified flow: x_t = (1 - t) y + t eps, t ~ U(0, 1) (a prior may train on a shifted t, `shift_time`). The
+network output is read as the clean target y_hat (prediction "x0") or as the velocity eps - y (prediction
+"velocity"); either way the sampler integrates dx/dt = (x_t - y_hat) / t from t = 1 to t = 0 with Euler steps.
 """
 
 from __future__ import annotations
@@ -19,6 +19,13 @@ VALIDATION_SEED = 1234  # the validation noise: the same draw at every evaluatio
 def noisy(y: torch.Tensor, eps: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
     t = t.view(-1, *([1] * (y.dim() - 1)))
     return (1 - t) * y + t * eps
+
+
+def shift_time(u: torch.Tensor, shift: float) -> torch.Tensor:
+    """t = s u / (1 + (s - 1) u) of a uniform u (METHOD §5, the prior's --time-shift): the resolution shift of
+    "simple diffusion" and of rectified-flow image models (SD3). s = 1 is u itself; s > 1 moves mass toward
+    t = 1 (noise), P(t <= q) = q / (s - (s - 1) q), median s / (1 + s)."""
+    return u if shift == 1.0 else shift * u / (1 + (shift - 1) * u)
 
 
 def clean_estimate(output: torch.Tensor, x_t: torch.Tensor, t: torch.Tensor, prediction: str) -> torch.Tensor:
