@@ -119,11 +119,13 @@ def part_configs(cfg: CompareConfig, seed: int, l_star: int, worst: int, k: int 
     layers = layer_names(l_star, worst, cfg.oracle)
     common = dict(seed=seed, device=cfg.device, dtype=cfg.dtype)
     condition = dict(condition_noise=cfg.condition_noise, condition_from=cfg.condition_from)
+    prior = dict(time_shift=cfg.prior_time_shift, token_ce=cfg.prior_token_ce, data=cfg.prior_data)
     overrides = budget_overrides(cfg, k) if k != 1 else dict(cfg.overrides)
 
     def build(spec) -> tuple:  # every kind of part alike: its stage, its config under the one protocol
         own = {k: v for k, v in overrides.items() if not (spec.fixed_depth and k == "depth")}
-        part_cfg = registry.resolve(spec.config).for_run(cfg.protocol, own, **spec.fields(layers, condition), **common)
+        fields = spec.fields(layers, condition, prior)
+        part_cfg = registry.resolve(spec.config).for_run(cfg.protocol, own, **fields, **common)
         return spec, registry.resolve(spec.run), part_cfg
 
     specs = [spec for row in active_rows(cfg) for spec in row.parts()] + [registry.AR_REFERENCE_BRIDGE]

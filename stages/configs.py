@@ -321,18 +321,7 @@ class PriorConfig(PartRecipe):
         super().check()
         require(self.layer >= 0, f"--layer must be >= 0 (0: the embeddings), got {self.layer}")
         require(not self.latent or self.layer == 0, "--latents models an autoencoder's latents; leave out --layer")
-        require(
-            math.isfinite(self.time_shift) and self.time_shift > 0,
-            f"--time-shift must be a finite number > 0 (1: t uniform; 3: toward noise), got {self.time_shift}",
-        )
-        require(
-            math.isfinite(self.token_ce) and self.token_ce >= 0,
-            f"--token-ce must be a finite weight >= 0 (0: off), got {self.token_ce}",
-        )
-        require(
-            self.data == "extract" or self.data == "corpus" or self.data.startswith("corpus:") and self.data[7:],
-            f"--data must be extract, corpus or corpus:SPEC (a dataset), got {self.data!r}",
-        )
+        check_prior_recipe(self.time_shift, self.token_ce, self.data)
         if self.reads_tokens:
             require(self.layer == 0 and not self.latent, "--data corpus and --token-ce model layer 0 (the tokens)")
 
@@ -340,6 +329,19 @@ class PriorConfig(PartRecipe):
     def reads_tokens(self) -> bool:
         """Whether training reads token ids (and the backbone's embedding table), not only stored states."""
         return self.data != "extract" or self.token_ce > 0
+
+
+def check_prior_recipe(time_shift: float, token_ce: float, data: str, flag: str = "--") -> None:
+    """The prior's remedies (train-prior's --time-shift, --token-ce, --data; compare's --prior-*), once."""
+    require(
+        math.isfinite(time_shift) and time_shift > 0,
+        f"{flag}time-shift must be a finite number > 0 (1: t uniform; 3: toward noise), got {time_shift}",
+    )
+    require(math.isfinite(token_ce) and token_ce >= 0, f"{flag}token-ce must be a finite weight >= 0, got {token_ce}")
+    require(
+        data == "extract" or data == "corpus" or data.startswith("corpus:") and data[7:],
+        f"{flag}data must be extract, corpus or corpus:SPEC (a dataset), got {data!r}",
+    )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -792,9 +794,14 @@ class CompareConfig(Config):
     overrides: tuple[tuple[str, object], ...] = ()  # protocol fields changed for every part alike
     device: str = "cpu"
     dtype: str = "float32"
+    # the remedies of every prior over h_0 (train-prior's --time-shift, --token-ce, --data; docs/results/prior.md)
+    prior_time_shift: float = added(1.0)
+    prior_token_ce: float = added(0.0)
+    prior_data: str = added("extract")
 
     def check(self) -> None:
         distinct_seeds(self.seeds)
+        check_prior_recipe(self.prior_time_shift, self.prior_token_ce, self.prior_data, flag="--prior-")
         at_least(self, 1, "num_samples", "prior_steps", "sample_steps", "batch_size", "layer", "oracle")
         check_condition(self)
         require(bool(self.temperatures), "--temperatures must name at least one temperature")

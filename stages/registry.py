@@ -117,8 +117,11 @@ class PriorPart:
     stage, run, config = "prior", "dihal.stages.train_prior:run", f"{_CONFIGS}:PriorConfig"
     fixed_depth = reads_backbone = False
 
-    def fields(self, layers: dict[str, int], condition: dict) -> dict:
-        return {"layer": layers[self.layer], "self_condition": self.self_condition, "latent": self.latent}
+    def fields(self, layers: dict[str, int], condition: dict, prior: dict) -> dict:
+        """prior: the comparison's remedies (--prior-*), for every prior over h_0 (they read its tokens)."""
+        over_h0 = self.layer == "0" and not self.latent
+        own = {"layer": layers[self.layer], "self_condition": self.self_condition, "latent": self.latent}
+        return {**own, **(prior if over_h0 else {})}
 
     def label(self, layers: dict[str, int]) -> str:
         if self.latent:
@@ -133,7 +136,7 @@ class DecoderPart:
     stage, run, config = "decoder", "dihal.stages.train_decoder:run", f"{_CONFIGS}:DecoderTrainConfig"
     fixed_depth = reads_backbone = True  # depth DECODER_DEPTH; the backbone's frozen embedding table
 
-    def fields(self, layers: dict[str, int], condition: dict) -> dict:
+    def fields(self, layers: dict[str, int], condition: dict, prior: dict) -> dict:
         return condition
 
     def label(self, layers: dict[str, int]) -> str:
@@ -145,7 +148,7 @@ class AutoencoderPart:
     stage, run, config = "autoencoder", "dihal.stages.train_autoencoder:run", f"{_CONFIGS}:AutoencoderConfig"
     fixed_depth = reads_backbone = True  # its decoder's and resampler's depths are fixed; the backbone encodes
 
-    def fields(self, layers: dict[str, int], condition: dict) -> dict:
+    def fields(self, layers: dict[str, int], condition: dict, prior: dict) -> dict:
         return {}
 
     def label(self, layers: dict[str, int]) -> str:
@@ -160,7 +163,7 @@ class BridgePart:
     stage, run, config = "bridge", "dihal.stages.train_bridge:run", f"{_CONFIGS}:BridgeConfig"
     fixed_depth = reads_backbone = False
 
-    def fields(self, layers: dict[str, int], condition: dict) -> dict:
+    def fields(self, layers: dict[str, int], condition: dict, prior: dict) -> dict:
         return {"layer": layers[self.layer], **(condition if self.noisy else {"condition_noise": 0.0})}
 
     def label(self, layers: dict[str, int]) -> str:

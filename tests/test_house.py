@@ -121,6 +121,7 @@ ZERO_OK = {
     "val-fraction",
     "shuffle-buffer",
     "token-ce",
+    "prior-token-ce",
 }
 ZERO_OK_IN = {("train-prior", "layer")}
 

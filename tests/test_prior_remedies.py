@@ -189,3 +189,19 @@ def test_the_manifest_of_a_default_prior_says_how_much_of_its_data_it_saw(tiny_d
     assert m["distinct_sequences_seen"] == min(12, m["n_train_sequences"]) and m["n_train_sequences"] == 12
     assert "time_shift" not in art.config and "token_ce" not in art.config  # defaults keep the published ids
     assert json.loads(art.file("prior.json").read_text())["layer"] == 0
+
+
+def test_compare_gives_its_prior_recipe_to_every_prior_over_h0_and_to_no_other_part():
+    from dihal.stages.compare import part_configs
+    from dihal.stages.configs import CompareConfig
+
+    cfg = CompareConfig(seeds=(0,), prior_time_shift=3.0, prior_token_ce=0.1, prior_data="corpus")
+    seen = set()
+    for spec, _, part in part_configs(cfg, 0, l_star=2, worst=1).values():
+        if spec.stage == "prior":
+            over_h0 = part.layer == 0 and not part.latent
+            want = (3.0, 0.1, "corpus") if over_h0 else (1.0, 0.0, "extract")
+            assert (part.time_shift, part.token_ce, part.data) == want, spec
+            seen.add(over_h0)
+    assert seen == {True, False}  # the shared and SED's priors, and DiHAL-direct's and LD4LG-style's
+    assert not {"prior_time_shift", "prior_token_ce", "prior_data"} & set(CompareConfig(seeds=(0,)).hashed())
