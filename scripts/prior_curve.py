@@ -18,7 +18,10 @@ Per prior, from N samples (--num-samples, seed 0, --prior-steps Euler steps, rou
     kl           unigram KL(held-out || samples), nats, add-0.5 smoothing over the token types seen in either
                  (held-out: the extract's validation sequences, positions 1..T-1): mass the samples miss
     epochs       epochs of the train split the prior saw; s_per_step its measured seconds per step
-Written as CSV and a markdown table (--out), with the held-out text's own row for scale.
+Written as CSV and a markdown table (--out), with four reference rows: (null), the null prior; (oracle), the
+held-out states rounded (the held-out text itself); (unigram), tokens drawn i.i.d. from the train split's
+unigram distribution: the corpus' frequencies without order, which a prior that writes must beat; (unigram,
+top 100), the same over the 100 most frequent types only: what collapsing onto them scores without order.
 """
 
 from __future__ import annotations
@@ -86,6 +89,43 @@ def gen_ppl(store: ArtifactStore, root: str, generate: str, evaluator: str, n: i
     return float(np.exp(per["nll"].sum() / per["n_scored"].sum()))
 
 
+def measure(store: ArtifactStore, root: str, generate: str, a, n: int, top100: set, held: list) -> dict:
+    """The rounded text's Gen.PPL under the backbone and the evaluator, top-100 share and unigram KL."""
+    toks = [t for row in tokens_of(store.resolve(generate, "generate").file("samples.jsonl")) for t in row]
+    return {
+        "ppl_backbone": gen_ppl(store, root, generate, a.model, n),
+        "ppl_eval": gen_ppl(store, root, generate, a.evaluator, n),
+        "top100": sum(t in top100 for t in toks) / max(len(toks), 1),
+        "kl": unigram_kl(held, toks),
+    }
+
+
+def unigram_control(a, n: int, train: list[int], top100: set, held: list, only: set | None = None) -> dict:
+    """The unigram control: n sequences of 31 tokens drawn i.i.d. from the train split's unigram
+    distribution (seed 0; `only`: restricted to those types), cut at the first stop token and decoded as
+    generation does, scored alike. Text with the corpus' token frequencies and no order: a prior that writes
+    must score better than this; restricted to the 100 most frequent types, the control of a prior that
+    collapses onto them."""
+    from dihal.stages.evaluate import sample_nlls
+    from dihal.stages.lm.models import load_model
+    from dihal.stages.lm.tokens import truncate
+
+    types, counts = np.unique(np.asarray(train), return_counts=True)
+    if only is not None:
+        keep = np.isin(types, sorted(only))
+        types, counts = types[keep], counts[keep]
+    draws = np.random.default_rng(0).choice(types, size=(n, 31), p=counts / counts.sum())
+    backbone = load_model(a.model, "cpu", "float32")
+    rows = [truncate(r, backbone.stop_ids) for r in draws.tolist()]
+    texts = [backbone.tokenizer.decode(r, skip_special_tokens=True) for r in rows]
+    out = {}
+    for name, key in ((a.model, "ppl_backbone"), (a.evaluator, "ppl_eval")):
+        nlls = sample_nlls(load_model(name, "cpu", "float32"), [""] * n, texts)
+        out[key] = float(np.exp(sum(x for x, _ in nlls) / sum(c for _, c in nlls)))
+    toks = [t for r in rows for t in r]
+    return {**out, "top100": sum(t in top100 for t in toks) / len(toks), "kl": unigram_kl(held, toks)}
+
+
 def markdown(frame: pd.DataFrame) -> str:
     cell = lambda v: f"{v:.4g}" if isinstance(v, float) else str(v)
     lines = ["| " + " | ".join(frame.columns) + " |", "|" + "---|" * len(frame.columns)]
@@ -115,8 +155,8 @@ def main() -> None:
     train = ids[hs.split_indices(group, "train")][:, 1:].ravel().tolist()
     held = ids[hs.split_indices(group, "validation")][:, 1:].ravel().tolist()
     top100 = {t for t, _ in Counter(train).most_common(100)}
-    sample = ["--recovery", "rounding", "--prior-steps", str(a.prior_steps), "--num-samples", str(n)]
-    sample += ["--batch-size", "64", "--seed", "0", "--device", "cpu"]
+    steps = ["--recovery", "rounding", "--prior-steps", str(a.prior_steps), "--batch-size", "64", "--seed", "0"]
+    sample = lambda count: [*steps, "--num-samples", str(count), "--device", "cpu"]
     rows, null = [], None
     for variant in a.variants.split(","):
         for k in [int(b) for b in a.budgets.split(",")]:
@@ -125,12 +165,18 @@ def main() -> None:
             prior = dihal(root, "train-prior", *args, *flags, "--device", "cpu")
             art = store.resolve(prior["id"], "prior")
             m = art.manifest["metrics"]
-            if null is None:  # the null prior: noise rounded; the same for every prior of this extract and seed
-                null = dihal(root, "generate", "--mode", "parallel", "--prior", prior["id"], "--source=null", *sample)
-                null_ppl = gen_ppl(store, root, null["id"], a.evaluator, n)
-            gen = dihal(root, "generate", "--mode", "parallel", "--prior", prior["id"], *sample)
-            toks = [t for row in tokens_of(store.resolve(gen["id"], "generate").file("samples.jsonl")) for t in row]
-            ppl_eval = gen_ppl(store, root, gen["id"], a.evaluator, n)
+            if null is None:  # the references, the same for every prior of this extract and seed: the null
+                # prior (noise rounded) and the oracle (held-out states rounded: the held-out text itself)
+                refs = {}
+                for source in ("null", "oracle"):  # the oracle reads held-out sequences: as many as there are
+                    count = n if source == "null" else min(n, len(hs.split_indices(group, "validation")))
+                    made = ["generate", "--mode", "parallel", "--prior", prior["id"], f"--source={source}"]
+                    ref = dihal(root, *made, *sample(count))
+                    refs[source] = measure(store, root, ref["id"], a, count, top100, held)
+                null_ppl = refs["null"]["ppl_eval"]
+                null = refs
+            gen = dihal(root, "generate", "--mode", "parallel", "--prior", prior["id"], *sample(n))
+            got = measure(store, root, gen["id"], a, n, top100, held)
             rows.append(
                 {
                     "variant": variant,
@@ -138,21 +184,22 @@ def main() -> None:
                     "steps": m["steps"],
                     "epochs": round(m["epochs_seen"], 2),
                     "val_mse": m["val_loss"],
-                    "ppl_backbone": gen_ppl(store, root, gen["id"], a.model, n),
-                    "ppl_eval": ppl_eval,
-                    "gain": null_ppl / ppl_eval,
-                    "top100": sum(t in top100 for t in toks) / max(len(toks), 1),
-                    "kl": unigram_kl(held, toks),
+                    **got,
+                    "gain": null_ppl / got["ppl_eval"],
                     "s_per_step": m["tokens_seen"] / m["train_tokens_per_s"] / m["steps"],
                     "prior": prior["id"],
                     "flags": " ".join(flags),
                 }
             )
             print(pd.DataFrame(rows[-1:]).to_string(index=False), flush=True)
-    frame = pd.DataFrame(rows)
+    null["unigram"] = unigram_control(a, n, train, top100, held)
+    null["unigram, top 100"] = unigram_control(a, n, train, top100, held, only=top100)
+    for source, got in null.items():
+        rows.append({"variant": f"({source})", **got, "gain": null_ppl / got["ppl_eval"]})
+    frame = pd.DataFrame(rows).astype(object).fillna("")
     out = Path(a.out or Path(root) / "prior_curve.md")
     frame.to_csv(out.with_suffix(".csv"), index=False)
-    ref = f"held-out text: top100 {sum(t in top100 for t in held) / len(held):.3f}; null prior Gen.PPL {null_ppl:.0f}"
+    ref = f"held-out text's own top100 share: {sum(t in top100 for t in held) / len(held):.3f}"
     out.write_text(
         f"# prior budget curve: {a.model} on {a.dataset}, evaluator {a.evaluator}, N = {n}\n\n{ref}\n\n"
         + markdown(frame)

@@ -20,6 +20,9 @@
 #             gamma ablation {0, 0.25, 1, 4} of guided and causal at 1x on seed 0 (scripts/ablation.py).
 #   MODEL     the backbone: smollm2-135m (evaluator gemma3-270m) or gemma3-270m (evaluator smollm2-135m);
 #             each model's runs go to their own store.
+#   ONE_PASS=1  claim 3's one-pass class only (issue 52): Diffusion-LM, SED, DiHAL independent and guided, with
+#             SED's and DiHAL's controls, at 1x on seed 0, N = 48, every prior over h_0 trained with PRIOR_RECIPE
+#             (default the recipe docs/results/prior.md chose: --prior-token-ce 0.1), in its own store.
 # Results: $DIHAL_ROOT/compare/<id>/{summary,compare,controls,parts}.csv, compare.json, compare_x*.png;
 # $DIHAL_ROOT/claims.md. DRY_RUN=1 validates the arguments only; NUM_SAMPLES, SEQ_LEN, PROTOCOL override.
 set -euo pipefail
@@ -41,7 +44,12 @@ compare() {  # each invocation's wall time goes to $DIHAL_ROOT/timings.tsv (a ru
     --evaluator "$EVALUATOR" --readout "$READOUTS" --device "${DEVICE:-cpu}" --dtype "${DTYPE:-float32}" $DRY "$@"
   [ -n "$DRY" ] || printf '%s\t%s\t%s\n' "$(date -u +%FT%TZ)" "$(( $(date +%s) - t0 ))" "$*" >>"$DIHAL_ROOT/timings.tsv"
 }
-if [ "${QUICK:-0}" = 1 ]; then
+if [ "${ONE_PASS:-0}" = 1 ]; then
+  export DIHAL_ROOT=${DIHAL_ROOT:-runs/compare-${MODEL%%-*}-one-pass}
+  # shellcheck disable=SC2086
+  compare --seeds 0 --num-samples "${NUM_SAMPLES:-48}" --budgets 1 --train-batch 16 --condition-noise prior:0.5 \
+    --rows diffusion-lm,sed,dihal --controls sed,dihal --readout independent,guided ${PRIOR_RECIPE:---prior-token-ce 0.1}
+elif [ "${QUICK:-0}" = 1 ]; then
   export DIHAL_ROOT=${DIHAL_ROOT:-runs/compare-${MODEL%%-*}-quick}
   compare --seeds 0 --num-samples "${NUM_SAMPLES:-16}" --budgets 1 --train-steps 30 --max-sequences 400 \
     --condition-noise prior:0.5 --controls sed,codar,ld4lg,dihal,dihal-direct
