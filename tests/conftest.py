@@ -156,14 +156,18 @@ def tiny_dirs(tmp_path_factory) -> dict[str, Path]:
     """{kind: local model directory} for llama, gemma3 and qwen3, shared by the workers."""
     kinds = ("llama", "gemma3", "qwen3")
 
+    # named as tmp_path_factory.mktemp(f"tiny-{kind}") named them: a local model's folder name is its identity,
+    # which the ids the golden records pin hash
+    name = lambda kind: f"tiny-{kind}0"
+
     def build(folder: Path) -> None:
         for kind in kinds:
             model, tok = build_tiny(kind)
-            model.save_pretrained(folder / kind)
-            tok.save_pretrained(folder / kind)
+            model.save_pretrained(folder / name(kind))
+            tok.save_pretrained(folder / name(kind))
 
     folder = shared(tmp_path_factory, "tiny", build)
-    return {kind: folder / kind for kind in kinds}
+    return {kind: folder / name(kind) for kind in kinds}
 
 
 @pytest.fixture()
