@@ -54,6 +54,9 @@ def compare(
     guidance: float = o.opt(CompareConfig, "guidance", help="gamma of the guided readouts."),
     prior_time_shift: float = o.opt(CompareConfig, "prior_time_shift", help="Every h_0 prior's --time-shift."),
     prior_token_ce: float = o.opt(CompareConfig, "prior_token_ce", help="Every h_0 prior's --token-ce."),
+    prior_token_ce_max_t: float = o.opt(
+        CompareConfig, "prior_token_ce_max_t", help="Every h_0 prior's --token-ce-max-t."
+    ),
     prior_data: str = o.opt(CompareConfig, "prior_data", help="Every h_0 prior's --data (train-prior --help)."),
     extract: str | None = typer.Option(None, "--extract", help="Extract of every layer (omitted: extract now)."),
     score: str | None = typer.Option(None, "--score", help="Score of that extract (omitted: score now)."),

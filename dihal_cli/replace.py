@@ -141,6 +141,7 @@ def train_prior(
     self_condition: bool = o.opt(PriorConfig, "self_condition", help="SED's self-conditioning."),
     time_shift: float = o.opt(PriorConfig, "time_shift", help="Train on t = s u / (1 + (s-1) u): s > 1, more noise."),
     token_ce: float = o.opt(PriorConfig, "token_ce", help="Weight of the x0 estimate's token cross-entropy."),
+    token_ce_max_t: float = o.opt(PriorConfig, "token_ce_max_t", help="Apply --token-ce only where t <= this."),
     data: str = o.opt(
         PriorConfig, "data", help="extract (stored h_0), corpus (its tokens, embedded) or corpus:SPEC (a dataset)."
     ),
@@ -157,7 +158,7 @@ def train_prior(
 ) -> None:
     """Sequence diffusion prior over normalized states, positions 1..T-1 (METHOD §5)."""
     fixed = dict(layer=layer, self_condition=self_condition, latent=latents is not None, time_shift=time_shift)
-    fixed.update(token_ce=token_ce, data=data)
+    fixed.update(token_ce=token_ce, token_ce_max_t=token_ce_max_t, data=data)
     if (
         art := train_from_extract(
             ctx, PriorConfig, "train-prior", recipe, reads={"latents": ("autoencoder", latents)}, **fixed

@@ -52,6 +52,12 @@ VARIANTS = {
     "sc+ce": ["--self-condition", "--token-ce", "0.1"],
     "shift+ce": ["--time-shift", "3", "--token-ce", "0.1"],
     "sc+shift+ce": ["--self-condition", "--time-shift", "3", "--token-ce", "0.1"],
+    # the second round (docs/results/prior.md states its rule): the cross-entropy only where signal and noise
+    # weigh at least alike (t <= 0.5), and a prior twice as wide (width 512, the protocol's depth and heads)
+    "ce-low": ["--token-ce", "0.1", "--token-ce-max-t", "0.5"],
+    "wide": ["--width", "512"],
+    "wide+ce": ["--width", "512", "--token-ce", "0.1"],
+    "wide+ce-low": ["--width", "512", "--token-ce", "0.1", "--token-ce-max-t", "0.5"],
 }
 
 
@@ -144,6 +150,7 @@ def main() -> None:
     ap.add_argument("--num-samples", type=int, default=256)
     ap.add_argument("--prior-steps", type=int, default=50)  # scripts/reproduce_compare.sh's
     ap.add_argument("--prior-args", default="", help="more train-prior flags for every prior (e.g. --data corpus)")
+    ap.add_argument("--generate-args", default="", help="more generate flags for every trained prior (e.g. --clamp)")
     ap.add_argument("--out", default=None, help="markdown table (default: <root>/prior_curve.md)")
     a = ap.parse_args()
     root, n = a.root, a.num_samples
@@ -175,7 +182,8 @@ def main() -> None:
                     refs[source] = measure(store, root, ref["id"], a, count, top100, held)
                 null_ppl = refs["null"]["ppl_eval"]
                 null = refs
-            gen = dihal(root, "generate", "--mode", "parallel", "--prior", prior["id"], *sample(n))
+            more = shlex.split(a.generate_args)
+            gen = dihal(root, "generate", "--mode", "parallel", "--prior", prior["id"], *sample(n), *more)
             got = measure(store, root, gen["id"], a, n, top100, held)
             rows.append(
                 {
@@ -188,7 +196,7 @@ def main() -> None:
                     "gain": null_ppl / got["ppl_eval"],
                     "s_per_step": m["tokens_seen"] / m["train_tokens_per_s"] / m["steps"],
                     "prior": prior["id"],
-                    "flags": " ".join(flags),
+                    "flags": " ".join(flags + more),
                 }
             )
             print(pd.DataFrame(rows[-1:]).to_string(index=False), flush=True)

@@ -7,6 +7,9 @@
 #   STEP=corpus    the plain prior at 1x, 5x, 25x on the docstrings of the scientific stack (37x pydoc's
 #                  text; scripts/docstrings_corpus.py), so steps and epochs come apart
 #   STEP=remedies  each remedy alone and combined, at BUDGET (the curve's pick; default 25)
+#   STEP=round2    the second round at 1x (docs/results/prior.md): the cross-entropy at t <= 0.5 only, a prior
+#                  twice as wide, each with and without the cross-entropy; then Diffusion-LM's clamping of the
+#                  plain and the round-1 prior's steps (a sampling diagnostic)
 #   MODEL          smollm2-135m (evaluator gemma3-270m) or gemma3-270m (evaluator smollm2-135m)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -28,5 +31,8 @@ case "${STEP:-curve}" in
   remedies)
     curve --budgets "${BUDGET:-25}" --variants "${VARIANTS:-shift,ce,shift+ce,sc+shift+ce}" \
       --out "$ROOT/remedies_${MODEL%%-*}.md" ;;
-  *) echo "error: STEP=${STEP}; use curve, corpus or remedies" >&2; exit 2 ;;
+  round2)
+    curve --budgets 1 --variants "${VARIANTS:-ce-low,wide,wide+ce,wide+ce-low}" --out "$ROOT/round2_${MODEL%%-*}.md"
+    curve --budgets 1 --variants plain,ce --generate-args=--clamp --out "$ROOT/clamp_${MODEL%%-*}.md" ;;
+  *) echo "error: STEP=${STEP}; use curve, corpus, remedies or round2" >&2; exit 2 ;;
 esac

@@ -120,6 +120,7 @@ def part_configs(cfg: CompareConfig, seed: int, l_star: int, worst: int, k: int 
     common = dict(seed=seed, device=cfg.device, dtype=cfg.dtype)
     condition = dict(condition_noise=cfg.condition_noise, condition_from=cfg.condition_from)
     prior = dict(time_shift=cfg.prior_time_shift, token_ce=cfg.prior_token_ce, data=cfg.prior_data)
+    prior.update(token_ce_max_t=cfg.prior_token_ce_max_t)
     overrides = budget_overrides(cfg, k) if k != 1 else dict(cfg.overrides)
 
     def build(spec) -> tuple:  # every kind of part alike: its stage, its config under the one protocol

@@ -313,6 +313,7 @@ class PriorConfig(PartRecipe):
     # the remedies of issue 52 (METHOD §5): train more at high noise, and teach the x0 estimate its token
     time_shift: float = added(1.0)  # t = s u / (1 + (s - 1) u), u ~ U(0, 1) (flow.shift_time); 1: uniform
     token_ce: float = added(0.0)  # weight of the cross-entropy of the x0 estimate's cosine-nearest token
+    token_ce_max_t: float = added(1.0)  # the cross-entropy applies only where t <= this (1: at every t)
     # extract: the extract's stored h_0; corpus: its token ids, embedded by the backbone's table (no state read);
     # corpus:SPEC: the train split of another dataset (a builtin, local files or a hub id), tokenized here
     data: str = added("extract")
@@ -321,7 +322,7 @@ class PriorConfig(PartRecipe):
         super().check()
         require(self.layer >= 0, f"--layer must be >= 0 (0: the embeddings), got {self.layer}")
         require(not self.latent or self.layer == 0, "--latents models an autoencoder's latents; leave out --layer")
-        check_prior_recipe(self.time_shift, self.token_ce, self.data)
+        check_prior_recipe(self.time_shift, self.token_ce, self.data, token_ce_max_t=self.token_ce_max_t)
         if self.reads_tokens:
             require(self.layer == 0 and not self.latent, "--data corpus and --token-ce model layer 0 (the tokens)")
 
@@ -331,13 +332,23 @@ class PriorConfig(PartRecipe):
         return self.data != "extract" or self.token_ce > 0
 
 
-def check_prior_recipe(time_shift: float, token_ce: float, data: str, flag: str = "--") -> None:
-    """The prior's remedies (train-prior's --time-shift, --token-ce, --data; compare's --prior-*), once."""
+def check_prior_recipe(
+    time_shift: float, token_ce: float, data: str, flag: str = "--", token_ce_max_t: float = 1.0
+) -> None:
+    """The prior's remedies (train-prior's --time-shift, --token-ce[-max-t], --data; compare's --prior-*), once."""
     require(
         math.isfinite(time_shift) and time_shift > 0,
         f"{flag}time-shift must be a finite number > 0 (1: t uniform; 3: toward noise), got {time_shift}",
     )
     require(math.isfinite(token_ce) and token_ce >= 0, f"{flag}token-ce must be a finite weight >= 0, got {token_ce}")
+    require(
+        math.isfinite(token_ce_max_t) and 0 < token_ce_max_t <= 1,
+        f"{flag}token-ce-max-t must be a time in (0, 1] (1: the cross-entropy at every t), got {token_ce_max_t}",
+    )
+    require(
+        token_ce > 0 or token_ce_max_t == 1,
+        f"{flag}token-ce-max-t limits the token cross-entropy; give {flag}token-ce w > 0 with it",
+    )
     require(
         data == "extract" or data == "corpus" or data.startswith("corpus:") and data[7:],
         f"{flag}data must be extract, corpus or corpus:SPEC (a dataset), got {data!r}",
@@ -797,11 +808,14 @@ class CompareConfig(Config):
     # the remedies of every prior over h_0 (train-prior's --time-shift, --token-ce, --data; docs/results/prior.md)
     prior_time_shift: float = added(1.0)
     prior_token_ce: float = added(0.0)
+    prior_token_ce_max_t: float = added(1.0)
     prior_data: str = added("extract")
 
     def check(self) -> None:
         distinct_seeds(self.seeds)
-        check_prior_recipe(self.prior_time_shift, self.prior_token_ce, self.prior_data, flag="--prior-")
+        check_prior_recipe(
+            self.prior_time_shift, self.prior_token_ce, self.prior_data, "--prior-", self.prior_token_ce_max_t
+        )
         at_least(self, 1, "num_samples", "prior_steps", "sample_steps", "batch_size", "layer", "oracle")
         check_condition(self)
         require(bool(self.temperatures), "--temperatures must name at least one temperature")

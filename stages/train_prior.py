@@ -15,7 +15,9 @@ Rectified flow, x0-parameterization, MSE over positions 1..T-1, trained by the s
 - `--token-ce w`: adds w times the cross-entropy of the x0 estimate's token under cosine logits
   cos(x0_hat, E_v) / TOKEN_CE_TEMPERATURE (raw units, the rounding recovery's geometry), over the token types
   of the training sequences: the estimate is taught the token that rounding will read from it (the role of
-  CDCD's score interpolation and Plaid's output head, without a second network).
+  CDCD's score interpolation and Plaid's output head, without a second network). `--token-ce-max-t m` applies
+  it only to sequences noised to t <= m: at high noise the MSE-optimal estimate is a mean of many tokens, and
+  the cross-entropy there pulls it onto the frequent ones instead.
 - `--data corpus` reads token ids instead of stored states: h_0 is the embedding of the tokens with the
   backbone's own scaling (stages/lm/vocab.py embedding_table), so no state is read or written per token;
   `--data corpus:SPEC` trains on another dataset's train split, tokenized here at the extract's length. The
@@ -128,7 +130,8 @@ class PriorTask:
         out = net(x_t, t, x0_prev=x0_prev).float()
         loss = ((out - y) ** 2).mean(dim=(1, 2))
         if self.cfg.token_ce:
-            loss = loss + self.cfg.token_ce * self.token_ce(out, torch.from_numpy(batch["ids"]).to(device))
+            ce = self.token_ce(out, torch.from_numpy(batch["ids"]).to(device))
+            loss = loss + self.cfg.token_ce * ce * (t.to(device) <= self.cfg.token_ce_max_t)
         return loss.sum()
 
     def token_ce(self, out: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:

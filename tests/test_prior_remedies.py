@@ -37,14 +37,17 @@ def test_shifted_times_have_the_stated_quantiles(shift):
 
 
 # -- the token cross-entropy ----------------------------------------------------------------------------------
-def _task(tmp_path, token_ce: float, table: torch.Tensor, ids: np.ndarray, mu, sigma):
+def _task(tmp_path, token_ce: float, table: torch.Tensor, ids: np.ndarray, mu, sigma, **recipe):
     """A PriorTask built as the stage builds it, on an extract whose layer 0 is table[ids]."""
     n, length = ids.shape
-    group = hs.create(tmp_path / f"h{token_ce}.zarr", [0], n, length, table.shape[1], {0: "float32"}, 4, {})
+    name = f"h{token_ce}-{'-'.join(f'{k}{v}' for k, v in recipe.items())}.zarr"
+    group = hs.create(tmp_path / name, [0], n, length, table.shape[1], {0: "float32"}, 4, {})
     group["layers/0"][:] = table[torch.from_numpy(ids)].numpy()
     group["input_ids"][:] = ids
     group["split"][:] = np.array([0] * (n - 2) + [1] * 2, dtype=np.int8)
-    cfg = PriorConfig.for_run("compare-cpu", {}, layer=0, token_ce=token_ce, seed=0, device="cpu", dtype="float32")
+    cfg = PriorConfig.for_run(
+        "compare-cpu", {}, layer=0, token_ce=token_ce, seed=0, device="cpu", dtype="float32", **recipe
+    )
     norm = Normalizer(mu, sigma, mu, sigma, torch.zeros_like(mu))
     tokens = Tokens(table, ids, hs.split_indices(group, "train")) if token_ce else None
     return PriorTask(group, cfg, norm, tokens)
@@ -91,6 +94,46 @@ def test_token_ce_is_the_cross_entropy_of_the_cosine_nearest_token_and_its_gradi
     term.backward()
     assert net.out.weight.grad.abs().max() > 1e-4  # the term reaches the x0 head
     torch.testing.assert_close(grads[1] - grads[0], net.out.weight.grad, rtol=1e-4, atol=1e-6)
+
+
+def test_token_ce_max_t_keeps_the_cross_entropy_of_the_sequences_noised_to_t_at_most_it_and_no_other(tmp_path):
+    """--token-ce-max-t m: the loss is the x0 MSE plus w times the cross-entropy of exactly the sequences whose
+    drawn t is <= m (m is put between the draws, so one sequence keeps its term and two lose theirs), and the
+    gradient on the x0 head is the MSE's plus that of the kept term alone."""
+    gen = torch.Generator().manual_seed(1)
+    table = torch.randn(9, 4, generator=gen)
+    ids = torch.randint(0, 7, (10, 5), generator=gen).numpy()
+    mu, sigma = torch.randn(4, generator=gen), torch.rand(4, generator=gen) + 0.5
+    positions = np.array([0, 3, 5])
+    t = ItemDraws(3, 0, positions).rand()
+    low = sorted(t.tolist())
+    m = (low[0] + low[1]) / 2
+    plain = _task(tmp_path, 0.0, table, ids, mu, sigma)
+    full = _task(tmp_path, 0.7, table, ids, mu, sigma)
+    limited = _task(tmp_path, 0.7, table, ids, mu, sigma, token_ce_max_t=m)
+    torch.manual_seed(0)
+    net = Denoiser(DenoiserConfig(dim=4, width=16, depth=1, heads=2, max_len=4, causal=False, condition=False))
+    batch = full.read(positions)
+    losses, grads = [], []
+    for task in (plain, limited):
+        net.zero_grad()
+        loss = task.loss(net, batch, ItemDraws(3, 0, positions), torch.device("cpu"))
+        loss.backward()
+        losses.append(loss)
+        grads.append(net.out.weight.grad.clone())
+    y = full.normalize(batch["y"])  # the same draws again: the network's output and each sequence's CE
+    draws = ItemDraws(3, 0, positions)
+    t_again = draws.rand()
+    out = net(flow.noisy(y, draws.randn(*y.shape[1:]), t_again), t_again)
+    net.zero_grad()
+    ce = full.token_ce(out, torch.from_numpy(batch["ids"]))
+    kept = t_again <= m
+    assert kept.sum() == 1
+    term = 0.7 * ce[kept].sum()
+    torch.testing.assert_close(losses[1] - losses[0], term, rtol=1e-5, atol=1e-6)
+    term.backward()
+    torch.testing.assert_close(grads[1] - grads[0], net.out.weight.grad, rtol=1e-4, atol=1e-6)
+    assert "token_ce_max_t" not in full.cfg.hashed() and limited.cfg.hashed()["token_ce_max_t"] == m
 
 
 # -- a corpus read as tokens ----------------------------------------------------------------------------------
@@ -167,6 +210,9 @@ def test_a_prior_on_another_corpus_records_what_it_saw_and_the_files_content_nam
         (["--data", "corpus", "--layer", "2"], "model layer 0"),
         (["--token-ce", "nan"], "--token-ce must be a finite number"),
         (["--time-shift", "0"], "--time-shift must be a finite number > 0"),
+        (["--token-ce", "0.1", "--token-ce-max-t", "0"], "--token-ce-max-t must be a time in (0, 1]"),
+        (["--token-ce", "0.1", "--token-ce-max-t", "inf"], "--token-ce-max-t must be a finite number"),
+        (["--token-ce-max-t", "0.5"], "give --token-ce w > 0 with it"),
     ],
 )
 def test_bad_remedy_flags_are_one_line(flags, words, root):
@@ -195,13 +241,16 @@ def test_compare_gives_its_prior_recipe_to_every_prior_over_h0_and_to_no_other_p
     from dihal.stages.compare import part_configs
     from dihal.stages.configs import CompareConfig
 
-    cfg = CompareConfig(seeds=(0,), prior_time_shift=3.0, prior_token_ce=0.1, prior_data="corpus")
+    cfg = CompareConfig(
+        seeds=(0,), prior_time_shift=3.0, prior_token_ce=0.1, prior_data="corpus", prior_token_ce_max_t=0.5
+    )
     seen = set()
     for spec, _, part in part_configs(cfg, 0, l_star=2, worst=1).values():
         if spec.stage == "prior":
             over_h0 = part.layer == 0 and not part.latent
-            want = (3.0, 0.1, "corpus") if over_h0 else (1.0, 0.0, "extract")
-            assert (part.time_shift, part.token_ce, part.data) == want, spec
+            want = (3.0, 0.1, "corpus", 0.5) if over_h0 else (1.0, 0.0, "extract", 1.0)
+            assert (part.time_shift, part.token_ce, part.data, part.token_ce_max_t) == want, spec
             seen.add(over_h0)
     assert seen == {True, False}  # the shared and SED's priors, and DiHAL-direct's and LD4LG-style's
-    assert not {"prior_time_shift", "prior_token_ce", "prior_data"} & set(CompareConfig(seeds=(0,)).hashed())
+    recipe = {"prior_time_shift", "prior_token_ce", "prior_data", "prior_token_ce_max_t"}
+    assert not recipe & set(CompareConfig(seeds=(0,)).hashed())
