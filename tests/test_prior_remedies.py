@@ -53,6 +53,20 @@ def _task(tmp_path, token_ce: float, table: torch.Tensor, ids: np.ndarray, mu, s
     return PriorTask(group, cfg, norm, tokens)
 
 
+def _losses_and_grads(tasks, batch, positions: np.ndarray):
+    """One small prior network, and each task's loss on the batch (the same draws) and its x0 head's gradient."""
+    torch.manual_seed(0)
+    net = Denoiser(DenoiserConfig(dim=4, width=16, depth=1, heads=2, max_len=4, causal=False, condition=False))
+    losses, grads = [], []
+    for task in tasks:
+        net.zero_grad()
+        loss = task.loss(net, batch, ItemDraws(len(positions), 0, positions), torch.device("cpu"))
+        loss.backward()
+        losses.append(loss)
+        grads.append(net.out.weight.grad.clone())
+    return net, losses, grads
+
+
 def test_token_ce_is_the_cross_entropy_of_the_cosine_nearest_token_and_its_gradient_reaches_the_x0_head(tmp_path):
     """The loss with --token-ce w is the x0 MSE plus w times, per sequence, the mean over positions of
     -log softmax(cos(x0_hat * sigma + mu, E_v) / 0.1)[true token] over the training sequences' types, computed
@@ -62,17 +76,9 @@ def test_token_ce_is_the_cross_entropy_of_the_cosine_nearest_token_and_its_gradi
     ids = torch.randint(0, 7, (10, 5), generator=gen).numpy()  # types 7 and 8 never appear: not in the softmax
     mu, sigma = torch.randn(4, generator=gen), torch.rand(4, generator=gen) + 0.5
     plain, with_ce = _task(tmp_path, 0.0, table, ids, mu, sigma), _task(tmp_path, 0.7, table, ids, mu, sigma)
-    torch.manual_seed(0)
-    net = Denoiser(DenoiserConfig(dim=4, width=16, depth=1, heads=2, max_len=4, causal=False, condition=False))
     positions = np.array([0, 3, 5])
     batch = with_ce.read(positions)
-    grads, losses = [], []
-    for task in (plain, with_ce):
-        net.zero_grad()
-        loss = task.loss(net, batch, ItemDraws(3, 0, positions), torch.device("cpu"))
-        loss.backward()
-        losses.append(loss)
-        grads.append(net.out.weight.grad.clone())
+    net, losses, grads = _losses_and_grads((plain, with_ce), batch, positions)
     # the same draws: the network's output again, and the CE written out position by position
     y = with_ce.normalize(batch["y"])
     draws = ItemDraws(3, 0, positions)
@@ -111,16 +117,8 @@ def test_token_ce_max_t_keeps_the_cross_entropy_of_the_sequences_noised_to_t_at_
     plain = _task(tmp_path, 0.0, table, ids, mu, sigma)
     full = _task(tmp_path, 0.7, table, ids, mu, sigma)
     limited = _task(tmp_path, 0.7, table, ids, mu, sigma, token_ce_max_t=m)
-    torch.manual_seed(0)
-    net = Denoiser(DenoiserConfig(dim=4, width=16, depth=1, heads=2, max_len=4, causal=False, condition=False))
     batch = full.read(positions)
-    losses, grads = [], []
-    for task in (plain, limited):
-        net.zero_grad()
-        loss = task.loss(net, batch, ItemDraws(3, 0, positions), torch.device("cpu"))
-        loss.backward()
-        losses.append(loss)
-        grads.append(net.out.weight.grad.clone())
+    net, losses, grads = _losses_and_grads((plain, limited), batch, positions)
     y = full.normalize(batch["y"])  # the same draws again: the network's output and each sequence's CE
     draws = ItemDraws(3, 0, positions)
     t_again = draws.rand()
