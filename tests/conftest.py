@@ -200,20 +200,14 @@ def no_tmpfs(reason: str) -> None:
     pytest.skip(f"{reason}; run as root (CAP_SYS_ADMIN) to test a real full disk")
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def torchrun(*args: str, ranks: int = 2, kill_after: int | None = None, timeout: float = 300):
     """`dihal ARGS` on `ranks` gloo ranks under torchrun, each rank's device written as cpu:<rank>
-    (tests/rank_devices.py), one thread each; kill_after=N: rank 0 is SIGKILLed after N units of work."""
+    (tests/rank_devices.py), one thread each; kill_after=N: rank 0 is SIGKILLed after N units of work.
+    --standalone: torchrun binds a free port itself (a port picked here and released could be taken by another
+    xdist worker's torchrun before this one binds it)."""
     entry = ["-m", "tests.rank_devices"] if kill_after is None else ["-m", "tests.kill_after", str(kill_after)]
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks)]
-    command += ["--master_port", str(free_port()), *entry, *args]
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks)]
+    command += [*entry, *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     return subprocess.run(command, capture_output=True, text=True, env=env, cwd=ROOT, timeout=timeout)
 

@@ -12,7 +12,7 @@ import torch
 
 from dihal.artifacts import hidden_states as hs
 from dihal.artifacts.store import ArtifactStore
-from tests.conftest import _extract, free_port, invoke, run_cli
+from tests.conftest import _extract, invoke, run_cli
 
 
 def _only_artifact(root, stage="extract"):
@@ -159,10 +159,9 @@ def test_two_processes_shard_to_the_same_store(tiny_dirs, tmp_path):
             sys.executable,
             "-m",
             "torch.distributed.run",
+            "--standalone",
             "--nproc_per_node",
             "2",
-            "--master_port",
-            str(free_port()),
             "-m",
             "dihal.cli",
             *args,

@@ -13,7 +13,7 @@ import sys
 import pytest
 
 from dihal.artifacts.store import ArtifactStore
-from tests.conftest import ROOT, free_port, load_script, tiny_tokenizer
+from tests.conftest import ROOT, load_script, tiny_tokenizer
 from tests.test_dolma import write_shards
 
 pytestmark = pytest.mark.slow
@@ -86,7 +86,7 @@ def test_the_paper_script_runs_end_to_end_and_the_same_under_torchrun(paper_inpu
         (dolma,) = extract.manifest["dolma"].values()
         assert {s["source"] for s in dolma["shards"]} == {"algebraic-stack", "c4"}
         assert [a.status for a in ArtifactStore(root).all()] == ["complete"] * len(ArtifactStore(root).all())
-    torchrun = f"{sys.executable} -m torch.distributed.run --nproc_per_node 2 --master_port {free_port()} -m dihal.cli"
+    torchrun = f"{sys.executable} -m torch.distributed.run --standalone --nproc_per_node 2 -m dihal.cli"
     ranks = run_script(paper_inputs, paper_inputs["base"] / "ranks", torchrun)
     assert ranks.returncode == 0, ranks.stdout[-2000:] + ranks.stderr[-3000:]
     for path in paper_inputs["models"].values():
