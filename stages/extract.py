@@ -47,7 +47,8 @@ AUTO_HEADROOM = 4.0  # --store-dtype auto: float16 only for a layer whose first 
 def resolved_config(cfg: ExtractConfig) -> dict:
     """What the artifact id hashes: the flags plus what makes the inputs unique."""
     resolved = cfg.hashed()
-    if digests := data_mod.content_digests(cfg.data):  # local files: their content, not only their path
+    resolved["data"], digests, _ = data_mod.hashed_data(cfg.data)  # local files: by their content, not their path
+    if digests:
         resolved["data_sha256"] = digests
     if "pydoc" in cfg.data.sources:
         resolved["pydoc_python"] = data_mod.python_version_tag()
@@ -287,8 +288,18 @@ def run(
         _extract(cfg, store, art, loaded, check_disk, progress)
 
     config, parents = resolved_config(cfg), source_parents(cfg)
+    paths = data_mod.hashed_data(cfg.data)[2]  # the local files as given, for the record (the id reads their content)
     job = Job(
-        STAGE, CACHE_VERSION, config, parents, work, checks, seed=cfg.data.seed, device=cfg.device, every_rank=True
+        STAGE,
+        CACHE_VERSION,
+        config,
+        parents,
+        work,
+        checks,
+        seed=cfg.data.seed,
+        device=cfg.device,
+        extra={"data_paths": paths} if paths else {},
+        every_rank=True,
     )
     return store.run_stage(job, force=force, progress=progress, group=dist.group())
 

@@ -279,7 +279,9 @@ def run(
         data_mod.check(spec)
         if data_mod.is_generated(spec.dataset):
             raise DihalError("--data corpus:generate:ID is not read by train-prior; extract it and use --data corpus")
-        if digests := data_mod.content_digests(spec):
+        hashed, digests, _ = data_mod.hashed_data(spec)  # a local corpus by its content, not its path
+        config["data"] = f"corpus:{hashed['dataset']}"
+        if digests:
             config["data_sha256"] = digests
         if spec.dataset == "pydoc":
             config["pydoc_python"] = data_mod.python_version_tag()

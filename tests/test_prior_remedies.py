@@ -194,6 +194,8 @@ def test_a_prior_on_another_corpus_records_what_it_saw_and_the_files_content_nam
     assert m["distinct_sequences_seen"] == min(3 * 4, m["n_train_sequences"])
     assert m["steps_per_epoch"] == -(-m["n_train_sequences"] // 4) and m["epochs_seen"] == 3 / m["steps_per_epoch"]
     assert len(m["corpus_fingerprint"]) >= 12 and m["corpus_documents"] == 20
+    res = invoke("train-prior", *SMALL, "--data", f"corpus:{tmp_path}/./more.txt", "--device", "cpu")
+    assert "cache hit" in res.output and store.resolve("latest", "prior").id == first.id, res.output  # one corpus
     text.write_text(text.read_text().replace("lazy", "sleepy"))  # the same path, other bytes: another id
     res = invoke("train-prior", *SMALL, "--data", f"corpus:{text}", "--device", "cpu")
     assert res.exit_code == 0 and "cache hit" not in res.output, res.output

@@ -91,6 +91,24 @@ def test_an_edited_local_dataset_is_another_extract_not_a_cache_hit(tiny_dirs, r
     assert not np.array_equal(*ids)
 
 
+def test_a_local_dataset_spelled_another_way_is_the_same_extract(tiny_dirs, root, tmp_path, monkeypatch):
+    """The id reads the files, not the path as typed: ./x, d/../x and /abs/x are one extract (once, three
+    spellings were three extracts of the same bytes, and evaluate's unseen-document check took them for
+    three sources)."""
+    corpus = tmp_path / "corpus.txt"
+    _corpus(corpus, "alpha")
+    (tmp_path / "sub").mkdir()
+    monkeypatch.chdir(tmp_path / "sub")
+    spellings = [str(corpus), "../corpus.txt", f"{tmp_path}/sub/../corpus.txt"]
+    outputs = [invoke(*_extract(tiny_dirs, "--dataset", spelled)) for spelled in spellings]
+    assert all(r.exit_code == 0 for r in outputs), [r.output for r in outputs]
+    assert ["cache hit" in r.output for r in outputs] == [False, True, True], [r.output for r in outputs]
+    (art,) = ArtifactStore(root).all("extract")
+    name = art.config["data"]["dataset"]
+    assert name == f"corpus.txt@{art.config['data_sha256'][name][:12]}"  # its last part and its content
+    assert art.manifest["data_paths"] == {name: str(corpus)}  # the path as first given, for the record
+
+
 @pytest.mark.slow
 def test_an_edited_dataset_after_a_kill_is_extracted_anew_not_mixed(tiny_dirs, tmp_path):
     """Killed at chunk 2 of 6, the file edited, the same command rerun: once 'resuming: 2 of 6' mixed the

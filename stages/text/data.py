@@ -207,6 +207,23 @@ def content_digests(cfg: DataConfig) -> dict[str, str]:
     return out
 
 
+def hashed_data(cfg: DataConfig) -> tuple[dict, dict[str, str], dict[str, str]]:
+    """(the data config as an id hashes it, {source: sha256} of its local and Dolma sources, {source: the
+    absolute path given} of its local ones). A local source is named by what it reads, not by how its path
+    was spelled: the path's last part and its files' digest (corpus.txt@1a2b3c4d5e6f), so that ./corpus.txt,
+    d/../corpus.txt and /abs/corpus.txt are one extract, and one source to evaluate's unseen-document check.
+    A Dolma source keeps its spec: its mix weighs the sources by the whole shard list, not only the chosen
+    shards the digest reads."""
+    digests = content_digests(cfg)
+    names = {s: f"{Path(s).name}@{d[:12]}" for s, d in digests.items() if not dolma.is_dolma(s)}
+    data = cfg.hashed()
+    data["dataset"] = names.get(cfg.dataset, cfg.dataset)
+    if "also" in data:
+        data["also"] = [names.get(s, s) for s in cfg.also]
+    paths = {name: str(Path(s).expanduser().absolute()) for s, name in names.items()}
+    return data, {names.get(s, s): d for s, d in digests.items()}, paths
+
+
 def check(cfg: DataConfig, *, reach: bool = True) -> None:
     """Before any model loads. Local data: every record's text is a string and at least one is non-empty.
     Dolma: its shard list reads and the first chosen shard opens with the text field. A hub dataset: it is
