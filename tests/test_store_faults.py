@@ -109,6 +109,19 @@ def test_a_local_dataset_spelled_another_way_is_the_same_extract(tiny_dirs, root
     assert art.manifest["data_paths"] == {name: str(corpus)}  # the path as first given, for the record
 
 
+def test_an_extract_of_the_same_file_spelled_otherwise_at_another_seed_is_not_unseen(tiny_dirs, root, tmp_path):
+    """evaluate.unseen: two extracts share a source when they read the same files, whatever the spelling; at
+    another seed their splits differ, so one's validation documents are not unseen by the other."""
+    from dihal.stages.evaluate import unseen
+
+    corpus = tmp_path / "corpus.txt"
+    _corpus(corpus, "alpha")
+    for spelled, seed in ((str(corpus), "0"), (f"{tmp_path}/./corpus.txt", "1")):
+        assert invoke(*_extract(tiny_dirs, "--dataset", spelled, "--seed", seed)).exit_code == 0
+    a, b = ArtifactStore(root).all("extract")
+    assert not unseen(a, b) and unseen(a, a)
+
+
 @pytest.mark.slow
 def test_an_edited_dataset_after_a_kill_is_extracted_anew_not_mixed(tiny_dirs, tmp_path):
     """Killed at chunk 2 of 6, the file edited, the same command rerun: once 'resuming: 2 of 6' mixed the
