@@ -95,6 +95,14 @@ def gen_ppl(store: ArtifactStore, root: str, generate: str, evaluator: str, n: i
     return float(np.exp(per["nll"].sum() / per["n_scored"].sum()))
 
 
+def pooled_ppl(model, texts: list[str]) -> float:
+    """Gen.PPL of texts under a loaded model, as `dihal evaluate` pools it: exp(summed NLL / scored tokens)."""
+    from dihal.stages.evaluate import sample_nlls
+
+    nlls = sample_nlls(model, [""] * len(texts), texts)
+    return float(np.exp(sum(x for x, _ in nlls) / sum(c for _, c in nlls)))
+
+
 def measure(store: ArtifactStore, root: str, generate: str, a, n: int, top100: set, held: list) -> dict:
     """The rounded text's Gen.PPL under the backbone and the evaluator, top-100 share and unigram KL."""
     toks = [t for row in tokens_of(store.resolve(generate, "generate").file("samples.jsonl")) for t in row]
@@ -112,7 +120,6 @@ def unigram_control(a, n: int, train: list[int], top100: set, held: list, only: 
     generation does, scored alike. Text with the corpus' token frequencies and no order: a prior that writes
     must score better than this; restricted to the 100 most frequent types, the control of a prior that
     collapses onto them."""
-    from dihal.stages.evaluate import sample_nlls
     from dihal.stages.lm.models import load_model
     from dihal.stages.lm.tokens import truncate
 
@@ -124,10 +131,10 @@ def unigram_control(a, n: int, train: list[int], top100: set, held: list, only: 
     backbone = load_model(a.model, "cpu", "float32")
     rows = [truncate(r, backbone.stop_ids) for r in draws.tolist()]
     texts = [backbone.tokenizer.decode(r, skip_special_tokens=True) for r in rows]
-    out = {}
-    for name, key in ((a.model, "ppl_backbone"), (a.evaluator, "ppl_eval")):
-        nlls = sample_nlls(load_model(name, "cpu", "float32"), [""] * n, texts)
-        out[key] = float(np.exp(sum(x for x, _ in nlls) / sum(c for _, c in nlls)))
+    out = {
+        key: pooled_ppl(load_model(name, "cpu", "float32"), texts)
+        for name, key in ((a.model, "ppl_backbone"), (a.evaluator, "ppl_eval"))
+    }
     toks = [t for r in rows for t in r]
     return {**out, "top100": sum(t in top100 for t in toks) / len(toks), "kl": unigram_kl(held, toks)}
 

@@ -14,18 +14,19 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
+from pathlib import Path
 
 import numpy as np
 
-from dihal.artifacts.store import ArtifactStore
-from dihal.stages.evaluate import sample_nlls
-from dihal.stages.lm.models import load_model
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from dihal.artifacts.store import ArtifactStore  # noqa: E402
+from dihal.stages.lm.models import load_model  # noqa: E402
+from scripts.prior_curve import pooled_ppl  # noqa: E402
 
 
 def gen_ppl(model, rows: list[list[int]]) -> float:
-    texts = [model.tokenizer.decode(r, skip_special_tokens=True) for r in rows]
-    nlls = sample_nlls(model, [""] * len(texts), texts)
-    return float(np.exp(sum(x for x, _ in nlls) / sum(c for _, c in nlls)))
+    return pooled_ppl(model, [model.tokenizer.decode(r, skip_special_tokens=True) for r in rows])
 
 
 def main() -> None:
