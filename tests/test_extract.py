@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -188,6 +189,7 @@ def test_two_processes_shard_to_the_same_store(tiny_dirs, tmp_path):
         (["--layers", "0-99"], "out of range"),
         (["--seq-len", "100000"], "exceeds the model's context"),
         (["--dataset", "missing/file.jsonl"], "does not exist"),
+        (["--dataset", str(Path(__file__).resolve().parent)], "is a folder; give its files, e.g."),
     ],
 )
 def test_bad_input_is_one_line_exit_2(args, needle, tiny_dirs, root):

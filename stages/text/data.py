@@ -107,6 +107,8 @@ def _open_local(spec: str, text_field: str):
     read on its own and only its text field kept, so files whose other fields differ (Dolma's sources'
     `metadata`) read together."""
     files = _local_files(spec)
+    if not files and Path(spec).is_dir():
+        raise DihalError(f"dataset '{spec}' is a folder; give its files, e.g. '{Path(spec) / '*.jsonl'}'")
     if not files:
         raise DihalError(
             f"dataset file '{spec}' does not exist; give an existing .txt/.jsonl/.json/.parquet path or glob "
