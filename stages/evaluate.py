@@ -20,7 +20,7 @@ from dihal.stages.lm.models import LoadedModel, load_model
 from dihal.stages.lm.tokens import start_token
 from dihal.stages.parts.bridge import Bridge
 from dihal.stages.runtime import dist
-from dihal.stages.text.data import DataConfig, check, pack
+from dihal.stages.text.data import DataConfig, check, hashed_data, pack, python_version_tag
 
 STAGE = "evaluate"
 CACHE_VERSION = 2  # 2: fidelity by position has each model's NLL (issue 47). Bump whenever its bytes change
@@ -80,12 +80,24 @@ def check_inputs(cfg: FidelityConfig) -> None:
         check(DataConfig(dataset=cfg.dataset))
 
 
+def fidelity_key(cfg: FidelityConfig) -> dict:
+    """What a fidelity id hashes: the flags, with a local --dataset named by its content (its last path part
+    and its files' digest, as an extract's) and pydoc by the Python that wrote it, so that an edited file is
+    another measurement and another spelling of its path the same one."""
+    config = {"kind": "fidelity", **asdict(cfg)}
+    if cfg.dataset is not None:
+        data, digests, _ = hashed_data(DataConfig(dataset=cfg.dataset))
+        config["dataset"] = data["dataset"]
+        if digests:
+            config["data_sha256"] = digests
+        if cfg.dataset == "pydoc":
+            config["pydoc_python"] = python_version_tag()
+    return config
+
+
 def fidelity_cached(cfg: FidelityConfig, bridge_art: Artifact, store: ArtifactStore) -> bool:
     """Whether the fidelity of bridge_art on its own validation split is in the store (then no model loads)."""
-    return (
-        store.cached(Job(STAGE, CACHE_VERSION, {"kind": "fidelity", **asdict(cfg)}, {"bridge": bridge_art.id}))
-        is not None
-    )
+    return store.cached(Job(STAGE, CACHE_VERSION, fidelity_key(cfg), {"bridge": bridge_art.id})) is not None
 
 
 def samples_cached(cfg: SamplesConfig, gen_art: Artifact, store: ArtifactStore) -> bool:
@@ -128,7 +140,7 @@ def run_fidelity(
     if samples is not None and not same_model(samples.manifest.get("model"), bridge_art.manifest.get("model")):
         raise DihalError(f"generate {samples.id} did not come from the bridge's backbone; use samples of that model")
     check_inputs(cfg)
-    config, parents = {"kind": "fidelity", **asdict(cfg)}, {"bridge": bridge_art.id}
+    config, parents = fidelity_key(cfg), {"bridge": bridge_art.id}
     if samples is not None:
         parents["generate"] = samples.id
     if held_out is not None:

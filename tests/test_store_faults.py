@@ -122,6 +122,34 @@ def test_an_extract_of_the_same_file_spelled_otherwise_at_another_seed_is_not_un
     assert not unseen(a, b) and unseen(a, a)
 
 
+def test_fidelity_on_an_edited_local_dataset_is_measured_anew_not_served_from_the_cache(tiny_dirs, root, tmp_path):
+    """`dihal evaluate --bridge B --dataset FILE` hashed FILE's path alone: the README's own example (prose.txt
+    made from the docs) served the old measurement after the docs changed. Now the file's content names it,
+    and a path spelled another way is the same measurement."""
+    from dihal.stages import train_bridge as bstage
+
+    assert invoke(*_extract(tiny_dirs, "--layers", "0,2", "--seq-len", "12", "--max-sequences", "24")).exit_code == 0
+    store = ArtifactStore(root)
+    cfg = bstage.BridgeConfig.from_protocol("sweep-tiny", layer=2, steps=4, width=16, depth=1, batch_size=8)
+    bridge = bstage.run(cfg, store.resolve("latest", "extract"), store)
+    prose = tmp_path / "prose.txt"
+    prose.write_text("\n\n".join(f"Zebra {i} quietly counts {i * 7} stones by the river." for i in range(60)))
+
+    def evaluate(spelled: str):
+        res = invoke("evaluate", "--bridge", bridge.id, "--dataset", spelled, "--limit", "4", "--sample-steps", "1")
+        assert res.exit_code == 0, res.output
+        return res.output, store.resolve("latest", "evaluate")
+
+    _, first = evaluate(str(prose))
+    said, again = evaluate(f"{tmp_path}/./prose.txt")
+    assert "cache hit" in said and again.id == first.id, said
+    prose.write_text("\n\n".join(f"A heron {i} waits for {i * 3} fish at dawn, then leaves." for i in range(60)))
+    said, edited = evaluate(str(prose))
+    assert "cache hit" not in said and edited.id != first.id, said
+    kl = lambda art: art.manifest["metrics"]["fidelity"][0]["kl"]
+    assert kl(edited) != kl(first)
+
+
 @pytest.mark.slow
 def test_an_edited_dataset_after_a_kill_is_extracted_anew_not_mixed(tiny_dirs, tmp_path):
     """Killed at chunk 2 of 6, the file edited, the same command rerun: once 'resuming: 2 of 6' mixed the
