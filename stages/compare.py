@@ -40,6 +40,7 @@ from dihal.stages.configs import (
 )
 from dihal.stages.lineage import origin
 from dihal.stages.lm import tokens
+from dihal.stages.lm.models import weights_digests
 from dihal.stages.runtime import dist, plotting
 from dihal.stages.runtime.progress import NullProgress, Progress
 from dihal.stages.text.text_metrics import token_entropy
@@ -454,6 +455,7 @@ def run(
     progress = progress or NullProgress()
     plan = check(cfg, extract, score_art)
     config = {**cfg.hashed(), "l_star": plan.l_star, "worst": plan.worst, "evaluator": plan.primary}
+    config.update(weights_digests(evaluator=plan.primary))  # a local evaluator by its files
     parents = {"extract": extract.id, "score": score_art.id}
     extra = {"model": extract.manifest.get("model")}
 

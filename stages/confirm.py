@@ -22,6 +22,7 @@ from dihal.stages import generate as gen_stage
 from dihal.stages import train_bridge as bridge_stage
 from dihal.stages.configs import CONFIRM_NAMED, ConfirmConfig
 from dihal.stages.lineage import origin
+from dihal.stages.lm.models import weights_digests
 from dihal.stages.runtime import dist
 from dihal.stages.runtime.progress import NullProgress, Progress
 
@@ -61,6 +62,7 @@ def run(
         "evaluator": eval_stage.second_evaluator(cfg.evaluator, backbone),
         "generate_version": gen_stage.CACHE_VERSION,  # its generations are unprompted hybrid ones
     }
+    config.update(weights_digests(evaluator=config["evaluator"]))  # a local evaluator by its files
     parents = {"sweep": sweep_art.id, "extract": extract.id}
     seq_len = origin(extract).seq_len
 

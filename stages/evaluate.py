@@ -16,7 +16,7 @@ from dihal.stages.configs import FidelityConfig, SamplesConfig
 from dihal.stages.fidelity import evaluate_fidelity
 from dihal.stages.lineage import backbone_for, origin, same_model, trained_on
 from dihal.stages.lm.hybrid import lm_logits
-from dihal.stages.lm.models import LoadedModel, load_model
+from dihal.stages.lm.models import LoadedModel, load_model, weights_digests
 from dihal.stages.lm.tokens import start_token
 from dihal.stages.parts.bridge import Bridge
 from dihal.stages.runtime import dist
@@ -102,10 +102,12 @@ def fidelity_cached(cfg: FidelityConfig, bridge_art: Artifact, store: ArtifactSt
 
 def samples_cached(cfg: SamplesConfig, gen_art: Artifact, store: ArtifactStore) -> bool:
     """Whether the scores of gen_art's samples are in the store."""
-    return (
-        store.cached(Job(STAGE, CACHE_VERSION, {"kind": "samples", **asdict(cfg)}, {"generate": gen_art.id}))
-        is not None
-    )
+    return store.cached(Job(STAGE, CACHE_VERSION, samples_key(cfg), {"generate": gen_art.id})) is not None
+
+
+def samples_key(cfg: SamplesConfig) -> dict:
+    """What a samples score's id hashes: the flags, and a local --evaluator by its files."""
+    return {"kind": "samples", **asdict(cfg), **weights_digests(evaluator=cfg.evaluator)}
 
 
 def run_fidelity(
@@ -293,7 +295,7 @@ def run_samples(
 ) -> Artifact:
     from dihal.stages.text.text_metrics import text_metrics, token_entropy
 
-    config, parents = {"kind": "samples", **asdict(cfg)}, {"generate": gen_art.id}
+    config, parents = samples_key(cfg), {"generate": gen_art.id}
 
     def work(art: Artifact) -> None:
         nonlocal loaded

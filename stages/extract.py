@@ -31,6 +31,7 @@ from dihal.stages.lm.models import (
     load_model,
     locate,
     not_finite,
+    weights_digests,
 )
 from dihal.stages.lm.tokens import document_end
 from dihal.stages.runtime import dist, hub
@@ -52,6 +53,7 @@ def resolved_config(cfg: ExtractConfig) -> dict:
         resolved["data_sha256"] = digests
     if "pydoc" in cfg.data.sources:
         resolved["pydoc_python"] = data_mod.python_version_tag()
+    resolved.update(weights_digests(model=cfg.model))  # a local model: its files' content, not only its path
     if cfg.store_dtype != "float32":  # float16 layers keep position 0 apart (pos0/<l>) and auto scales them
         resolved["float16_layout"] = "position 0 apart in float32; auto divides a layer by 2^k to fit"
     return resolved

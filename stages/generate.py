@@ -23,7 +23,7 @@ from dihal.stages.diffusion import draws
 from dihal.stages.lm import decoding, tokens
 from dihal.stages.lm.capture import hidden_states
 from dihal.stages.lm.hybrid import suffix_model
-from dihal.stages.lm.models import LoadedModel, locate
+from dihal.stages.lm.models import LoadedModel, locate, weights_digests
 from dihal.stages.lm.tokens import start_token
 from dihal.stages.parts.bridge import Bridge
 from dihal.stages.runtime import clock, dist
@@ -267,5 +267,6 @@ def run_original(
         art.manifest["decoding"] = decoding.describe(cfg.decoding_temperature, cfg.top_p, cfg.top_k)
 
     extra = {"extract_config": {"model": cfg.model, "revision": None}}  # what origin() reads
-    job = Job(STAGE, CACHE_VERSION, cfg.hashed(), {}, work, seed=cfg.seed, device=cfg.device, extra=extra)
+    config = {**cfg.hashed(), **weights_digests(model=cfg.model)}  # a local model by its files, not its path alone
+    job = Job(STAGE, CACHE_VERSION, config, {}, work, seed=cfg.seed, device=cfg.device, extra=extra)
     return store.run_stage(job, force=force, progress=progress, group=dist.group())

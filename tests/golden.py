@@ -164,11 +164,14 @@ def _local(value):
 def lineage(art, store) -> str:
     """The configs of the artifact and of every ancestor, as one string: what its id names, less the
     absolute paths (the chain's tiny models lie in a fresh temporary folder each session, and a local
-    model's path is in its extract's id). A default that moves changes it; a code change does not."""
+    model's path is in its extract's id) and the tiny models' digests (their files are rebuilt each session and
+    record the transformers version that wrote them; the view compares what they compute). A default that
+    moves changes it; a code change does not."""
     configs, todo = set(), [art]
     while todo:
         a = todo.pop()
-        configs.add(json.dumps({"stage": a.stage, "config": _local(a.config)}, sort_keys=True, default=str))
+        config = {k: v for k, v in a.config.items() if k not in ("model_sha256", "evaluator_sha256")}
+        configs.add(json.dumps({"stage": a.stage, "config": _local(config)}, sort_keys=True, default=str))
         todo += [store.load(stage, pid) for stage, pid in (a.manifest.get("parents") or {}).items()]
     return "\n".join(sorted(configs))
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -148,6 +149,59 @@ def test_fidelity_on_an_edited_local_dataset_is_measured_anew_not_served_from_th
     assert "cache hit" not in said and edited.id != first.id, said
     kl = lambda art: art.manifest["metrics"]["fidelity"][0]["kl"]
     assert kl(edited) != kl(first)
+
+
+def _perturb(model) -> None:
+    """One block's weights moved, written over the model's own file (a fine-tuned checkpoint saved over)."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    weights = model / "model.safetensors"
+    tensors = load_file(weights)
+    name = next(k for k in tensors if "layers.0.mlp" in k)
+    tensors[name] = tensors[name] + 0.5 * torch.randn_like(tensors[name])
+    save_file(tensors, weights, metadata={"format": "pt"})
+
+
+def test_a_local_model_saved_over_at_the_same_path_is_another_extract(tiny_dirs, root, tmp_path):
+    """A checkpoint written over the folder an extract read: the id hashed the path alone, so the extract of
+    the old weights was served for the new ones (and every bridge after it trained on the old model's states
+    under the new model's upper blocks)."""
+    model = tmp_path / "checkpoint"
+    shutil.copytree(tiny_dirs["llama"], model)
+    args = [*_extract({"llama": model}), "--layers", "0,2"]
+    assert invoke(*args).exit_code == 0
+    _perturb(model)
+    again = invoke(*args)
+    assert again.exit_code == 0 and "cache hit" not in again.output, again.output
+    old, new = sorted(ArtifactStore(root).all("extract"), key=lambda a: a.manifest["created"])
+    assert old.config["model_sha256"] != new.config["model_sha256"]
+    states = [hs.read_block(hs.open_group(a), 2, 0, 4) for a in (old, new)]
+    assert not np.allclose(*states)
+    assert "cache hit" in invoke(*args).output  # the same files: the same extract
+
+
+def test_a_local_model_saved_over_is_another_generation_and_another_evaluators_score(tiny_dirs, root, tmp_path):
+    """The same for a generation straight from a local model (no extract to hash it) and for samples scored
+    under a local --evaluator: rewritten at the same path, each is measured anew."""
+    model = tmp_path / "checkpoint"
+    shutil.copytree(tiny_dirs["llama"], model)
+    generate = ["generate", "--baseline", "original-only", "--model", str(model), "--num-samples", "2"]
+    generate += ["--max-new-tokens", "4", "--device", "cpu"]
+    store = ArtifactStore(root)
+
+    def both() -> list[str]:
+        outs = [invoke(*generate)]
+        gen = sorted(store.all("generate"), key=lambda a: a.manifest["created"])[0]  # always score the first
+        outs.append(invoke("evaluate", "--samples", gen.id, "--evaluator", str(model), "--device", "cpu"))
+        assert all(r.exit_code == 0 for r in outs), [r.output for r in outs]
+        return ["cache hit" in r.output for r in outs]
+
+    assert both() == [False, False]
+    assert both() == [True, True]
+    _perturb(model)
+    assert both() == [False, False]
+    assert len(store.all("generate")) == 2 and len(store.all("evaluate")) == 2
 
 
 @pytest.mark.slow

@@ -6,6 +6,7 @@ A GGUF file is converted once into a safetensors directory under $DIHAL_CACHE (d
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
 import os
@@ -238,6 +239,35 @@ def check_conversion(out: Path) -> None:
                 f"edited); delete {out} and it is converted again"
             )
     _CHECKED.add((str(out), state))
+
+
+_DIGESTS: dict[tuple, str] = {}  # (path, size, mtime_ns) -> sha256, for this process
+
+
+def weights_digest(spec: str) -> str | None:
+    """sha256 over the names and bytes of a local model's files (every top-level file of its folder that is
+    not hidden, or the .gguf file), what an extract id hashes beside the spec: a checkpoint saved over the same
+    path is another extract, never a cache hit on the old model's states. None for a builtin (its package
+    holds it) and a hub id (its --revision names it). About 1 s per GB on first use in a process."""
+    path = Path(spec).expanduser()
+    if spec in BUILTINS or not path.exists():
+        return None
+    shown = lambda p: p.is_file() and not p.name.startswith(".")
+    files = [path] if path.is_file() else sorted(filter(shown, path.iterdir()))
+    digest = hashlib.sha256()
+    for f in files:
+        st = f.stat()
+        key = (str(f.resolve()), st.st_size, st.st_mtime_ns)
+        if key not in _DIGESTS:
+            _DIGESTS[key] = file_sha256(f)
+        digest.update(f"{f.name}\0{_DIGESTS[key]}\n".encode())
+    return digest.hexdigest()
+
+
+def weights_digests(**specs: str | None) -> dict[str, str]:
+    """{KEY_sha256: weights_digest(spec)} for every spec given as KEY=spec that is a local model: what an id
+    hashes beside the specs (a builtin or hub model adds nothing, so its ids stay)."""
+    return {f"{key}_sha256": d for key, spec in specs.items() if spec and (d := weights_digest(spec))}
 
 
 def locate(spec: str) -> tuple[Path | str, dict]:
