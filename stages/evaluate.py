@@ -20,7 +20,7 @@ from dihal.stages.lm.models import LoadedModel, load_model, weights_digests
 from dihal.stages.lm.tokens import start_token
 from dihal.stages.parts.bridge import Bridge
 from dihal.stages.runtime import dist
-from dihal.stages.text.data import DataConfig, check, hashed_data, pack, python_version_tag
+from dihal.stages.text.data import DataConfig, check, hashed_source, pack
 
 STAGE = "evaluate"
 CACHE_VERSION = 2  # 2: fidelity by position has each model's NLL (issue 47). Bump whenever its bytes change
@@ -86,12 +86,8 @@ def fidelity_key(cfg: FidelityConfig) -> dict:
     another measurement and another spelling of its path the same one."""
     config = {"kind": "fidelity", **asdict(cfg)}
     if cfg.dataset is not None:
-        data, digests, _ = hashed_data(DataConfig(dataset=cfg.dataset))
-        config["dataset"] = data["dataset"]
-        if digests:
-            config["data_sha256"] = digests
-        if cfg.dataset == "pydoc":
-            config["pydoc_python"] = python_version_tag()
+        config["dataset"], extra = hashed_source(cfg.dataset)
+        config.update(extra)
     return config
 
 

@@ -105,6 +105,19 @@ def _dtype(module) -> torch.dtype:
     return next(module.parameters()).dtype
 
 
+def generate_key(cfg: GenerateConfig) -> dict:
+    """What a generation's id hashes: the flags, with --prompts-from's local files named by their content (an
+    edited file is another generation, never the old one served), pydoc by its Python version, and a local
+    --model (original-only) by its files."""
+    config = {**cfg.hashed(), **weights_digests(model=cfg.model)}  # --model (original-only): a local one by its files
+    if cfg.prompts_from is not None:
+        from dihal.stages.text.data import hashed_source
+
+        config["prompts_from"], extra = hashed_source(cfg.prompts_from)
+        config.update(extra)
+    return config
+
+
 def corpus_prompts(cfg: GenerateConfig, tokenizer) -> GenerateConfig:
     """cfg with --prompts-from made into prompts: the decoded first --prompt-tokens tokens of the first
     --num-prompts documents of the dataset's train split (the split rule of METHOD §0
@@ -226,7 +239,7 @@ def run(
 
     extra = {"model": bridge_art.manifest.get("model"), "extract_config": bridge_art.manifest.get("extract_config")}
     parents = {"bridge": bridge_art.id}
-    job = Job(STAGE, CACHE_VERSION, cfg.hashed(), parents, work, seed=cfg.seed, device=cfg.device, extra=extra)
+    job = Job(STAGE, CACHE_VERSION, generate_key(cfg), parents, work, seed=cfg.seed, device=cfg.device, extra=extra)
     return store.run_stage(job, force=force, progress=progress, group=dist.group())
 
 
@@ -267,6 +280,5 @@ def run_original(
         art.manifest["decoding"] = decoding.describe(cfg.decoding_temperature, cfg.top_p, cfg.top_k)
 
     extra = {"extract_config": {"model": cfg.model, "revision": None}}  # what origin() reads
-    config = {**cfg.hashed(), **weights_digests(model=cfg.model)}  # a local model by its files, not its path alone
-    job = Job(STAGE, CACHE_VERSION, config, {}, work, seed=cfg.seed, device=cfg.device, extra=extra)
+    job = Job(STAGE, CACHE_VERSION, generate_key(cfg), {}, work, seed=cfg.seed, device=cfg.device, extra=extra)
     return store.run_stage(job, force=force, progress=progress, group=dist.group())

@@ -116,7 +116,7 @@ def samples_config(cfg: OwnTextConfig, ecfg: ExtractConfig) -> GenerateConfig:
 
 def samples_id(cfg: OwnTextConfig, ecfg: ExtractConfig) -> str:
     """The id the samples have (or will have): what a dry run shows before anything is made."""
-    return Job(generate.STAGE, generate.CACHE_VERSION, samples_config(cfg, ecfg).hashed(), {}).id
+    return Job(generate.STAGE, generate.CACHE_VERSION, generate.generate_key(samples_config(cfg, ecfg)), {}).id
 
 
 def with_samples(ecfg: ExtractConfig, cfg: OwnTextConfig, samples: str) -> ExtractConfig:

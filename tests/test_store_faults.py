@@ -219,6 +219,22 @@ def test_a_builtin_whose_package_holds_other_weights_is_another_extract(monkeypa
     assert ex.resolved_config(cfg)["model_sha256"] == store_mod.file_sha256(models.builtin_gguf("smollm2-135m"))
 
 
+def test_prompts_from_an_edited_local_file_are_another_generation(tiny_dirs, root, tmp_path):
+    """generate --prompts-from FILE hashed the path alone: an edited file was served the old prompts' samples."""
+    text = tmp_path / "prompts.txt"
+    _corpus(text, "alpha")
+    args = ["generate", "--baseline", "original-only", "--model", str(tiny_dirs["llama"]), "--prompts-from"]
+    args += [str(text), "--prompt-tokens", "3", "--num-prompts", "2", "--num-samples", "1", "--max-new-tokens", "3"]
+    first = invoke(*args, "--device", "cpu")
+    assert first.exit_code == 0, first.output
+    _corpus(text, "beta")
+    second = invoke(*args, "--device", "cpu")
+    assert second.exit_code == 0 and "cache hit" not in second.output, second.output
+    a, b = sorted(ArtifactStore(root).all("generate"), key=lambda x: x.manifest["created"])
+    prompts = [{json.loads(r)["prompt"] for r in x.file("samples.jsonl").read_text().splitlines()} for x in (a, b)]
+    assert prompts[0] != prompts[1]
+
+
 @pytest.mark.slow
 def test_an_edited_dataset_after_a_kill_is_extracted_anew_not_mixed(tiny_dirs, tmp_path):
     """Killed at chunk 2 of 6, the file edited, the same command rerun: once 'resuming: 2 of 6' mixed the

@@ -226,6 +226,17 @@ def hashed_data(cfg: DataConfig) -> tuple[dict, dict[str, str], dict[str, str]]:
     return data, {names.get(s, s): d for s, d in digests.items()}, paths
 
 
+def hashed_source(spec: str) -> tuple[str, dict]:
+    """(the name an id gives one --dataset-like source, the keys it adds beside it) for a stage that reads a
+    source outside an extract (evaluate --dataset, generate --prompts-from): a local file by its content as
+    hashed_data names it, with its digest, and pydoc with the Python version that wrote it."""
+    data, digests, _ = hashed_data(DataConfig(dataset=spec))
+    extra = {"data_sha256": digests} if digests else {}
+    if spec == "pydoc":
+        extra["pydoc_python"] = python_version_tag()
+    return data["dataset"], extra
+
+
 def check(cfg: DataConfig, *, reach: bool = True) -> None:
     """Before any model loads. Local data: every record's text is a string and at least one is non-empty.
     Dolma: its shard list reads and the first chosen shard opens with the text field. A hub dataset: it is
