@@ -43,6 +43,7 @@ from dihal.stages.lm import tokens
 from dihal.stages.lm.models import weights_digests
 from dihal.stages.runtime import dist, plotting
 from dihal.stages.runtime.progress import NullProgress, Progress
+from dihal.stages.text.data import hashed_source
 from dihal.stages.text.text_metrics import token_entropy
 
 STAGE = "compare"
@@ -441,6 +442,19 @@ def write(art: Artifact, cfg: CompareConfig, plan: Plan, got: dict, stats: dict,
     }
 
 
+def compare_key(cfg: CompareConfig, plan) -> dict:
+    """What a comparison's id hashes: the flags and the plan's layers and evaluator, a local evaluator by its
+    files and a --prior-data corpus:FILE by its content (as train-prior names it), so that neither rewritten
+    serves the old comparison."""
+    config = {**cfg.hashed(), "l_star": plan.l_star, "worst": plan.worst, "evaluator": plan.primary}
+    config.update(weights_digests(evaluator=plan.primary))
+    if cfg.prior_data.startswith("corpus:"):
+        name, extra = hashed_source(cfg.prior_data.removeprefix("corpus:"))
+        config["prior_data"] = f"corpus:{name}"
+        config.update({f"prior_{k}": v for k, v in extra.items()})
+    return config
+
+
 def run(
     cfg: CompareConfig,
     extract: Artifact,
@@ -454,8 +468,7 @@ def run(
     """check -> collect -> analyse -> write. load_model(spec) -> LoadedModel, called only when there is work."""
     progress = progress or NullProgress()
     plan = check(cfg, extract, score_art)
-    config = {**cfg.hashed(), "l_star": plan.l_star, "worst": plan.worst, "evaluator": plan.primary}
-    config.update(weights_digests(evaluator=plan.primary))  # a local evaluator by its files
+    config = compare_key(cfg, plan)
     parents = {"extract": extract.id, "score": score_art.id}
     extra = {"model": extract.manifest.get("model")}
 

@@ -254,3 +254,23 @@ def test_compare_gives_its_prior_recipe_to_every_prior_over_h0_and_to_no_other_p
     assert seen == {True, False}  # the shared and SED's priors, and DiHAL-direct's and LD4LG-style's
     recipe = {"prior_time_shift", "prior_token_ce", "prior_data", "prior_token_ce_max_t"}
     assert not recipe & set(CompareConfig(seeds=(0,)).hashed())
+
+
+def test_a_comparison_on_another_corpus_is_named_by_its_content(tmp_path):
+    """compare --prior-data corpus:FILE hashed the path alone, so an edited file served the old comparison
+    (its priors, retrained under their content-named ids, were never asked for)."""
+    from types import SimpleNamespace
+
+    from dihal.stages.compare import compare_key
+    from dihal.stages.configs import CompareConfig
+
+    text = tmp_path / "more.txt"
+    text.write_text("the quick brown fox " * 50)
+    plan = SimpleNamespace(l_star=2, worst=1, primary="gemma3-270m")
+    key = lambda spelled: compare_key(CompareConfig(seeds=(0,), prior_data=f"corpus:{spelled}"), plan)
+    first = key(text)
+    assert first["prior_data"].startswith("corpus:more.txt@") and "prior_data_sha256" in first
+    assert key(f"{tmp_path}/./more.txt") == first  # another spelling: the same comparison
+    text.write_text("a slow green turtle " * 50)
+    assert key(text)["prior_data_sha256"] != first["prior_data_sha256"]
+    assert "prior_data" not in compare_key(CompareConfig(seeds=(0,)), plan)  # the default keeps its id
