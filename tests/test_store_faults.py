@@ -179,6 +179,8 @@ def test_a_local_model_saved_over_at_the_same_path_is_another_extract(tiny_dirs,
     states = [hs.read_block(hs.open_group(a), 2, 0, 4) for a in (old, new)]
     assert not np.allclose(*states)
     assert "cache hit" in invoke(*args).output  # the same files: the same extract
+    (model / "optimizer.pt").write_bytes(b"\0" * 64)  # a Trainer's state beside the model is not the model
+    assert "cache hit" in invoke(*args).output
 
 
 def test_a_local_model_saved_over_is_another_generation_and_another_evaluators_score(tiny_dirs, root, tmp_path):

@@ -244,22 +244,32 @@ def check_conversion(out: Path) -> None:
 
 
 _DIGESTS: dict[tuple, str] = {}  # (path, size, mtime_ns) -> sha256, for this process
+# what a transformers Trainer checkpoint folder holds beside the model, which loading it never reads
+TRAINER_STATE = (
+    "optimizer.pt",
+    "scheduler.pt",
+    "scaler.pt",
+    "rng_state*.pth",
+    "trainer_state.json",
+    "training_args.bin",
+)
 
 
 def weights_digest(spec: str) -> str | None:
-    """sha256 over the names and bytes of a local model's files (every top-level file of its folder that is
-    not hidden, or the .gguf file), what an extract id hashes beside the spec: a checkpoint saved over the same
-    path is another extract, never a cache hit on the old model's states. A builtin adds nothing while its
-    package holds the GGUF its ids were made with (BUILTINS' sha256), else that GGUF's digest; a hub id
-    nothing (its --revision names it). About 1 s per GB on first use in a process."""
+    """sha256 over the names and bytes of a local model's files (every top-level file of its folder, less
+    hidden ones and a Trainer checkpoint's optimizer and training state; or the .gguf file), what an extract
+    id hashes beside the spec: a checkpoint saved over the same path is another extract, never a cache hit on
+    the old model's states. A builtin adds nothing while its package holds the GGUF its ids were made with
+    (BUILTINS' sha256), else that GGUF's digest; a hub id nothing (its --revision names it). About 1 s per GB
+    on first use in a process."""
     if spec in BUILTINS:
         sha = _file_digest(builtin_gguf(spec))
         return None if sha == BUILTINS[spec]["sha256"] else sha
     path = Path(spec).expanduser()
     if not path.exists():
         return None
-    shown = lambda p: p.is_file() and not p.name.startswith(".")
-    files = [path] if path.is_file() else sorted(filter(shown, path.iterdir()))
+    read = lambda p: p.is_file() and not p.name.startswith(".") and not any(p.match(g) for g in TRAINER_STATE)
+    files = [path] if path.is_file() else sorted(filter(read, path.iterdir()))
     digest = hashlib.sha256()
     for f in files:
         digest.update(f"{f.name}\0{_file_digest(f)}\n".encode())
