@@ -21,7 +21,7 @@ from dihal.stages import evaluate as eval_stage
 from dihal.stages import generate as gen_stage
 from dihal.stages import train_bridge as bridge_stage
 from dihal.stages.configs import CONFIRM_NAMED, ConfirmConfig
-from dihal.stages.lineage import origin
+from dihal.stages.lineage import check_weights, origin
 from dihal.stages.lm.models import weights_digests
 from dihal.stages.runtime import dist
 from dihal.stages.runtime.progress import NullProgress, Progress
@@ -67,6 +67,7 @@ def run(
     seq_len = origin(extract).seq_len
 
     def work(art: Artifact) -> None:
+        check_weights(extract)  # its bridges train on the extract's states and run under this backbone
         models: dict = {}
 
         def model(spec: str):

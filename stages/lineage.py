@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from dihal.artifacts.errors import DihalError
 from dihal.artifacts.store import Artifact
 
 
@@ -19,12 +20,15 @@ class Origin:
     model: str | None
     revision: str | None
     seq_len: int | None
+    weights: str | None = None  # the extract's model_sha256: a local model's files (or a changed builtin's GGUF)
 
 
 def origin(art: Artifact) -> Origin:
     ex = art.config if art.stage == "extract" else (art.manifest.get("extract_config") or {})
     seq_len = (ex.get("data") or {}).get("seq_len")
-    return Origin(ex.get("model"), ex.get("revision"), int(seq_len) if seq_len is not None else None)
+    return Origin(
+        ex.get("model"), ex.get("revision"), int(seq_len) if seq_len is not None else None, ex.get("model_sha256")
+    )
 
 
 def same_model(a: dict | None, b: dict | None) -> bool:
@@ -44,5 +48,20 @@ def backbone_for(art: Artifact, device: str, dtype: str, trust_remote_code: bool
     flag, never the (untrusted) artifact's record."""
     from dihal.stages.lm.models import load_model
 
-    o = origin(art)
+    o = check_weights(art)
     return load_model(o.model, device, dtype, o.revision, trust_remote_code)
+
+
+def check_weights(art: Artifact) -> Origin:
+    """art's origin, once the model it names is the one its extract read: a local model's files (or a
+    builtin's GGUF) against the extract's model_sha256, before any stage loads it to work with art (an
+    extract made before model_sha256 was recorded cannot be checked, and is not)."""
+    from dihal.stages.lm.models import BUILTINS, weights_digest
+
+    o = origin(art)
+    if (o.weights is not None or o.model in BUILTINS) and weights_digest(o.model) != o.weights:
+        raise DihalError(
+            f"the model {o.model} is not the one {art.stage} {art.id} descends from (its files changed since "
+            "the extract read them); restore it, or extract and train anew from the model as it is now"
+        )
+    return o

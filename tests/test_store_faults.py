@@ -183,6 +183,32 @@ def test_a_local_model_saved_over_at_the_same_path_is_another_extract(tiny_dirs,
     assert "cache hit" in invoke(*args).output
 
 
+def test_a_bridge_whose_model_was_saved_over_is_refused_in_one_line(tiny_dirs, root, tmp_path):
+    """The bridge was trained on the old model's states; run under the new model's upper blocks it would
+    measure a model that never was: every stage that loads its backbone refuses, naming the fix."""
+    from dihal.stages import train_bridge as bstage
+
+    model = tmp_path / "checkpoint"
+    shutil.copytree(tiny_dirs["llama"], model)
+    assert (
+        invoke(*_extract({"llama": model}, "--layers", "0,2", "--seq-len", "12", "--max-sequences", "24")).exit_code
+        == 0
+    )
+    store = ArtifactStore(root)
+    cfg = bstage.BridgeConfig.from_protocol("sweep-tiny", layer=2, steps=4, width=16, depth=1, batch_size=8)
+    bridge = bstage.run(cfg, store.resolve("latest", "extract"), store)
+    ok = invoke("evaluate", "--bridge", bridge.id, "--limit", "4", "--sample-steps", "1", "--device", "cpu")
+    assert ok.exit_code == 0, ok.output
+    _perturb(model)
+    for args in (
+        ["evaluate", "--bridge", bridge.id, "--limit", "4", "--sample-steps", "2"],
+        ["generate", "--bridge", bridge.id, "--num-samples", "1", "--max-new-tokens", "2"],
+    ):
+        res = invoke(*args, "--device", "cpu")
+        _one_error_line(res, "extract and train anew from the model as it is now", during_work=True)
+        assert f"is not the one bridge {bridge.id} descends from" in res.output, res.output
+
+
 def test_a_local_model_saved_over_is_another_generation_and_another_evaluators_score(tiny_dirs, root, tmp_path):
     """The same for a generation straight from a local model (no extract to hash it) and for samples scored
     under a local --evaluator: rewritten at the same path, each is measured anew."""
