@@ -16,7 +16,6 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Callable
-from dataclasses import astuple
 
 import torch
 
@@ -69,10 +68,11 @@ def check_parallel(cfg: GenerateConfig, prior_art: Artifact, recovery_art: Artif
             "(DiHAL-direct), which has no bridge: use a prior over h_0 with --bridge ID"
         )
     if recovery_art is not None and origin(recovery_art) != origin(prior_art):
-        (m1, _, t1), (m2, _, t2) = astuple(origin(prior_art)), astuple(origin(recovery_art))
+        a, b = origin(prior_art), origin(recovery_art)
+        other = " (the same path, other weights)" if (a.model, a.seq_len) == (b.model, b.seq_len) else ""
         raise DihalError(
-            f"prior {prior_art.id} was trained on {m1} at --seq-len {t1} but {recovery_art.stage} "
-            f"{recovery_art.id} on {m2} at --seq-len {t2}; use parts of the same model and seq_len"
+            f"prior {prior_art.id} was trained on {a.model} at --seq-len {a.seq_len} but {recovery_art.stage} "
+            f"{recovery_art.id} on {b.model} at --seq-len {b.seq_len}{other}; use parts of the same model and seq_len"
         )
 
 
