@@ -75,7 +75,7 @@ def run(
     progress = progress or NullProgress()
     lm_eval = harness()
     manager = task_manager(cfg)
-    config = {"kind": "lm_eval", **asdict(cfg), "include": include_digest(cfg.include)}
+    config = harness_key(cfg)
     parents = {"bridge": bridge_art.id}
 
     def work(art: Artifact) -> None:
@@ -130,6 +130,12 @@ def run(
     extra = {"model": bridge_art.manifest.get("model")}
     job = Job(STAGE, CACHE_VERSION, config, parents, work, seed=cfg.seed, device=cfg.device, extra=extra)
     return store.run_stage(job, force=force, progress=progress, group=dist.group())
+
+
+def harness_key(cfg: HarnessConfig) -> dict:
+    """What an lm-eval artifact's id hashes: the flags, --lm-eval-include's files, and the harness's version,
+    whose tasks (prompts, splits, metrics) an upgrade may change: an upgraded harness measures anew."""
+    return {"kind": "lm_eval", **asdict(cfg), "include": include_digest(cfg.include), "harness": _version()}
 
 
 def _version() -> str:

@@ -161,16 +161,20 @@ def _local(value):
     return Path(value).name if isinstance(value, str) and value.startswith("/") else value
 
 
+# what an id hashes of this machine rather than of the chain's configs: the tiny models' digests (their files are
+# rebuilt each session and record the transformers version that wrote them) and the installed harness's version
+MACHINE_KEYS = ("model_sha256", "evaluator_sha256", "harness")
+
+
 def lineage(art, store) -> str:
     """The configs of the artifact and of every ancestor, as one string: what its id names, less the
     absolute paths (the chain's tiny models lie in a fresh temporary folder each session, and a local
-    model's path is in its extract's id) and the tiny models' digests (their files are rebuilt each session and
-    record the transformers version that wrote them; the view compares what they compute). A default that
-    moves changes it; a code change does not."""
+    model's path is in its extract's id) and MACHINE_KEYS (the view compares what they compute). A default
+    that moves changes it; a code change does not."""
     configs, todo = set(), [art]
     while todo:
         a = todo.pop()
-        config = {k: v for k, v in a.config.items() if k not in ("model_sha256", "evaluator_sha256")}
+        config = {k: v for k, v in a.config.items() if k not in MACHINE_KEYS}
         configs.add(json.dumps({"stage": a.stage, "config": _local(config)}, sort_keys=True, default=str))
         todo += [store.load(stage, pid) for stage, pid in (a.manifest.get("parents") or {}).items()]
     return "\n".join(sorted(configs))

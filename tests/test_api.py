@@ -209,7 +209,7 @@ def _by_hand_accuracy(model, tokenizer, max_length: int) -> float:
 
 
 @pytest.mark.slow
-def test_lm_eval_scores_the_hybrid_and_its_backbone_on_local_tasks(store_of, root):
+def test_lm_eval_scores_the_hybrid_and_its_backbone_on_local_tasks(store_of, root, monkeypatch):
     store = store_of()
     res = invoke("evaluate", "--bridge", "latest", *LM_EVAL)
     assert res.exit_code == 0, res.output
@@ -225,6 +225,11 @@ def test_lm_eval_scores_the_hybrid_and_its_backbone_on_local_tasks(store_of, roo
     assert (art.path / "lm_eval.csv").read_text().startswith("task,metric,n,hybrid,hybrid_stderr,original")
     again = invoke("evaluate", "--bridge", "latest", *LM_EVAL)
     assert again.exit_code == 0 and "cache hit: evaluate" in again.output
+    from dihal.stages import evaluate_harness
+
+    monkeypatch.setattr(evaluate_harness, "_version", lambda: "0.0.0+upgraded")  # its tasks may have changed
+    upgraded = invoke("evaluate", "--bridge", "latest", *LM_EVAL)
+    assert upgraded.exit_code == 0 and "cache hit" not in upgraded.output, upgraded.output
 
 
 @pytest.mark.slow
