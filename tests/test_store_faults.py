@@ -263,6 +263,38 @@ def test_prompts_from_an_edited_local_file_are_another_generation(tiny_dirs, roo
     assert prompts[0] != prompts[1]
 
 
+def test_a_file_digest_is_remembered_across_processes_until_any_write(tmp_path, monkeypatch):
+    """stages/runtime/digests.py: an 8B model's weights are read once per change, not once per command; an
+    edit that keeps the size and sets the mtime back (os.utime) is still read again (its ctime moved)."""
+    import hashlib
+
+    from dihal.stages.runtime import digests
+
+    cache, f = tmp_path / "cache", tmp_path / "weights.bin"
+    f.write_bytes(b"a" * 4096)
+    os.utime(f, ns=(10**18, 10**18))
+    monkeypatch.setattr(digests, "RACY_S", -1.0)  # as if written long ago (its ctime is now: utime moved it)
+    first = digests.file_digest(f, cache)
+    assert first == hashlib.sha256(b"a" * 4096).hexdigest() and (cache / digests.BOOK).is_file()
+    reads = []
+    monkeypatch.setattr(digests, "file_sha256", lambda p: reads.append(p) or store_mod.file_sha256(p))
+    monkeypatch.setattr(digests, "_SEEN", {})  # another process: only the book remembers
+    assert digests.file_digest(f, cache) == first and reads == []
+    time.sleep(0.01)
+    f.write_bytes(b"b" * 4096)  # the same size ...
+    os.utime(f, ns=(10**18, 10**18))  # ... and the mtime set back
+    monkeypatch.setattr(digests, "_SEEN", {})
+    assert digests.file_digest(f, cache) == hashlib.sha256(b"b" * 4096).hexdigest() and reads == [f]
+    (cache / digests.BOOK).write_text("{not json")  # a broken book is only a shortcut lost
+    monkeypatch.setattr(digests, "_SEEN", {})
+    assert digests.file_digest(f, cache) == hashlib.sha256(b"b" * 4096).hexdigest()
+    monkeypatch.setattr(digests, "RACY_S", 2.0)
+    fresh = tmp_path / "fresh.bin"
+    fresh.write_bytes(b"c")  # written just now: read, not remembered (a second write this tick keeps its stamps)
+    digests.file_digest(fresh, cache)
+    assert str(fresh.resolve()) not in json.loads((cache / digests.BOOK).read_text())
+
+
 @pytest.mark.slow
 def test_an_edited_dataset_after_a_kill_is_extracted_anew_not_mixed(tiny_dirs, tmp_path):
     """Killed at chunk 2 of 6, the file edited, the same command rerun: once 'resuming: 2 of 6' mixed the

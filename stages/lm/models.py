@@ -19,7 +19,7 @@ from dihal.artifacts.errors import DihalError
 from dihal.artifacts.store import file_sha256
 from dihal.stages.lm import tokens
 from dihal.stages.lm.capture import first_tensor
-from dihal.stages.runtime import hub
+from dihal.stages.runtime import digests, hub
 
 # hub: the model each GGUF quantizes (an exported bridge's card names it as base_model); shape: what a
 # --dry-run reads instead of converting the GGUF (tests/test_checks.py holds it to the converted config)
@@ -243,7 +243,6 @@ def check_conversion(out: Path) -> None:
     _CHECKED.add((str(out), state))
 
 
-_DIGESTS: dict[tuple, str] = {}  # (path, size, mtime_ns) -> sha256, for this process
 # what a transformers Trainer checkpoint folder holds beside the model, which loading it never reads
 TRAINER_STATE = (
     "optimizer.pt",
@@ -260,8 +259,8 @@ def weights_digest(spec: str) -> str | None:
     hidden ones and a Trainer checkpoint's optimizer and training state; or the .gguf file), what an extract
     id hashes beside the spec: a checkpoint saved over the same path is another extract, never a cache hit on
     the old model's states. A builtin adds nothing while its package holds the GGUF its ids were made with
-    (BUILTINS' sha256), else that GGUF's digest; a hub id nothing (its --revision names it). About 1 s per GB
-    on first use in a process."""
+    (BUILTINS' sha256), else that GGUF's digest; a hub id nothing (its --revision names it). About 1 s per GB,
+    once per change of the files (stages/runtime/digests.py remembers them)."""
     if spec in BUILTINS:
         sha = _file_digest(builtin_gguf(spec))
         return None if sha == BUILTINS[spec]["sha256"] else sha
@@ -277,11 +276,7 @@ def weights_digest(spec: str) -> str | None:
 
 
 def _file_digest(path: Path) -> str:
-    st = path.stat()
-    key = (str(path.resolve()), st.st_size, st.st_mtime_ns)
-    if key not in _DIGESTS:
-        _DIGESTS[key] = file_sha256(path)
-    return _DIGESTS[key]
+    return digests.file_digest(path, cache_dir())  # read once per change of the file (stages/runtime/digests.py)
 
 
 def weights_digests(**specs: str | None) -> dict[str, str]:

@@ -174,15 +174,12 @@ def is_generated(spec: str) -> bool:
     return spec.startswith(GENERATED)
 
 
-_DIGESTS: dict[tuple, str] = {}  # (path, size, mtime_ns) -> sha256, for this process
-
-
 def content_digests(cfg: DataConfig) -> dict[str, str]:
     """{spec: sha256 over the names and bytes of its files} for every local source, and for Dolma over the
     chosen shards (a URL by its address, a downloaded shard by its bytes): what an extract id hashes, so an
-    edited file makes another id (a file's size and mtime only skip re-reading it in one process; its
-    content decides)."""
-    from dihal.artifacts.store import file_sha256
+    edited file makes another id (a file is read once per change of it: stages/runtime/digests.py)."""
+    from dihal.stages.lm.models import cache_dir
+    from dihal.stages.runtime.digests import file_digest
 
     out = {}
     for spec in cfg.sources:
@@ -200,11 +197,7 @@ def content_digests(cfg: DataConfig) -> dict[str, str]:
                 digest.update(f"{where}\n".encode())
                 continue
             path = Path(where)
-            st = path.stat()
-            key = (str(path.resolve()), st.st_size, st.st_mtime_ns)
-            if key not in _DIGESTS:
-                _DIGESTS[key] = file_sha256(path)
-            digest.update(f"{path.name}\0{_DIGESTS[key]}\n".encode())
+            digest.update(f"{path.name}\0{file_digest(path, cache_dir())}\n".encode())
         out[spec] = digest.hexdigest()
     return out
 
