@@ -35,6 +35,7 @@ from dihal.stages import score as score_stage
 from dihal.stages.configs import (
     PROTOCOLS,
     CompareConfig,
+    DataConfig,
     GenerateConfig,
     check_evaluator,
 )
@@ -449,7 +450,7 @@ def compare_key(cfg: CompareConfig, plan) -> dict:
     config = {**cfg.hashed(), "l_star": plan.l_star, "worst": plan.worst, "evaluator": plan.primary}
     config.update(weights_digests(evaluator=plan.primary))
     if cfg.prior_data.startswith("corpus:"):
-        name, extra = hashed_source(cfg.prior_data.removeprefix("corpus:"))
+        name, extra = hashed_source(DataConfig(dataset=cfg.prior_data.removeprefix("corpus:")))
         config["prior_data"] = f"corpus:{name}"
         config.update({f"prior_{k}": v for k, v in extra.items()})
     return config

@@ -86,7 +86,7 @@ def fidelity_key(cfg: FidelityConfig) -> dict:
     another measurement and another spelling of its path the same one."""
     config = {"kind": "fidelity", **asdict(cfg)}
     if cfg.dataset is not None:
-        config["dataset"], extra = hashed_source(cfg.dataset)
+        config["dataset"], extra = hashed_source(DataConfig(dataset=cfg.dataset))
         config.update(extra)
     return config
 

@@ -45,10 +45,11 @@ FLOAT16_MAX = 65504.0
 AUTO_HEADROOM = 4.0  # --store-dtype auto: float16 only for a layer whose first batch stays under 65504 / 4
 
 
-def resolved_config(cfg: ExtractConfig) -> dict:
-    """What the artifact id hashes: the flags plus what makes the inputs unique."""
+def resolved_config(cfg: ExtractConfig, hashed: tuple | None = None) -> dict:
+    """What the artifact id hashes: the flags plus what makes the inputs unique. hashed: data.hashed_data's
+    result for cfg.data, when the caller has it already."""
     resolved = cfg.hashed()
-    resolved["data"], digests, _ = data_mod.hashed_data(cfg.data)  # local files: by their content, not their path
+    resolved["data"], digests, _ = hashed or data_mod.hashed_data(cfg.data)  # local files: by their content
     if digests:
         resolved["data_sha256"] = digests
     if "pydoc" in cfg.data.sources:
@@ -289,8 +290,8 @@ def run(
     def work(art: Artifact) -> None:
         _extract(cfg, store, art, loaded, check_disk, progress)
 
-    config, parents = resolved_config(cfg), source_parents(cfg)
-    paths = data_mod.hashed_data(cfg.data)[2]  # the local files as given, for the record (the id reads their content)
+    hashed = data_mod.hashed_data(cfg.data)  # once: a Dolma spec's shard list is read to hash it
+    config, parents, paths = resolved_config(cfg, hashed), source_parents(cfg), hashed[2]  # paths: for the record
     job = Job(
         STAGE,
         CACHE_VERSION,

@@ -111,9 +111,10 @@ def generate_key(cfg: GenerateConfig) -> dict:
     --model (original-only) by its files."""
     config = {**cfg.hashed(), **weights_digests(model=cfg.model)}  # --model (original-only): a local one by its files
     if cfg.prompts_from is not None:
+        from dihal.stages.configs import DataConfig
         from dihal.stages.text.data import hashed_source
 
-        config["prompts_from"], extra = hashed_source(cfg.prompts_from)
+        config["prompts_from"], extra = hashed_source(DataConfig(dataset=cfg.prompts_from))
         config.update(extra)
     return config
 

@@ -279,12 +279,8 @@ def run(
         data_mod.check(spec)
         if data_mod.is_generated(spec.dataset):
             raise DihalError("--data corpus:generate:ID is not read by train-prior; extract it and use --data corpus")
-        hashed, digests, _ = data_mod.hashed_data(spec)  # a local corpus by its content, not its path
-        config["data"] = f"corpus:{hashed['dataset']}"
-        if digests:
-            config["data_sha256"] = digests
-        if spec.dataset == "pydoc":
-            config["pydoc_python"] = data_mod.python_version_tag()
+        name, extra = data_mod.hashed_source(spec)  # a local corpus by its content, not its path
+        config.update(data=f"corpus:{name}", **extra)
     train_fn = lambda art, report: train(cfg, group, art, report, latents, extract)
     return trainer.write_trained(
         store, STAGE, CACHE_VERSION, config, parents, extract, cfg, train_fn, force=force, progress=progress

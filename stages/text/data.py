@@ -219,13 +219,14 @@ def hashed_data(cfg: DataConfig) -> tuple[dict, dict[str, str], dict[str, str]]:
     return data, {names.get(s, s): d for s, d in digests.items()}, paths
 
 
-def hashed_source(spec: str) -> tuple[str, dict]:
-    """(the name an id gives one --dataset-like source, the keys it adds beside it) for a stage that reads a
-    source outside an extract (evaluate --dataset, generate --prompts-from): a local file by its content as
-    hashed_data names it, with its digest, and pydoc with the Python version that wrote it."""
-    data, digests, _ = hashed_data(DataConfig(dataset=spec))
+def hashed_source(cfg: DataConfig) -> tuple[str, dict]:
+    """(the name an id gives a one-source data config's dataset, the keys it adds beside it) for a stage that
+    reads a source outside an extract (evaluate --dataset, generate --prompts-from, train-prior --data
+    corpus:SPEC): a local file by its content as hashed_data names it, with its digest, and pydoc with the
+    Python version that wrote it."""
+    data, digests, _ = hashed_data(cfg)
     extra = {"data_sha256": digests} if digests else {}
-    if spec == "pydoc":
+    if cfg.dataset == "pydoc":
         extra["pydoc_python"] = python_version_tag()
     return data["dataset"], extra
 
