@@ -187,7 +187,7 @@ class VerifiedStore(WrapperStore):
             st = os.stat(path)
         except FileNotFoundError:
             raise self._error(key, "is missing: a chunk recorded at completion, never read as zeros") from None
-        seen = (str(path), st.st_size, st.st_mtime_ns)
+        seen = store_mod.file_state(path, st)
         if store_mod._VERIFIED.get(seen) != entry["sha256"]:
             whole = await self._store.get(key, prototype, None)
             data = whole.to_bytes() if whole is not None else b""

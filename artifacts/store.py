@@ -222,7 +222,14 @@ def corruption(stage: str, art_id: str, manifest: dict) -> str | None:
     return None
 
 
-_VERIFIED: dict[tuple, str] = {}  # (path, size, mtime_ns) -> sha256 checked in this process
+_VERIFIED: dict[tuple, str] = {}  # file_state(path) -> sha256 checked in this process
+
+
+def file_state(path: Path | str, st: os.stat_result) -> tuple:
+    """What identifies a file's bytes without reading them: its size, inode and both times. The ctime is the
+    kernel's, set by every write and by every utime, so an edit whose mtime was put back still shows (git's
+    index does the same)."""
+    return (str(path), st.st_size, st.st_ino, st.st_mtime_ns, st.st_ctime_ns)
 
 
 def check_file(path: Path, entry: dict, where: str) -> None:
@@ -231,7 +238,7 @@ def check_file(path: Path, entry: dict, where: str) -> None:
         st = path.stat()
     except FileNotFoundError:
         raise DihalError(f"{path} is missing from {where}; `dihal runs verify` lists what else is") from None
-    key = (str(path), st.st_size, st.st_mtime_ns)
+    key = file_state(path, st)
     if _VERIFIED.get(key) == entry["sha256"]:
         return
     if st.st_size != entry["bytes"] or file_sha256(path) != entry["sha256"]:

@@ -39,7 +39,7 @@ mode, root, stages = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
 hashed = {"bytes": 0, "seconds": 0.0}
 real_check, real_get = st.check_file, hs.VerifiedStore.get
 def counted_check(path, entry, where):
-    seen = (str(path), path.stat().st_size, path.stat().st_mtime_ns)
+    seen = st.file_state(path, path.stat())
     hashed["bytes"] += entry["bytes"] if st._VERIFIED.get(seen) != entry["sha256"] else 0
     start = time.perf_counter()
     try:
@@ -50,8 +50,7 @@ async def counted_get(self, key, prototype=None, byte_range=None):
     entry = self._recorded.get(key)
     if entry is not None:
         p = __import__("pathlib").Path(self._store.root) / key
-        s = p.stat()
-        if st._VERIFIED.get((str(p), s.st_size, s.st_mtime_ns)) != entry["sha256"]:
+        if st._VERIFIED.get(st.file_state(p, p.stat())) != entry["sha256"]:
             hashed["bytes"] += entry["bytes"]
             start = time.perf_counter()  # its first read, hashed: an upper bound on what checking it costs
             try:

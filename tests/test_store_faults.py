@@ -400,6 +400,73 @@ def test_a_flipped_exponent_bit_in_a_bridges_weights_stops_generate(chain):
     assert [a.status for a in ArtifactStore(store.root).all("generate")] == ["failed"]
 
 
+def _zarr_files(art, array: str):
+    return sorted(p for p in (art.path / "hidden.zarr" / array / "c").rglob("*") if p.is_file())
+
+
+def test_a_flipped_chunk_stops_every_reader_of_an_extract(chain, tiny_dirs):
+    """score's pool, `evaluate --extract` and the Python API each read a complete artifact through its checksums:
+    a flipped byte in what each reads is one line naming the file (only train-bridge was held to it)."""
+    import dihal
+    from dihal.artifacts.errors import DihalError
+
+    store, ex, br = chain
+    assert invoke(*_extract(tiny_dirs, "--layers", "0-3")).exit_code == 0
+    scored = store.resolve("latest", "extract")
+    pool = _zarr_files(scored, "sample/2")[0]
+    _flip(pool, offset=len(pool.read_bytes()) // 2)
+    score = ["score", "--extract", scored.id, "--tokens", "40", "--k", "4", "--device", "cpu"]
+    res = invoke(*score)
+    _one_error_line(res, "does not match the checksum recorded at completion", during_work=True)
+    assert str(pool) in res.output
+    _flip(pool, offset=len(pool.read_bytes()) // 2)  # mended: the score reads it now
+    assert invoke(*score).exit_code == 0
+    ids = _zarr_files(ex, "input_ids")[-1]  # fidelity reads the validation sequences' token ids
+    _flip(ids, offset=len(ids.read_bytes()) // 2)
+    res = invoke("evaluate", "--bridge", br.id, "--extract", ex.id, "--sample-steps", "2", "--device", "cpu")
+    _one_error_line(res, "does not match the checksum recorded at completion", during_work=True)
+    assert str(ids) in res.output
+    score = store.resolve("latest", "score")
+    table = score.path / "table.csv"
+    _flip(table, offset=len(table.read_bytes()) // 2, mask=0x04)
+    with pytest.raises(DihalError, match="table.csv does not match the checksum"):
+        dihal.score_table(score.id, root=store.root)
+    with pytest.raises(DihalError, match="table.csv does not match the checksum"):
+        dihal.open_store(store.root).load(score.id).file("table.csv")
+    weights = br.path / "weights_ema.safetensors"
+    _flip(weights, offset=-2, mask=0x40)
+    with pytest.raises(DihalError, match="weights_ema.safetensors does not match the checksum"):
+        dihal.load_hybrid(br.id, root=store.root)
+
+
+def test_a_file_edited_after_it_was_verified_with_its_mtime_put_back_is_read_again(chain):
+    """A process verifies a file once per state of it; an edit that puts the mtime (and size) back is another
+    state still (its ctime moved), so the next read in the same process hashes it again. Before: the state was
+    (path, size, mtime), and the edited chunk and weights were served as verified."""
+    import dihal
+    from dihal.artifacts.errors import DihalError
+
+    store, ex, br = chain
+    args = ["evaluate", "--bridge", br.id, "--extract", ex.id, "--sample-steps", "2", "--device", "cpu"]
+    assert invoke(*args).exit_code == 0  # every chunk it reads, verified in this process
+    for path in (_zarr_files(ex, "input_ids")[-1], br.path / "weights_ema.safetensors"):
+        st = path.stat()
+        _flip(path, offset=len(path.read_bytes()) // 2, mask=0x10)
+        os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+        assert (path.stat().st_size, path.stat().st_mtime_ns) == (st.st_size, st.st_mtime_ns)
+        res = invoke(*args, "--force")
+        _one_error_line(res, "recorded at completion (corrupt or edited)", during_work=True)
+        assert f"{path} does not match the checksum" in res.output
+        _flip(path, offset=len(path.read_bytes()) // 2, mask=0x10)
+    with pytest.raises(DihalError, match="does not match the checksum"):  # the API in this process, too
+        path = br.path / "stats.safetensors"
+        dihal.load_hybrid(br.id, root=store.root)  # verified
+        st = path.stat()
+        _flip(path, offset=-1)
+        os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+        dihal.load_hybrid(br.id, root=store.root)
+
+
 # -- 5. corrupt headers and manifests --------------------------------------------------------------------------
 def test_a_bad_safetensors_header_is_one_line_and_the_reader_failed(chain):
     store, _, br = chain
