@@ -6,13 +6,32 @@ tests/test_golden.py.
 
 A stage's view is the numbers its files hold that do not depend on the machine's speed: arrays,
 weights, token ids, the numeric columns of its tables (timings left out), its training losses. The chain runs
-on one thread, so that its sums have one order whatever the machine's core count: run twice, it writes
-the same bytes. Another CPU may still round differently, and a few values amplify any rounding: an
-attention key bias has a zero gradient but for rounding, which AdamW scales up to steps of the learning
-rate. So floats compare within a relative tolerance (GOLDEN_RTOL), and a view fails when more than
-GOLDEN_SHARE of its floats move past it. Measured on this chain: two threads against one move up to 0.5% of a
-trained part's view past 1e-4 (a decoder's key biases) and 2-3 values of the small fidelity and score
-tables; AdamW's beta2 0.99 -> 0.999 moves 10-58% of every trained part's view.
+on one thread, so that its sums have one order whatever the machine's core count: run twice on one machine,
+it writes the same bytes. Another CPU rounds differently (other kernels: AVX2 or AVX-512, MKL's Intel or AMD
+path), so every value is compared on its own, within the tolerance below; none may move past it, however few.
+
+The tolerance (issue 63) is chosen from the spread measured between the kernel sets x86 CPUs pick,
+benchmarks/golden_spread.py (results in benchmarks/results/golden_spread.json):
+
+- integers (token ids, counts, splits) and ids: exactly;
+- float32 results: |got - recorded| <= GOLDEN_RTOL * |recorded| + GOLDEN_ATOL * (the array's largest |value|):
+  1e-5 relative, and 1e-5 of the array's scale for values that are small only beside their neighbours (a weight
+  near zero). The largest move measured between AVX2 and AVX-512 kernels is 0.67 of it (a sweep's S);
+- values stored in float16 (an extract's layers): one float16 unit in the last place (a value on a rounding
+  boundary lands on either side of it);
+- the weights of the decoder and the autoencoder (FEW_STEP_WEIGHTS), trained three AdamW steps from their
+  initialisation: 1e-4 of each array's scale (FEW_STEP_ATOL). AdamW's first steps move a weight by about the
+  learning rate whatever its gradient's size, so a gradient that is rounding noise (in these cross-attending
+  decoders, hundreds of entries) takes a step of a sign the kernels decide: 1.5e-5 at a scale of 0.25 measured,
+  3.1x the 1e-5 rule and 0.58 of this one. Their losses and latents keep the 1e-5 rule;
+- a KL divergence: GOLDEN_KL_ATOL absolute, since it is a difference of float32 log-probabilities of order 10, so
+  its error is float32's resolution there (2.4e-7 measured), whatever its own size.
+
+Two kinds of values are left out of a view, because only rounding sets them: an attention key bias
+(`kv.bias`'s key half) has a zero gradient in exact arithmetic, as softmax ignores a shift shared by every key,
+so AdamW turns its rounding noise into steps of the learning rate (a 7e-4 move between kernel sets);
+and SSE-only kernels (ATEN_CPU_CAPABILITY=default, CPUs without AVX2) move trained weights 10x further than
+AVX2 does, so they are not among the machines this tolerance serves (the spread file has their figures).
 """
 
 from __future__ import annotations
@@ -25,8 +44,13 @@ from pathlib import Path
 import numpy as np
 
 GOLDEN = Path(__file__).resolve().parent / "golden"
-GOLDEN_RTOL = 1e-4
-GOLDEN_SHARE = 0.005  # floats that may move past GOLDEN_RTOL: the chaotic few (see the module's docstring)
+GOLDEN_RTOL = 1e-5  # of the value itself
+GOLDEN_ATOL = 1e-5  # of the largest |value| of the value's array
+GOLDEN_KL_ATOL = 1e-6  # a KL's absolute tolerance: float32's resolution of the log-probabilities it subtracts
+# the two cross-attending decoders, three AdamW steps each: their weights to 1e-4 of each array's scale (below)
+FEW_STEP_WEIGHTS = {"decoder", "autoencoder"}
+FEW_STEP_ATOL = 1e-4
+KL = re.compile(r"(^|[._])kl$")
 VERSION_KEY = "__cache_version__"
 LINEAGE_KEY = "__lineage__"  # what the record was computed from (lineage()): another lineage, another computation
 TIMING = re.compile(r"(^|_)(ms|seconds|wall|time|secs)(_|$)|per_s|ms_per|per_sample_ms|elapsed")
@@ -59,11 +83,20 @@ def samples_view(path: Path, prefix: str = "") -> dict[str, np.ndarray]:
     return {f"{prefix}token_ids": ids}
 
 
+def without_key_bias(name: str, value: np.ndarray) -> np.ndarray:
+    """A cross-decoder attention's kv.bias without its key half: softmax ignores a shift that every key shares,
+    so that half has a zero gradient in exact arithmetic and holds only rounding, which AdamW scales up to steps
+    of the learning rate (the module's docstring). The denoiser's qkv.bias is rotated with its keys, so its key
+    part has a real gradient and stays."""
+    return value[value.shape[0] // 2 :] if name.endswith("kv.bias") and not name.endswith("qkv.bias") else value
+
+
 def part_view(art) -> dict[str, np.ndarray]:
     """A trained part: its EMA weights, its normalisation statistics and its logged losses."""
     from dihal.artifacts import files
 
-    out = {f"w.{k}": v.float().numpy() for k, v in files.load_tensors(art.file("weights_ema.safetensors")).items()}
+    weights = files.load_tensors(art.file("weights_ema.safetensors")).items()
+    out = {f"w.{k}": without_key_bias(k, v.float().numpy()) for k, v in weights}
     out |= {f"s.{k}": v.float().numpy() for k, v in files.load_tensors(art.file("stats.safetensors")).items()}
     log = files.read_jsonl(art.file("metrics.jsonl"))
     out["train_loss"] = np.array([r["train_loss"] for r in log])
@@ -74,17 +107,18 @@ def part_view(art) -> dict[str, np.ndarray]:
 
 
 def extract_view(art) -> dict[str, np.ndarray]:
+    """An extract's arrays as stored (a float16 layer stays float16, with its exact position 0 beside it)."""
     from dihal.artifacts import hidden_states as hs
 
     group = hs.open_group(art)
-    out = {
-        f"layers/{layer}": hs.read_block(group, layer, 0, group["input_ids"].shape[0])
-        for layer in hs.stored_layers(group)
-    }
+    out = {}
+    for layer in hs.stored_layers(group):
+        out[f"layers/{layer}"] = np.asarray(group[f"layers/{layer}"][:])
+        out[f"sample/{layer}"] = np.asarray(group[f"sample/{layer}"][:])
+        if f"pos0/{layer}" in group:
+            out[f"pos0/{layer}"] = np.asarray(group[f"pos0/{layer}"][:])
     for name in ("input_ids", "attention_mask", "split", "sample_seq", "sample_pos"):
         out[name] = np.asarray(group[name][:])
-    for layer in hs.stored_layers(group):
-        out[f"sample/{layer}"] = np.asarray(group[f"sample/{layer}"][:], dtype=np.float32)
     return out
 
 
@@ -126,13 +160,25 @@ def view(art) -> dict[str, np.ndarray]:
     raise ValueError(stage)
 
 
-def differences(got: dict[str, np.ndarray], want: dict[str, np.ndarray]) -> list[str]:
-    """What differs between two views: arrays missing on either side, other shapes, any other integer (a
-    token id, a count), and floats beyond GOLDEN_RTOL in more than GOLDEN_SHARE of the view's values."""
+def tolerance(key: str, recorded: np.ndarray, record: str = "") -> np.ndarray:
+    """How far each recorded float of array `key` of record `record` may move on another machine (the module's
+    docstring)."""
+    b = np.abs(np.asarray(recorded, dtype=np.float64))
+    if recorded.dtype == np.float16:
+        return np.spacing(np.abs(recorded)).astype(np.float64)  # one float16 unit in the last place
+    finite = np.isfinite(b)
+    scale = float(b[finite].max()) if finite.any() else 0.0
+    atol = FEW_STEP_ATOL if record in FEW_STEP_WEIGHTS and key.startswith("w.") else GOLDEN_ATOL
+    allowed = GOLDEN_RTOL * b + atol * scale
+    return np.maximum(allowed, GOLDEN_KL_ATOL) if KL.search(key) else allowed
+
+
+def differences(got: dict[str, np.ndarray], want: dict[str, np.ndarray], record: str = "") -> list[str]:
+    """What differs between two views: arrays missing on either side, other shapes or dtypes, any other
+    integer (a token id, a count), and any float beyond its tolerance (tolerance()), each array named with how
+    many of its values moved past it and by how much, at worst, against what it allowed there."""
     problems = [f"{k} is new" for k in sorted(set(got) - set(want))]
     problems += [f"{k} is gone" for k in sorted(set(want) - set(got))]
-    moved: list[tuple[str, int, int, float]] = []
-    values = 0
     for key in sorted(set(got) & set(want)):
         a, b = np.asarray(got[key]), np.asarray(want[key])
         if a.shape != b.shape:
@@ -140,15 +186,21 @@ def differences(got: dict[str, np.ndarray], want: dict[str, np.ndarray]) -> list
         elif a.dtype.kind in "iub" or b.dtype.kind in "iub":
             if not np.array_equal(a, b):
                 problems.append(f"{key}: {int((a != b).sum())} of {a.size} values differ")
+        elif (a.dtype == np.float16) != (b.dtype == np.float16):
+            problems.append(f"{key}: dtype {a.dtype}, recorded {b.dtype}")
         else:
-            finite = np.isfinite(b)
-            scale = float(np.abs(b[finite]).max()) if finite.any() else 1.0
-            close = np.isclose(a, b, rtol=GOLDEN_RTOL, atol=GOLDEN_RTOL * 1e-2 * max(scale, 1e-12), equal_nan=True)
-            values += a.size
-            if not close.all():
-                moved.append((key, int((~close).sum()), a.size, float(np.nanmax(np.abs(a - b)))))
-    if sum(m[1] for m in moved) > GOLDEN_SHARE * values:
-        problems += [f"{k}: {n} of {size} values differ (at most by {worst:.3g})" for k, n, size, worst in moved]
+            allowed = tolerance(key, b, record)
+            a64, b64 = a.astype(np.float64), b.astype(np.float64)
+            with np.errstate(invalid="ignore"):
+                same = (a64 == b64) | (np.isnan(a64) & np.isnan(b64))  # infinities and NaN: the same, or past
+                moved = np.where(same, 0.0, np.abs(a64 - b64))
+            past = ~same & ~(moved <= allowed)
+            if past.any():
+                i = int(np.argmax(np.where(past, np.nan_to_num(moved, nan=np.inf) / np.maximum(allowed, 1e-300), -1)))
+                problems.append(
+                    f"{key}: {int(past.sum())} of {a.size} values moved past the tolerance (at worst by "
+                    f"{moved.flat[i]:.3g}, {allowed.flat[i]:.3g} allowed there)"
+                )
     return problems
 
 

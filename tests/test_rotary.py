@@ -126,20 +126,69 @@ def test_a_rotary_bridge_runs_the_hybrid_past_its_training_length(tiny_dirs, roo
     assert refused.exit_code == 2 and "a --positions rotary bridge runs past it" in refused.output
 
 
+def _loglikelihood(hybrid, tokens: list[int], scored: int, max_length: int) -> float:
+    """log p of the last `scored` tokens given the rest, as the harness cuts a request: the last max_length + 1
+    tokens, the last one only predicted (HFLM._loglikelihood_tokens' rule, written here on its own)."""
+    window = tokens[-(max_length + 1) :]
+    with torch.no_grad():
+        logits = hybrid(input_ids=torch.tensor([window[:-1]])).logits[0].double()
+    logp = torch.log_softmax(logits, -1)[-scored:]
+    return float(logp.gather(1, torch.tensor(window[-scored:]).unsqueeze(1)).sum())
+
+
+def _rolling(hybrid, tokens: list[int], prefix: int, max_length: int) -> float:
+    """A document's log p in the harness's rolling windows (context 1): the first window predicts its first
+    max_length tokens after the prefix token, each next one the following max_length tokens with every token
+    before them, up to max_length, as context."""
+    total, done = _loglikelihood(hybrid, [prefix, *tokens[:max_length]], min(max_length, len(tokens)), max_length), 0
+    done = min(max_length, len(tokens))
+    while done < len(tokens):
+        end = min(done + max_length, len(tokens))
+        total += _loglikelihood(hybrid, tokens[:end], end - done, max_length)
+        done = end
+    return total
+
+
 @pytest.mark.slow
-def test_lm_eval_tasks_longer_than_a_rotary_bridges_training_run(tiny_dirs, root):
-    """The local tasks' contexts run to 46+ tokens; a learned bridge of 16 covers 16 (lm-eval would cut every
-    context into 16-token windows), a rotary one the backbone's 256."""
+@pytest.mark.parametrize("positions", ["rotary", "learned"])
+def test_lm_eval_past_the_training_length_equals_a_loop_over_the_hybrids_log_probabilities(positions, tiny_dirs, root):
+    """The local tasks' contexts run to 46+ tokens, past the bridge's 16. A rotary bridge scores them whole
+    (the harness's max_length is the backbone's 256), a learned one in the harness's 16-token cuts. Either way
+    each request's log-likelihood the harness logged equals one computed here, request by request, from the
+    hybrid's own logits and the harness's truncation rule, to 1e-4; so does each document's rolling one."""
+    import json
+
+    from transformers import AutoTokenizer
+
     from tests.test_api import LM_EVAL
 
     extract = ["extract", "--model", str(tiny_dirs["llama"]), "--max-sequences", "40", "--seq-len", "16"]
     assert invoke(*extract, "--layers", "0,2", "--device", "cpu").exit_code == 0
     train = ["train-bridge", "--layer", "2", "--extract", "latest", "--protocol", "sweep-tiny", "--width", "16"]
-    train += ["--depth", "1", "--heads", "2", "--batch-size", "4", "--train-steps", "4", "--positions", "rotary"]
+    train += ["--depth", "1", "--heads", "2", "--batch-size", "4", "--train-steps", "4", "--positions", positions]
     assert invoke(*train).exit_code == 0
-    res = invoke("evaluate", "--bridge", "latest", *LM_EVAL, "--lm-eval-limit", "4")
+    res = invoke("evaluate", "--bridge", "latest", *LM_EVAL, "--lm-eval-limit", "4", "--lm-eval-log-samples")
     assert res.exit_code == 0, res.output
     art = ArtifactStore(root).resolve("latest", "evaluate")
-    assert art.manifest["metrics"]["max_length"] == 256
-    rows = {(r["task"], r["metric"]): r for r in art.manifest["metrics"]["lm_eval"]}
-    assert 0 <= rows[("dihal_pydoc_mc", "acc")]["hybrid"] <= 1
+    max_length = art.manifest["metrics"]["max_length"]
+    assert max_length == 256
+    hybrid = dihal.load_hybrid("latest", root=root)
+    tok = AutoTokenizer.from_pretrained(tiny_dirs["llama"])
+    samples = lambda task: [
+        json.loads(line) for line in art.file(f"samples/hybrid/{task}.jsonl").read_text().split("\n") if line
+    ]
+    longest = 0
+    for row in samples("dihal_pydoc_mc"):
+        for (context, continuation), (logged, _) in zip(row["arguments"], [r[0] for r in row["resps"]]):
+            spaces = len(context) - len(context.rstrip())  # the harness moves them to the continuation
+            context, continuation = context[: len(context) - spaces], context[len(context) - spaces :] + continuation
+            whole, head = tok.encode(context + continuation), tok.encode(context)
+            longest = max(longest, len(head))
+            mine = _loglikelihood(hybrid, whole, len(whole) - len(head), max_length)
+            assert mine == pytest.approx(float(logged), abs=1e-4), (context[-30:], continuation)
+    assert longest > 16  # contexts past the bridge's training length
+    prefix = tok.bos_token_id if tok.bos_token_id is not None else tok.eos_token_id
+    for row in samples("dihal_pydoc_ppl"):
+        (text,) = row["arguments"][0]
+        logged = float(row["resps"][0][0])
+        assert _rolling(hybrid, tok.encode(text), prefix, max_length) == pytest.approx(logged, abs=1e-4)

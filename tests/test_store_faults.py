@@ -23,10 +23,9 @@ from tests.conftest import ROOT, TINY_BRIDGE, _extract, invoke, no_tmpfs, run_cl
 from tests.test_hardening import _one_error_line
 
 
-def _cli(*args: str, delay: float | None = None) -> subprocess.Popen:
-    entry = ["-m", "dihal.cli"] if delay is None else ["-m", "tests.slow_load", str(delay)]
+def _cli(*args: str) -> subprocess.Popen:
     return subprocess.Popen(
-        [sys.executable, *entry, *args], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        [sys.executable, "-m", "dihal.cli", *args], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
 
 
@@ -45,30 +44,49 @@ def _verify_all(root) -> subprocess.CompletedProcess:
 
 
 # -- 1. a second identical command -------------------------------------------------------------------------
+def _extract_arrays(art) -> dict:
+    from tests import golden
+
+    return golden.extract_view(art)
+
+
 @pytest.mark.slow
-def test_a_second_identical_command_never_reopens_a_complete_artifact(tiny_dirs, tmp_path):
-    """A starts; B, the same command, starts just after and (like an 8B model) takes seconds to load, so A
-    completes meanwhile; B is killed at a random point. On the old code B reopened A's complete artifact
-    (status running, checksums gone) and a kill left it so; now B waits on the lock and takes A's result."""
-    rng = random.Random(45)
-    for trial in range(3):
+def test_two_identical_commands_started_together_make_one_artifact_equal_to_a_lone_runs(tiny_dirs, tmp_path):
+    """A real race (issue 63): the same extract started twice, the second 0 s and 0.5 s after the first (no
+    load slowed: whichever takes the lock first writes), then once more with the second killed at a random point.
+    Both exit 0 naming the same artifact, one wrote it and the other took it as a cache hit (after waiting on the
+    lock, or after it was complete); exactly one artifact, complete and verified, its arrays equal to a lone
+    run's, bit for bit. Before issue 45 the second reopened the first's complete artifact."""
+    args = _extract(tiny_dirs, "--max-sequences", "48", "--batch-size", "4")
+    lone = run_cli(*args, "--root", str(tmp_path / "lone"), check=True)
+    assert "done: extract" in lone.stdout, lone.stdout
+    want = _extract_arrays(ArtifactStore(tmp_path / "lone").resolve("latest", "extract"))
+    rng = random.Random(63)
+    for trial, offset in enumerate((0.0, 0.5, "kill")):
         root = tmp_path / f"t{trial}"
-        args = [*_extract(tiny_dirs, "--max-sequences", "48", "--batch-size", "4"), "--root", str(root)]
-        first = _cli(*args)
-        time.sleep(0.3)
-        second = _cli(*args, delay=3.0)
-        assert first.wait(120) == 0, first.communicate()
-        done = ArtifactStore(root).resolve("latest", "extract")
-        finished = done.manifest["finished"]
-        try:
-            second.wait(rng.uniform(0.2, 5.0))
-        except subprocess.TimeoutExpired:
+        first = _cli(*args, "--root", str(root))
+        time.sleep(rng.uniform(0.0, 1.0) if offset == "kill" else offset)
+        second = _cli(*args, "--root", str(root))
+        if offset == "kill":
+            time.sleep(rng.uniform(0.5, 4.0))
             second.send_signal(signal.SIGKILL)
-        second.wait(60)
-        again = ArtifactStore(root).load("extract", done.id)
-        assert again.complete and again.manifest["finished"] == finished, again.manifest.get("status")
+        outputs = [p.communicate(timeout=180) for p in (first, second)]
+        codes = [p.returncode for p in (first, second)]
+        (art,) = ArtifactStore(root).all("extract")
+        assert art.complete, (offset, art.status, outputs)
+        ends = [out.strip().splitlines()[-1] if out.strip() else "" for out, _ in outputs]
+        if offset == "kill":
+            assert codes[0] == 0 and codes[1] == -signal.SIGKILL, (codes, outputs)
+            assert ends[0].startswith(("done: extract", "cache hit: extract")), outputs[0]
+        else:
+            assert codes == [0, 0], (offset, outputs)
+            assert sorted(e.split(f" extract {art.id}")[0] for e in ends) == ["cache hit:", "done:"], (offset, ends)
+            assert all(f"extract {art.id}" in e for e in ends), ends
+            assert all("Traceback" not in err for _, err in outputs)
         verified = _verify_all(root)
         assert verified.returncode == 0 and "1 of 1 artifacts verified" in verified.stdout, verified.stdout
+        got = _extract_arrays(art)
+        assert got.keys() == want.keys() and all(np.array_equal(got[k], want[k]) for k in want), offset
 
 
 # -- 2. a local dataset's content is in the id ---------------------------------------------------------------
