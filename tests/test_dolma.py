@@ -185,6 +185,43 @@ def test_a_gzipped_json_lines_file_with_a_bad_record_is_one_line(tiny_dirs, tmp_
 REACH = "from dihal.stages.runtime import hub; print(hub.reachable())"
 
 
+def test_three_sources_with_mixed_schemas_in_one_shard_and_a_zst_shard_read_with_their_text(tiny_dirs, tmp_path, root):
+    """Dolma's sources disagree on `metadata` (a struct, a list, null), sometimes within one shard, and ship
+    .json.zst as well as .json.gz: three sources, one shard mixing all three schemas, one zstd-compressed, read
+    offline with only their text; each source's word in the extract, as many documents read as written."""
+    import zstandard
+
+    base = tmp_path / "dolma-v1_7"
+    metadata = [{"url": "http://x", "nested": {"a": 1}}, ["a", "list", 3], None, {"other": True}]
+    words = {"mixed": "gamma", "books": "delta", "zstd": "epsilon"}
+    for source, word in words.items():
+        lines = []
+        for i in range(60):
+            record = {"id": f"{source}-{i}", "text": f"{word} " + "text of the document " * 4 + word}
+            record |= {"source": source, "added": "2024" if i % 2 else 2024, "metadata": metadata[i % 4]}
+            lines.append(json.dumps(record) + "\n")
+        (base / source).mkdir(parents=True)
+        data = "".join(lines).encode()
+        if source == "zstd":
+            (base / source / f"{source}-0000.json.zst").write_bytes(zstandard.ZstdCompressor().compress(data))
+        else:
+            with gzip.open(base / source / f"{source}-0000.json.gz", "wb") as fh:
+                fh.write(data)
+    spec = f"dolma:{base}/*/*.json.*"
+    res = invoke(*_extract(tiny_dirs, spec, "--max-sequences", "40"))
+    assert res.exit_code == 0, res.output
+    art = ArtifactStore(root).resolve("latest", "extract")
+    info = art.manifest["dolma"][spec]
+    assert sorted(s["source"] for s in info["shards"]) == sorted(words)
+    assert any(s["location"].endswith(".json.zst") for s in info["shards"])
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(art.manifest["model"]["path"])
+    text = " ".join(tok.batch_decode(np.asarray(hs.open_group(art)["input_ids"][:])))
+    assert all(text.count(word) > 0 for word in words.values()), {w: text.count(w) for w in words.values()}
+    assert set(info["documents_read"]) == set(words)
+
+
 def test_the_hub_is_reached_as_huggingface_hub_reaches_it(served):
     """Its endpoint (HF_ENDPOINT), its proxies (HTTP(S)_PROXY) and its offline switch, not a raw socket to
     huggingface.co: a user behind a proxy is not told they are offline."""

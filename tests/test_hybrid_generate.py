@@ -176,12 +176,67 @@ def test_return_dict_in_generate_carries_the_sequences_and_scores(hybrid):
     assert out.sequences[0, prompt.shape[1]].item() == int(out.scores[0][0].argmax())
 
 
-def test_pipeline_text_generation_returns_n_rows(hybrid):
+def test_pipeline_text_generation_writes_the_greedy_text_and_n_rows(hybrid):
+    """The pipeline's text is the prompt and the hybrid's own greedy tokens, decoded (before: the test passed
+    with nothing generated)."""
     from transformers import pipeline
 
     pipe = pipeline("text-generation", model=hybrid, tokenizer=hybrid.tokenizer)
-    rows = pipe("A list is", max_new_tokens=5, do_sample=True, num_return_sequences=2)
-    assert len(rows) == 2 and all(r["generated_text"].startswith("A list is") for r in rows)
+    prompt = hybrid.tokenizer("A list is", return_tensors="pt")["input_ids"]
+    want = hybrid.tokenizer.decode(_greedy(hybrid, prompt, 5))
+    assert want.strip()
+    (row,) = pipe("A list is", max_new_tokens=5, do_sample=False, eos_token_id=None)
+    assert row["generated_text"] == "A list is" + want
+    rows = pipe("A list is", max_new_tokens=5, do_sample=True, num_return_sequences=2, eos_token_id=None)
+    assert len(rows) == 2 and all(len(r["generated_text"]) > len("A list is") for r in rows)
+    assert all(r["generated_text"].startswith("A list is") for r in rows)
+
+
+def test_a_text_streamer_prints_the_text_generate_returns(hybrid, capsys):
+    from transformers import TextStreamer
+
+    prompt = _prompt(hybrid)
+    streamer = TextStreamer(hybrid.tokenizer, skip_prompt=True)
+    out = hybrid.generate(prompt, max_new_tokens=6, do_sample=False, eos_token_id=None, streamer=streamer)
+    new = out[0, prompt.shape[1] :].tolist()
+    assert new == _greedy(hybrid, prompt, 6)
+    printed = capsys.readouterr().out
+    assert printed == hybrid.tokenizer.decode(new) + "\n" and printed.strip()
+
+
+def test_a_stopping_criterion_on_text_stops_each_row_of_a_batch_at_its_own_step(hybrid):
+    """A criterion that reads each row's decoded text: a row whose text is seen is finished, and the batch ends
+    when its last row is, at that row's own step. Each row's tokens are its own greedy ones (left padding and the
+    cache keep the rows apart); transformers pads a finished row only for an EOS criterion, so the early row's
+    tokens run on, still its own greedy continuation."""
+    long, short = _prompt(hybrid), _prompt(hybrid, "A set")
+    pad = long.shape[1] - short.shape[1]
+    batch = torch.cat([torch.cat([torch.zeros(1, pad, dtype=torch.long), short], 1), long])
+    mask = torch.ones_like(batch)
+    mask[0, :pad] = 0
+    greedy = [_greedy(hybrid, short, 8), _greedy(hybrid, long, 8)]
+    stops = [2, 5]  # after these many new tokens, by their text
+    texts = [hybrid.tokenizer.decode(g[:n]) for g, n in zip(greedy, stops)]
+
+    class TextSeen(StoppingCriteria):
+        def __call__(self, input_ids, scores, **kwargs):
+            new = input_ids[:, batch.shape[1] :]
+            return torch.tensor([hybrid.tokenizer.decode(row).endswith(text) for row, text in zip(new, texts)])
+
+    out = hybrid.generate(
+        batch,
+        attention_mask=mask,
+        max_new_tokens=8,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=7,
+        stopping_criteria=StoppingCriteriaList([TextSeen()]),
+    )
+    new = out[:, batch.shape[1] :].tolist()
+    assert out.shape[1] == batch.shape[1] + stops[1]  # the batch ends when its last row stops
+    assert new[1] == greedy[1][: stops[1]]
+    assert new[0] == greedy[0][: stops[1]]
+    assert hybrid.tokenizer.decode(new[0]).startswith(texts[0]) and hybrid.tokenizer.decode(new[1]).endswith(texts[1])
 
 
 # -- the argument table: refused -----------------------------------------------------------------------------

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from dihal.artifacts import hidden_states as hs
+from dihal.artifacts.files import load_tensors
 from dihal.artifacts.store import ArtifactStore
 from dihal.stages.configs import PriorConfig
 from dihal.stages.diffusion import flow
@@ -274,3 +275,33 @@ def test_a_comparison_on_another_corpus_is_named_by_its_content(tmp_path):
     text.write_text("a slow green turtle " * 50)
     assert key(text)["prior_data_sha256"] != first["prior_data_sha256"]
     assert "prior_data" not in compare_key(CompareConfig(seeds=(0,)), plan)  # the default keeps its id
+
+
+def test_time_shift_trains_the_prior_on_the_shifted_times_of_the_same_draws(tiny_dirs, root, monkeypatch):
+    """--time-shift 3 changes what train-prior computes, not only flow.shift_time: every training step noises
+    its sequences to t = 3u / (1 + 2u) of the very u that --time-shift 1 uses at that step, validation keeps its
+    fixed times, and the weights differ (before, no test held the stage to it)."""
+    assert invoke(*_extract(tiny_dirs, "llama")).exit_code == 0
+    seen: dict[tuple, list[torch.Tensor]] = {}
+    real = flow.noisy
+
+    def spy(y, eps, t):  # training steps (with grad) and validation (without), apart
+        key = (current, "train" if torch.is_grad_enabled() else "validation")
+        seen.setdefault(key, []).append(torch.as_tensor(t).detach().clone().reshape(-1))
+        return real(y, eps, t)
+
+    monkeypatch.setattr(flow, "noisy", spy)
+    weights = {}
+    for current in ("1", "3"):
+        res = invoke("train-prior", *SMALL, "--time-shift", current, "--device", "cpu")
+        assert res.exit_code == 0, res.output
+        art = ArtifactStore(root).resolve("latest", "prior")
+        assert art.config.get("time_shift", 1.0) == float(current)  # the default stays out of old ids
+        weights[current] = torch.cat([v.flatten() for v in load_tensors(art.file("weights_ema.safetensors")).values()])
+    u, shifted = torch.cat(seen["1", "train"]), torch.cat(seen["3", "train"])
+    assert u.numel() == shifted.numel() == 3 * 4 and 0 < float(u.min()) and float(u.max()) < 1  # steps x batch
+    torch.testing.assert_close(shifted, 3 * u / (1 + 2 * u), rtol=1e-6, atol=1e-7)
+    assert float(shifted.mean()) > float(u.mean()) + 0.1  # toward noise
+    assert not torch.equal(weights["1"], weights["3"])
+    # validation measures both on the same fixed times, so their losses compare
+    assert torch.equal(torch.cat(seen["1", "validation"]), torch.cat(seen["3", "validation"]))
