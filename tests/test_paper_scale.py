@@ -13,6 +13,7 @@ import torch
 from dihal.artifacts import files
 from dihal.artifacts import hidden_states as hs
 from dihal.artifacts.store import ArtifactStore
+from tests import golden
 from tests.conftest import invoke, run_cli, torchrun
 
 TINY = ["--protocol", "sweep-tiny", "--width", "16", "--depth", "1", "--heads", "2", "--batch-size", "4"]
@@ -370,6 +371,11 @@ def test_every_stage_under_torchrun_writes_one_artifact_with_one_id(tiny_dirs, t
         one = run_cli(command, *extra, "--root", str(single))  # the same command in one process: the same id
         assert one.returncode == 0, (command, one.stderr[-3000:])
         assert made[0].id in {a.id for a in ArtifactStore(single).all(made[0].stage)}, command
+        # and the same content (issue 63): the ids hash configs, so a rank that read the wrong rows would pass
+        # on ids alone. Every value within the golden records' tolerance (tests/golden.py); tokens and ids exactly
+        alone = ArtifactStore(single).load(made[0].stage, made[0].id)
+        moved = golden.differences(golden.view(made[0]), golden.view(alone), made[0].stage)
+        assert not moved, (command, moved[:4])
         if command.startswith("train-"):
             assert made[0].manifest["metrics"]["world_size"] == 2
             steps = [r["step"] for r in files.read_jsonl(made[0].file("metrics.jsonl"))]
