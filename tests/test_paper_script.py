@@ -13,6 +13,7 @@ import sys
 import pytest
 
 from dihal.artifacts.store import ArtifactStore
+from tests import golden
 from tests.conftest import ROOT, load_script, tiny_tokenizer
 from tests.test_dolma import write_shards
 
@@ -68,7 +69,8 @@ def run_script(inputs: dict, root, dihal: str | None = None) -> subprocess.Compl
 def ids(root) -> dict[str, list[str]]:
     store = ArtifactStore(root)
     return {
-        stage: sorted(a.id for a in store.all(stage)) for stage in ("extract", "score", "sweep", "bridge", "generate")
+        stage: sorted(a.id for a in store.all(stage))
+        for stage in ("extract", "score", "sweep", "bridge", "generate", "compare")
     }
 
 
@@ -92,6 +94,10 @@ def test_the_paper_script_runs_end_to_end_and_the_same_under_torchrun(paper_inpu
     for path in paper_inputs["models"].values():
         one, two = paper_inputs["base"] / "runs" / path.name, paper_inputs["base"] / "ranks" / path.name
         assert ids(two) == ids(one)  # every command under two ranks: the same artifacts, one of each
+        for stage in ("extract", "score", "compare"):  # and the same content: the extract's arrays, the tables
+            a, b = (ArtifactStore(r).resolve("latest", stage) for r in (two, one))
+            moved = golden.differences(golden.view(a), golden.view(b))
+            assert not moved, (path.name, stage, moved[:4])
         assert ArtifactStore(two).resolve("latest", "extract").manifest["world_size"] == 2
         assert (two / "summary.md").is_file()
 
