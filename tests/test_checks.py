@@ -16,6 +16,7 @@ import torch.nn.functional as F
 import dihal
 from dihal.stages import compare_stats as cs
 from dihal.stages.fidelity import FidelityTotals, evaluate_fidelity
+from dihal.stages.runtime import bootstrap
 from tests.test_api import api_stores, store_of  # noqa: F401  (fixtures)
 
 
@@ -281,6 +282,43 @@ def test_headline_intervals_on_tables_whose_bootstrap_is_known():
     )
     one = cs.headline(low, "point", 3.0, np.random.default_rng(0), 50)
     assert one["headline_evaluator_lo"] == one["headline_evaluator_hi"] == pytest.approx(10.0)
+
+
+def _random_samples(seed: int, seeds: int = 3, n: int = 12, nan_temperature: bool = False) -> pd.DataFrame:
+    rng, rows = np.random.default_rng(seed), []
+    for s in range(seeds):
+        for i in range(n):
+            for t in [0.0, 0.7, 1.0] + ([np.nan] if nan_temperature else []):
+                tokens = int(rng.integers(0, 20))  # some samples score no token
+                rows.append(
+                    {"seed": s, "index": i, "temperature": t, "token_entropy": rng.uniform(2, 5)}
+                    | {f"n_{ev}": tokens for ev in cs.EVALUATORS}
+                    | {f"nll_{ev}": rng.uniform(0, 5) * tokens for ev in cs.EVALUATORS}
+                )
+    return pd.DataFrame(rows)
+
+
+@pytest.mark.parametrize("case", range(4))
+def test_headline_draws_resamples_rows_and_gives_the_merged_frames_numbers_bit_for_bit(case):
+    """headline() resamples row positions with numpy (45x faster than a DataFrame merge per resample); its
+    intervals equal, to the bit, those of resample()'s frames scored by log_ppl_at() from the same generator,
+    for curves and points, NaN temperatures, one seed, and a seed missing a sample (the frames' own path)."""
+    table = _random_samples(case, seeds=1 if case == 1 else 3, nan_temperature=case == 2)
+    if case == 3:
+        table = table[~((table.seed == 1) & (table["index"] == 4))]
+    for kind in ("point", "curve"):
+        fast = cs.headline(table, kind, 3.5, np.random.default_rng(case), 60)
+        rng = np.random.default_rng(case)
+        frames = [cs.resample(table, rng) for _ in range(60)]
+        for ev in cs.EVALUATORS:
+            point = float(np.exp(cs.log_ppl_at(table, ev, 3.5, kind)))
+            ci = bootstrap.interval(point, [float(np.exp(cs.log_ppl_at(d, ev, 3.5, kind))) for d in frames])
+            for key, want in (
+                (f"headline_{ev}", point),
+                (f"headline_{ev}_lo", ci["lo"]),
+                (f"headline_{ev}_hi", ci["hi"]),
+            ):
+                assert fast[key] == want or (np.isnan(fast[key]) and np.isnan(want)), (kind, key, fast[key], want)
 
 
 def test_an_interval_is_the_percentile_interval_and_says_when_it_was_widened_to_its_point():
