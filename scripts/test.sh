@@ -9,4 +9,4 @@ python3 -m ruff format --check .
 probe=$(mktemp -d)
 if mount -t tmpfs -o size=64k tmpfs "$probe" 2>/dev/null; then umount "$probe"; export DIHAL_TEST_TMPFS=required; fi
 rmdir "$probe"
-python3 -m pytest -q -m "slow or not slow" "$@"
+python3 -m pytest -q -m "slow or not slow" --durations=15 "$@"

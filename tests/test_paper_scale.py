@@ -368,8 +368,8 @@ def test_every_stage_under_torchrun_writes_one_artifact_with_one_id(tiny_dirs, t
         made = [a for a in ArtifactStore(root).all() if a.id not in before and a.stage == STAGES.get(command, command)]
         assert len(made) == 1 and made[0].complete, f"{command}: {[(a.stage, a.id, a.status) for a in made]}"
         assert ":" not in str(made[0].config.get("device")), made[0].config  # the type, never cpu:1
-        one = run_cli(command, *extra, "--root", str(single))  # the same command in one process: the same id
-        assert one.returncode == 0, (command, one.stderr[-3000:])
+        one = invoke(command, *extra, "--root", str(single))  # the same command in one process (this one): the same id
+        assert one.exit_code == 0, (command, one.output[-3000:])
         assert made[0].id in {a.id for a in ArtifactStore(single).all(made[0].stage)}, command
         # and the same content (issue 63): the ids hash configs, so a rank that read the wrong rows would pass
         # on ids alone. Every value within the golden records' tolerance (tests/golden.py); tokens and ids exactly
