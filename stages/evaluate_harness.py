@@ -97,7 +97,9 @@ def run(
                 batch_size=cfg.batch_size,
                 max_length=hybrid.positions,
             )
-            out = lm_eval.simple_evaluate(
+            out = _evaluate(
+                lm_eval,
+                hybrid.positions,
                 model=lm,
                 tasks=list(cfg.tasks),
                 task_manager=manager,
@@ -130,6 +132,27 @@ def run(
     extra = {"model": bridge_art.manifest.get("model")}
     job = Job(STAGE, CACHE_VERSION, config, parents, work, seed=cfg.seed, device=cfg.device, extra=extra)
     return store.run_stage(job, force=force, progress=progress, group=dist.group())
+
+
+def _evaluate(lm_eval, positions: int, **kwargs) -> dict:
+    """lm_eval.simple_evaluate, with the harness's one assertion a bridge's length can trip made one line: a
+    continuation longer than max_length (the hybrid's positions: a --positions learned bridge covers only its
+    --seq-len) stops HFLM._loglikelihood_tokens with a bare AssertionError."""
+    try:
+        return lm_eval.simple_evaluate(**kwargs)
+    except AssertionError as exc:
+        frames = []
+        tb = exc.__traceback__
+        while tb is not None:
+            frames.append(tb.tb_frame.f_code.co_name)
+            tb = tb.tb_next
+        if frames and frames[-1] == "_loglikelihood_tokens":
+            raise DihalError(
+                f"a task's continuation is longer than the hybrid's {positions} positions, which the harness "
+                "cannot score; a --positions learned bridge covers only its extract's --seq-len: use a rotary "
+                "bridge (the default) or an extract with a longer --seq-len"
+            ) from None
+        raise
 
 
 def harness_key(cfg: HarnessConfig) -> dict:

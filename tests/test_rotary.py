@@ -192,3 +192,22 @@ def test_lm_eval_past_the_training_length_equals_a_loop_over_the_hybrids_log_pro
         (text,) = row["arguments"][0]
         logged = float(row["resps"][0][0])
         assert _rolling(hybrid, tok.encode(text), prefix, max_length) == pytest.approx(logged, abs=1e-4)
+
+
+@pytest.mark.slow
+def test_lm_eval_on_a_learned_bridge_shorter_than_a_continuation_is_one_line(tiny_dirs, root):
+    """A learned bridge of 16 positions gives the harness max_length 16; a continuation of the local tasks runs
+    longer, which HFLM asserts against: one error line naming the fix, the artifact failed (was a bare
+    AssertionError from inside the harness)."""
+    from tests.test_api import LM_EVAL
+    from tests.test_hardening import _one_error_line
+
+    extract = ["extract", "--model", str(tiny_dirs["llama"]), "--max-sequences", "40", "--seq-len", "16"]
+    assert invoke(*extract, "--layers", "0,2", "--device", "cpu").exit_code == 0
+    train = ["train-bridge", "--layer", "2", "--extract", "latest", "--protocol", "sweep-tiny", "--width", "16"]
+    train += ["--depth", "1", "--heads", "2", "--batch-size", "4", "--train-steps", "2", "--positions", "learned"]
+    assert invoke(*train).exit_code == 0
+    res = invoke("evaluate", "--bridge", "latest", *LM_EVAL, "--lm-eval-limit", "4")
+    _one_error_line(res, "longer than the hybrid's 16 positions", during_work=True)
+    assert "use a rotary bridge" in res.output
+    assert [a.status for a in ArtifactStore(root).all("evaluate")] == ["failed"]
