@@ -375,3 +375,24 @@ def test_partial_spearman_and_window_correlations_against_plain_computations():
     assert out["kendall_tau"] == pytest.approx(kendalltau(x, neg_loss)[0])
     assert out["rho"] == pytest.approx(spearmanr(x, neg_loss)[0])
     assert np.isnan(sweep.partial_spearman(-layers + 0.0, neg_loss, layers))  # depth given depth: undefined
+
+
+def test_the_ema_is_the_per_tensor_update_to_the_bit():
+    """EMA.update runs as two foreach kernels (issue 64); each tensor gets d * ema + (1 - d) * w exactly as the
+    per-tensor loop it replaced computed it."""
+    from dihal.stages.diffusion.trainer import EMA
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.LayerNorm(16), torch.nn.Linear(16, 3))
+    ema = EMA(net, 0.999)
+    loop = {k: v.clone() for k, v in ema.params.items()}
+    for step in range(5):
+        with torch.no_grad():
+            for p in net.parameters():
+                p.add_(torch.randn_like(p) * 0.1)
+        ema.update(net, step)
+        d = min(0.999, (1 + step) / (10 + step))
+        for k, v in net.state_dict().items():
+            loop[k].mul_(d).add_(v, alpha=1 - d)
+    assert all(torch.equal(ema.params[k], loop[k]) for k in loop)
+    assert not torch.equal(ema.params["0.weight"], net.state_dict()["0.weight"])

@@ -207,9 +207,13 @@ class EMA:
 
     @torch.no_grad()
     def update(self, net: nn.Module, step: int) -> None:
+        """ema = d ema + (1 - d) w over every tensor in two foreach kernels (issue 64: a Python loop launched two
+        per tensor); elementwise the same operations, so the same bits."""
         d = min(self.decay, (1 + step) / (10 + step))
-        for k, v in net.state_dict().items():
-            self.params[k].mul_(d).add_(v.detach(), alpha=1 - d)
+        state = net.state_dict()
+        mine = [self.params[k] for k in state]
+        torch._foreach_mul_(mine, d)
+        torch._foreach_add_(mine, [v.detach() for v in state.values()], alpha=1 - d)
 
 
 def ema_validate(task: Task, net: nn.Module, ema: EMA) -> float:
