@@ -134,18 +134,15 @@ def resample(samples: pd.DataFrame, rng) -> pd.DataFrame:
     return pd.concat(parts, ignore_index=True)
 
 
-def _draw_rows(index: np.ndarray, seeds: np.ndarray, rng) -> np.ndarray:
+def _draw_rows(tables: dict, rng) -> np.ndarray:
     """The rows of `samples` that resample() draws, in the order its frame holds them, from the same calls
     on rng: seeds with replacement, then indices with replacement within each seed, each index's rows of every
-    temperature in the frame's order (what picks.merge(one, on="index", how="left") gives)."""
-    unique = pd.unique(seeds)
+    temperature in the frame's order (what picks.merge(one, on="index", how="left") gives). tables[seed]: that
+    seed's row positions, one line per index 0..n-1."""
     parts = []
-    for s in rng.choice(unique, len(unique)):
-        mine = np.flatnonzero(seeds == s)
-        n = index[mine].max() + 1
-        order = mine[np.argsort(index[mine], kind="stable")]
-        table = order.reshape(n, -1)  # every index 0..n-1 has as many rows (checked by the caller)
-        parts.append(table[rng.integers(0, n, n)].reshape(-1))
+    for s in rng.choice(list(tables), len(tables)):
+        n = len(tables[s])
+        parts.append(tables[s][rng.integers(0, n, n)].reshape(-1))
     return np.concatenate(parts)
 
 
@@ -184,7 +181,11 @@ def headline(samples: pd.DataFrame, kind: str, h_ref: float, rng, resamples: int
         )
         for ev in EVALUATORS:
             cols[f"n_{ev}"], cols[f"nll_{ev}"] = samples[f"n_{ev}"].to_numpy(), samples[f"nll_{ev}"].to_numpy()
-        rows = [_draw_rows(index, seeds, rng) for _ in range(resamples)]
+        tables = {}
+        for s in pd.unique(seeds):
+            mine = np.flatnonzero(seeds == s)
+            tables[s] = mine[np.argsort(index[mine], kind="stable")].reshape(int(index[mine].max()) + 1, -1)
+        rows = [_draw_rows(tables, rng) for _ in range(resamples)]
         drawn = lambda ev: [float(np.exp(_log_ppl_of_rows(cols, r, ev, h_ref, kind))) for r in rows]
     out = {}
     for ev in EVALUATORS:

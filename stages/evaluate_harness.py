@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import traceback
 from dataclasses import asdict
 from pathlib import Path
 
@@ -141,12 +142,7 @@ def _evaluate(lm_eval, positions: int, **kwargs) -> dict:
     try:
         return lm_eval.simple_evaluate(**kwargs)
     except AssertionError as exc:
-        frames = []
-        tb = exc.__traceback__
-        while tb is not None:
-            frames.append(tb.tb_frame.f_code.co_name)
-            tb = tb.tb_next
-        if frames and frames[-1] == "_loglikelihood_tokens":
+        if traceback.extract_tb(exc.__traceback__)[-1].name == "_loglikelihood_tokens":
             raise DihalError(
                 f"a task's continuation is longer than the hybrid's {positions} positions, which the harness "
                 "cannot score; a --positions learned bridge covers only its extract's --seq-len: use a rotary "
