@@ -158,13 +158,15 @@ def route_third_party_bars() -> None:
     drawn as dihal's own progress: a rich bar on a terminal, a plain line every --log-every seconds in a
     piped log, never a carriage-return bar. Only the outermost open bar is drawn (a download's per-file bars
     count silently inside "Fetching N files"), and none while a stage's own bar holds the terminal. Called
-    once per command, before any of those libraries is imported (they bind tqdm.auto.tqdm at import)."""
+    once per command, before any of those libraries is imported (they bind tqdm.auto.tqdm at import); a
+    command forgets the bars an earlier command in the same process left open."""
     import tqdm
     import tqdm.auto
     from rich.errors import LiveError
 
     base = tqdm.std.tqdm
-    if getattr(tqdm.auto.tqdm, "dihal", False):
+    if getattr(tqdm.auto.tqdm, "dihal", False):  # installed by an earlier command of this process (the API, tests):
+        tqdm.auto.tqdm.open_bars.clear()  # a bar it left open (never closed) must not silence this command's
         return
 
     class DihalBar(base):

@@ -142,6 +142,26 @@ def test_a_libraries_tqdm_bar_is_dihals_progress_in_a_piped_log(capsys, monkeypa
     assert lines[-1].startswith("Fetching 3 files: 3/3 items (100%)") and lines[-1].endswith("(finished)")
 
 
+def test_a_bar_an_earlier_command_left_open_does_not_silence_the_next_commands(capsys, monkeypatch):
+    """Commands run in one process (the API, a notebook, the tests' in-process CLI): a library bar an earlier one
+    opened and never closed made every later bar count silently, as if nested in it (the suite's piped-log test
+    then saw no line at all when it ran after such a command in the same worker)."""
+    from dihal.cli import ui
+
+    monkeypatch.setattr(ui, "make_progress", lambda: ui.PlainProgress(0.0))
+    ui.route_third_party_bars()
+    from tqdm.auto import tqdm
+
+    left_open = tqdm(total=5, desc="an earlier command's download")
+    left_open.update(1)  # never closed
+    capsys.readouterr()
+    ui.route_third_party_bars()  # the next command
+    for _ in tqdm(range(2), desc="Fetching 2 files"):
+        pass
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[0] == "Fetching 2 files: started, 2 items to do" and lines[-1].endswith("(finished)"), lines
+
+
 @pytest.mark.slow
 def test_the_first_conversion_into_a_fresh_cache_prints_plain_lines_in_a_piped_log(tmp_path):
     proc = run_cli(
