@@ -27,10 +27,13 @@ RECIPE=${RECIPE:-}                          # recipe flags on top of --protocol 
 # one a line
 MODELS=${MODELS:-"meta-llama/Llama-3.1-8B-Instruct 1-31 llama-3.1-8b
 Qwen/Qwen3-8B 1-35 qwen3-8b"}
+ONLY=${ONLY:-}                               # run one backbone of the list (e.g. each on its own node); the
+                                            # others stay its compare evaluator
 latest() { if dry; then echo latest; else dihal runs latest "$1"; fi; }
 
 while read -r -u 3 MODEL LAYERS LIKE; do
   [ -n "$MODEL" ] || continue
+  [ -z "$ONLY" ] || [ "$MODEL" = "$ONLY" ] || continue
   export DIHAL_ROOT=${ROOT_BASE:-runs/paper}/$(basename "$MODEL")
   echo "== $MODEL"
   python3 scripts/estimate.py --model "$MODEL" --like "$LIKE" --sequences "$SEQUENCES" --seq-len "$SEQ_LEN" \

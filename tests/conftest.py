@@ -32,6 +32,23 @@ def _build_the_cli_once() -> None:
 _build_the_cli_once()
 
 
+# The few tests of over ~40 s on 2 cores, longest first. They run first (pytest_collection_modifyitems) and
+# xdist's worksteal scheduler (pyproject's addopts) lets the other worker take tests from the queue of the
+# one busy with them, so no long test starts last and leaves one core idle at the end. A renamed test only
+# loses its place here.
+LONGEST_FIRST = (
+    "tests/test_paper_script.py::test_the_paper_script_runs_end_to_end_and_the_same_under_torchrun",
+    "tests/test_paper_scale.py::test_every_stage_under_torchrun_writes_one_artifact_with_one_id",
+    "tests/test_storage.py::test_the_main_job_runs_the_chain_and_ends_with_one_summary",
+    "tests/test_compare.py::test_compare_end_to_end_writes_curves_controls_budgets_and_the_verdict",
+)
+
+
+def pytest_collection_modifyitems(items) -> None:
+    rank = lambda item: next((i for i, n in enumerate(LONGEST_FIRST) if item.nodeid.startswith(n)), len(LONGEST_FIRST))
+    items.sort(key=rank)  # stable: every other test keeps its place
+
+
 @pytest.fixture
 def no_model_loads(monkeypatch):
     forbid_model_loads(monkeypatch)
