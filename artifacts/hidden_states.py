@@ -35,10 +35,12 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import os
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
 import zarr
+from zarr.core.buffer.cpu import NDBuffer
 from zarr.storage import LocalStore, WrapperStore
 
 from dihal.artifacts import store as store_mod
@@ -365,5 +367,45 @@ def contiguous_runs(group: zarr.Group, layer: int, seq_idx: np.ndarray, max_byte
 
 def read_sequences(group: zarr.Group, layer: int, seq_idx: np.ndarray) -> np.ndarray:
     """Whole sequences of a layer (position 0 exact)."""
-    states = np.asarray(group[f"layers/{layer}"].oindex[np.asarray(seq_idx)])
-    return with_pos0(group, layer, states, seq_idx)
+    return with_pos0(group, layer, read_stored(group, layer, seq_idx), seq_idx)
+
+
+READ_THREADS = 4  # chunk runs of one read in flight together (page-cache copies and disk reads overlap)
+
+
+def read_stored(
+    group: zarr.Group, layer: int, seq_idx: np.ndarray, max_bytes: int = 256 << 20, out: np.ndarray | None = None
+) -> np.ndarray:
+    """Whole sequences of a layer as stored (its dtype, before its scale; position 0 as stored), in the order
+    asked. Read as contiguous slices over the runs of chunks that hold them, each at most max_bytes (or one
+    chunk): zarr's oindex over the same rows is 5.9x slower at the paper's shape (benchmarks/bench_store_read.py).
+    The values are the same bytes either way. out: an array of the result's shape and dtype to read into."""
+    array = group[f"layers/{layer}"]
+    seq_idx = np.asarray(seq_idx, dtype=np.int64)
+    out = np.empty((seq_idx.size, *array.shape[1:]), dtype=array.dtype) if out is None else out
+    order = np.argsort(seq_idx, kind="stable")
+    seqs = seq_idx[order]
+    seq_bytes = array.shape[1] * array.shape[2] * array.dtype.itemsize
+
+    def read(run: tuple[int, int]) -> None:
+        start, stop = run
+        lo, hi = np.searchsorted(seqs, [start, stop])
+        asked = hi - lo == stop - start and (seqs[lo:hi] == np.arange(start, stop)).all()
+        if asked and (order[lo:hi] == np.arange(lo, hi)).all():  # the run as asked, in order: read in place
+            array.get_basic_selection(slice(start, stop), out=NDBuffer.from_numpy_array(out[lo:hi]))
+        else:
+            out[order[lo:hi]] = array[start:stop][seqs[lo:hi] - start]
+
+    runs = _chunk_runs(seqs, array.chunks[0], array.shape[0], max_bytes // seq_bytes)
+    if len(runs) > 1:  # runs read together, as zarr reads the chunks of one slice (each run writes its own rows)
+        with ThreadPoolExecutor(READ_THREADS) as pool:
+            list(pool.map(read, runs))
+    elif runs:
+        read(runs[0])
+    return out
+
+
+def pos0_rows(group: zarr.Group, layer: int, seq_idx: np.ndarray) -> np.ndarray | None:
+    """Position 0 of sequences seq_idx exactly (float32), where the extract kept it apart from a float16 layer."""
+    pos0 = _pos0(group, layer)
+    return None if pos0 is None else np.asarray(pos0.oindex[np.asarray(seq_idx)])

@@ -30,7 +30,7 @@ from dihal.artifacts import files
 from dihal.artifacts import hidden_states as hs
 from dihal.artifacts.store import Artifact, ArtifactStore
 from dihal.stages.configs import DECODER_DEPTH, AutoencoderConfig
-from dihal.stages.diffusion import trainer
+from dihal.stages.diffusion import feed, trainer
 from dihal.stages.diffusion.cross_decoder import VAL_BATCH, Attention, CrossDecoder, DecoderConfig, teacher_forced
 from dihal.stages.diffusion.normalizer import Normalizer
 from dihal.stages.parts.decoder import frozen_table
@@ -106,24 +106,25 @@ class AutoencoderTask:
 
     def __init__(self, group, cfg: AutoencoderConfig, layer: int, norm: Normalizer):
         self.group, self.cfg, self.layer, self.norm = group, cfg, layer, norm
+        self.on_device, self.scale = norm.to(cfg.device), hs.layer_scales(group)[layer]
         val = trainer.take_split(self, group, cfg.val_sequences)
         self.val = self.read_seqs(val)
 
-    def read_seqs(self, seqs: np.ndarray) -> dict[str, np.ndarray]:
-        return {
-            "h": hs.read_sequences(self.group, self.layer, seqs),
-            "ids": np.asarray(self.group["input_ids"].oindex[seqs]),
-        }
+    def read_seqs(self, seqs: np.ndarray, ids_only: bool = False):
+        ids = np.asarray(self.group["input_ids"].oindex[seqs])
+        return ids if ids_only else {"h": hs.read_sequences(self.group, self.layer, seqs), "ids": ids}
 
-    def read(self, positions: np.ndarray) -> dict[str, np.ndarray]:
-        return self.read_seqs(self.train_seqs[positions])
+    def read(self, positions: np.ndarray, alloc=None) -> dict[str, np.ndarray]:
+        seqs = self.train_seqs[positions]  # h_L as stored, made float32 on the device (stages/diffusion/feed.py)
+        states = feed.stored(self.group, self.layer, seqs, "h", False, alloc)
+        return {**states, "ids": self.read_seqs(seqs, ids_only=True)}
 
     def states(self, raw: np.ndarray) -> torch.Tensor:
         return self.norm.y(torch.from_numpy(raw[:, 1:].astype(np.float32)))
 
     def loss(self, net, batch, draws, device) -> torch.Tensor:
-        ids = torch.from_numpy(batch["ids"].astype(np.int64)).to(device)
-        logits = net(ids[:, :-1], self.states(batch["h"]).to(device)).float()
+        ids = torch.as_tensor(batch["ids"]).to(device).long()
+        logits = net(ids[:, :-1], self.on_device.y(feed.as_float(batch, "h", device, self.scale)[:, 1:])).float()
         return F.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none").mean(dim=1).sum()
 
     @torch.no_grad()

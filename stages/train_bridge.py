@@ -19,7 +19,7 @@ from dihal.artifacts import hidden_states as hs
 from dihal.artifacts.store import Artifact, ArtifactStore
 from dihal.stages.condition import check_condition_prior, condition_prior
 from dihal.stages.configs import BridgeConfig
-from dihal.stages.diffusion import flow, trainer
+from dihal.stages.diffusion import feed, flow, trainer
 from dihal.stages.diffusion.denoiser import Denoiser, DenoiserConfig
 from dihal.stages.diffusion.normalizer import Normalizer
 from dihal.stages.runtime import plotting
@@ -46,25 +46,27 @@ class BridgeTask:
         """prior: a trained stages.parts.prior.Prior whose estimates corrupt c (--condition-noise prior:T)."""
         self.group, self.cfg, self.norm, self.start, self.prior = group, cfg, norm, start, prior
         self.on_device = norm.to(cfg.device)  # the loss normalizes where it trains
+        self.scales = hs.layer_scales(group)
         val = trainer.take_split(
             self, group, cfg.val_sequences, start, fix="--val-fraction > 0 and more --max-sequences"
         )
         self.c_val = norm.c(_read(group, 0, val, start))
         self.y_val = norm.y(_read(group, cfg.layer, val, start))
 
-    def read(self, positions: np.ndarray) -> dict[str, np.ndarray]:
-        seqs = self.train_seqs[positions]
-        return {"c": hs.read_sequences(self.group, 0, seqs), "y": hs.read_sequences(self.group, self.cfg.layer, seqs)}
+    def read(self, positions: np.ndarray, alloc=None) -> dict[str, np.ndarray]:
+        seqs, whole = self.train_seqs[positions], self.start == 0  # position 0 only where the bridge models it
+        condition = feed.stored(self.group, 0, seqs, "c", whole, alloc)
+        return {**condition, **feed.stored(self.group, self.cfg.layer, seqs, "y", whole, alloc)}
 
     def loss(self, net, batch, draws, device) -> torch.Tensor:
         norm = self.on_device
-        c = norm.c(torch.from_numpy(batch["c"][:, self.start :].astype(np.float32)).to(device))
-        y = norm.y(torch.from_numpy(batch["y"][:, self.start :].astype(np.float32)).to(device))
+        raw = feed.as_float(batch, "c", device, self.scales[0])
+        c = norm.c(raw[:, self.start :])
+        y = norm.y(feed.as_float(batch, "y", device, self.scales[self.cfg.layer])[:, self.start :])
         t = draws.rand()
         eps = draws.randn(*y.shape[1:])
         if self.prior is not None:  # positions 1..T' only: the prior does not model position 0
-            raw = torch.from_numpy(batch["c"][:, 1:].astype(np.float32)).to(device)
-            estimate = norm.c(self.prior.corrupt(raw, self.cfg.condition_noise, draws))
+            estimate = norm.c(self.prior.corrupt(raw[:, 1:], self.cfg.condition_noise, draws))
             c = torch.cat([c[:, : 1 - self.start], estimate], dim=1)
         else:
             c = flow.corrupt(c, self.cfg.condition_noise, draws)

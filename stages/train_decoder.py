@@ -25,7 +25,7 @@ from dihal.artifacts import hidden_states as hs
 from dihal.artifacts.store import Artifact, ArtifactStore
 from dihal.stages.condition import check_condition_prior, condition_prior
 from dihal.stages.configs import DECODER_DEPTH, DecoderTrainConfig
-from dihal.stages.diffusion import trainer
+from dihal.stages.diffusion import feed, trainer
 from dihal.stages.diffusion.cross_decoder import VAL_BATCH, CrossDecoder, DecoderConfig, teacher_forced
 from dihal.stages.diffusion.flow import corrupt
 from dihal.stages.diffusion.normalizer import Normalizer
@@ -45,24 +45,26 @@ class DecoderTask:
     def __init__(self, group, cfg: DecoderTrainConfig, norm: Normalizer, prior=None):
         """prior: a trained stages.parts.prior.Prior whose estimates corrupt e (--condition-noise prior:T)."""
         self.group, self.cfg, self.norm, self.prior = group, cfg, norm, prior
-        self.on_device = norm.to(cfg.device)  # the prior's estimates are normalized where it trains
+        self.on_device = norm.to(cfg.device)  # the condition is normalized where it trains
+        self.scale = hs.layer_scales(group)[0]
         val = trainer.take_split(self, group, cfg.val_sequences)
         self.val = {"c": hs.read_sequences(group, 0, val), "ids": np.asarray(group["input_ids"].oindex[val])}
 
-    def read(self, positions: np.ndarray) -> dict[str, np.ndarray]:
-        seqs = self.train_seqs[positions]
-        return {"c": hs.read_sequences(self.group, 0, seqs), "ids": np.asarray(self.group["input_ids"].oindex[seqs])}
+    def read(self, positions: np.ndarray, alloc=None) -> dict[str, np.ndarray]:
+        seqs = self.train_seqs[positions]  # h_0 as stored, made float32 on the device (stages/diffusion/feed.py)
+        condition = feed.stored(self.group, 0, seqs, "c", False, alloc)
+        return {**condition, "ids": np.asarray(self.group["input_ids"].oindex[seqs])}
 
     def condition(self, raw: np.ndarray) -> torch.Tensor:
         return self.norm.c(torch.from_numpy(raw[:, 1:].astype(np.float32)))
 
     def loss(self, net, batch, draws, device) -> torch.Tensor:
+        raw = feed.as_float(batch, "c", device, self.scale)[:, 1:]
         if self.prior is not None:
-            raw = torch.from_numpy(batch["c"][:, 1:].astype(np.float32)).to(device)
             e = self.on_device.c(self.prior.corrupt(raw, self.cfg.condition_noise, draws))
         else:
-            e = corrupt(self.condition(batch["c"]).to(device), self.cfg.condition_noise, draws)
-        ids = torch.from_numpy(batch["ids"].astype(np.int64)).to(device)
+            e = corrupt(self.on_device.c(raw), self.cfg.condition_noise, draws)
+        ids = torch.as_tensor(batch["ids"]).to(device).long()
         logits = net(ids[:, :-1], e).float()
         per_token = F.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none")
         return per_token.mean(dim=1).sum()

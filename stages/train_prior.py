@@ -40,7 +40,7 @@ from dihal.artifacts import hidden_states as hs
 from dihal.artifacts.errors import DihalError
 from dihal.artifacts.store import Artifact, ArtifactStore
 from dihal.stages.configs import DataConfig, PriorConfig
-from dihal.stages.diffusion import flow, trainer
+from dihal.stages.diffusion import feed, flow, trainer
 from dihal.stages.diffusion.denoiser import Denoiser, DenoiserConfig
 from dihal.stages.diffusion.normalizer import Normalizer
 from dihal.stages.lineage import backbone_for
@@ -92,8 +92,10 @@ class PriorTask:
     def __init__(self, group, cfg: PriorConfig, norm: Normalizer, tokens: Tokens | None = None, corpus=None):
         """tokens: the token side (--data corpus, --token-ce); corpus: (N, T) ids of another dataset's train
         split (--data corpus:SPEC), which the training sequences are then."""
-        self.group, self.cfg, self.tokens = group, cfg, tokens
+        self.group, self.cfg, self.tokens, self.moved = group, cfg, tokens, {}
         self.mu, self.sigma = space(norm, cfg.layer)
+        if cfg.data == "extract":
+            self.scale = hs.layer_scales(group)[cfg.layer]
         val = trainer.take_split(self, group, cfg.val_sequences)
         if corpus is not None:
             self.train_seqs, self.n_train = np.arange(len(corpus)), len(corpus)
@@ -106,18 +108,33 @@ class PriorTask:
             return self.tokens.table[torch.from_numpy(np.asarray(self.group["input_ids"][:])[seqs])].numpy()
         return self.tokens.embed(seqs)
 
-    def normalize(self, raw: np.ndarray) -> torch.Tensor:
-        return (torch.from_numpy(raw[:, 1:].astype(np.float32)) - self.mu) / self.sigma
+    scale = 1.0  # of the stored layer the training reads (hidden_states.layer_scales); 1 for other data
 
-    def read(self, positions: np.ndarray) -> dict[str, np.ndarray]:
+    def normalize(self, raw: np.ndarray | torch.Tensor) -> torch.Tensor:
+        """Float32 states (B, T, D), a host array or the step's tensor on the device: positions 1..T-1 normalized
+        where they lie."""
+        x = torch.as_tensor(raw)[:, 1:].float()
+        return (x - self.moment("mu", x.device)) / self.moment("sigma", x.device)
+
+    def moment(self, name: str, device: torch.device) -> torch.Tensor:
+        """mu or sigma on `device`, moved there once (a host-to-device copy each step would wait for the device)."""
+        key = (name, str(device))
+        if key not in self.moved:
+            self.moved[key] = getattr(self, name).to(device)
+        return self.moved[key]
+
+    def read(self, positions: np.ndarray, alloc=None) -> dict[str, np.ndarray]:
         seqs = self.train_seqs[positions]
-        out = {"y": self._states(seqs)}
+        if self.cfg.data == "extract":  # as stored: made float32 on the device (stages/diffusion/feed.py)
+            out = feed.stored(self.group, self.cfg.layer, seqs, "y", False, alloc)
+        else:
+            out = {"y": self._states(seqs)}
         if self.cfg.token_ce:
             out["ids"] = self.tokens.ids[seqs, 1:]
         return out
 
     def loss(self, net, batch, draws, device) -> torch.Tensor:
-        y = self.normalize(batch["y"]).to(device)
+        y = self.normalize(feed.as_float(batch, "y", device, self.scale))
         t = flow.shift_time(draws.rand(), self.cfg.time_shift)
         eps = draws.randn(*y.shape[1:])
         x_t = flow.noisy(y, eps, t)
@@ -130,7 +147,7 @@ class PriorTask:
         out = net(x_t, t, x0_prev=x0_prev).float()
         loss = ((out - y) ** 2).mean(dim=(1, 2))
         if self.cfg.token_ce:
-            ce = self.token_ce(out, torch.from_numpy(batch["ids"]).to(device))
+            ce = self.token_ce(out, torch.as_tensor(batch["ids"]).to(device))
             loss = loss + self.cfg.token_ce * ce * (t.to(device) <= self.cfg.token_ce_max_t)
         return loss.sum()
 
@@ -151,7 +168,7 @@ class LatentPriorTask(PriorTask):
     """The prior over an autoencoder's latents: the same loss, its data the stored (N, K, d) latents."""
 
     def __init__(self, group, cfg: PriorConfig, latents: dict[str, torch.Tensor], norm: Normalizer):
-        self.group, self.cfg, self.latents = group, cfg, latents["train"].float()
+        self.group, self.cfg, self.latents, self.moved = group, cfg, latents["train"].float(), {}
         self.mu, self.sigma = norm.mu_c, norm.sigma_c
         self.n_train, self.chunk = self.latents.shape[0], int(group.attrs["chunk_seqs"])
         self.tokens_per_item = self.latents.shape[1]
@@ -160,10 +177,11 @@ class LatentPriorTask(PriorTask):
             raise DihalError("the extract has no validation sequences; extract with --val-fraction > 0")
         self.y_val = (val - self.mu) / self.sigma
 
-    def normalize(self, raw: np.ndarray) -> torch.Tensor:
-        return (torch.from_numpy(np.asarray(raw, dtype=np.float32)) - self.mu) / self.sigma
+    def normalize(self, raw: np.ndarray | torch.Tensor) -> torch.Tensor:
+        x = torch.as_tensor(raw).float()
+        return (x - self.moment("mu", x.device)) / self.moment("sigma", x.device)
 
-    def read(self, positions: np.ndarray) -> dict[str, np.ndarray]:
+    def read(self, positions: np.ndarray, alloc=None) -> dict[str, np.ndarray]:
         return {"y": self.latents[positions].numpy()}
 
 

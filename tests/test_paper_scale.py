@@ -219,7 +219,7 @@ def test_loader_serves_exactly_the_scheduled_sequences(tmp_path):
     class Task:
         n_train, chunk = n, 4
 
-        def read(self, positions):
+        def read(self, positions, alloc=None):
             return {"x": hs.read_sequences(group, 0, positions)}
 
     cfg = LoopConfig(

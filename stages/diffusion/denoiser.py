@@ -86,12 +86,14 @@ class CausalSelfAttention(nn.Module):
         self.proj = nn.Linear(width, width)
 
     def forward(
-        self, x: torch.Tensor, cache: dict | None = None, positions: torch.Tensor | None = None
+        self, x: torch.Tensor, cache: dict | None = None, rotary: tuple[torch.Tensor, int] | None = None
     ) -> torch.Tensor:
+        """rotary: (the positions start..start+n-1 on x's device, the last of them as a host int)."""
         b, n, w = x.shape
         q, k, v = self.qkv(x).view(b, n, 3, self.heads, w // self.heads).permute(2, 0, 3, 1, 4)
         if self.window is not None:
-            out = self._windowed(rotate(q, positions), rotate(k, positions), v, positions, cache)
+            positions, last = rotary
+            out = self._windowed(rotate(q, positions), rotate(k, positions), v, positions, last, cache)
             return self.proj(out.transpose(1, 2).reshape(b, n, w))
         if cache is not None and "k" in cache:  # earlier positions, computed at this same step
             k = torch.cat([cache["k"], k], dim=2)
@@ -106,7 +108,7 @@ class CausalSelfAttention(nn.Module):
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         return self.proj(out.transpose(1, 2).reshape(b, n, w))
 
-    def _windowed(self, q, k, v, positions: torch.Tensor, cache: dict | None) -> torch.Tensor:
+    def _windowed(self, q, k, v, positions: torch.Tensor, last: int, cache: dict | None) -> torch.Tensor:
         """Rotary attention of queries at `positions` over the keys at most window - 1 positions back and the
         first position's; a cache keeps only what a later query can still attend."""
         if positions.numel() == 0:  # no new position (a start token alone): nothing to attend, the cache as it was
@@ -115,10 +117,10 @@ class CausalSelfAttention(nn.Module):
         if cache is not None and "k" in cache:
             k, v = torch.cat([cache["k"], k], dim=2), torch.cat([cache["v"], v], dim=2)
             key_positions = torch.cat([cache["positions"], positions])
-        back = positions[:, None] - key_positions[None]
-        if int(positions[-1]) < self.window and key_positions.numel() == positions.numel():  # the whole window
+        if last < self.window and key_positions.numel() == positions.numel():  # the whole window
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         else:
+            back = positions[:, None] - key_positions[None]
             allowed = (back >= 0) & ((back < self.window) | (key_positions[None] == 0))
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed)
         if cache is not None:
@@ -139,10 +141,10 @@ class Block(nn.Module):
         nn.init.zeros_(self.modulation.bias)
 
     def forward(
-        self, x: torch.Tensor, temb: torch.Tensor, cache: dict | None = None, positions: torch.Tensor | None = None
+        self, x: torch.Tensor, temb: torch.Tensor, cache: dict | None = None, rotary: tuple | None = None
     ) -> torch.Tensor:
         shift1, scale1, gate1, shift2, scale2, gate2 = self.modulation(F.silu(temb)).chunk(6, dim=1)
-        x = x + gate1[:, None] * self.attn(modulate(self.norm1(x), shift1, scale1), cache, positions)
+        x = x + gate1[:, None] * self.attn(modulate(self.norm1(x), shift1, scale1), cache, rotary)
         return x + gate2[:, None] * self.mlp(modulate(self.norm2(x), shift2, scale2))
 
 
@@ -184,7 +186,7 @@ class Denoiser(nn.Module):
         if self.in_sc is not None:
             h = h + self.in_sc(x0_prev if x0_prev is not None else torch.zeros_like(x_t))
         temb = self.time(t)
-        rotary = positions if self.rotary else None
+        rotary = (positions, start + x_t.shape[1] - 1) if self.rotary else None  # the last one known on the host
         for i, block in enumerate(self.blocks):
             h = block(h, temb, None if caches is None else caches[i], rotary)
         shift, scale = self.final_modulation(F.silu(temb)).chunk(2, dim=1)

@@ -4,8 +4,12 @@ The loop knows nothing of bridges. A stage hands it a Task:
 
     task.n_train                      how many training sequences there are
     task.chunk                        sequences per storage chunk (reads are grouped by chunk)
-    task.read(positions)              raw arrays for those training sequences (one sorted read)
-    task.loss(net, batch, draws, dev) the SUM over the batch's items of each item's mean loss;
+    task.read(positions, alloc)       arrays for those training sequences as stored (float16 layers stay
+                                      float16), read into alloc's reused buffers where it can
+                                      (stages/diffusion/feed.py's `stored`)
+    task.loss(net, batch, draws, dev) given those arrays' rows of this step as tensors on the device (a
+                                      stored layer made float32 there by feed.as_float), the SUM over
+                                      the batch's items of each item's mean loss;
                                       its randomness (t, noise) from `draws` (stages/diffusion/draws.py)
     task.validate(net)                one deterministic number (lower is better)
 
@@ -39,6 +43,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import fields
 from pathlib import Path
@@ -55,6 +60,7 @@ from dihal.artifacts.errors import DihalError
 from dihal.stages.configs import LoopConfig
 from dihal.stages.diffusion import draws
 from dihal.stages.diffusion.draws import Draws
+from dihal.stages.diffusion.feed import Staging
 from dihal.stages.runtime import clock, trackers
 from dihal.stages.runtime.dist import barrier, distributed
 from dihal.stages.runtime.progress import Progress
@@ -70,10 +76,10 @@ class Task(Protocol):
     chunk: int
     tokens_per_item: int  # for the throughput figure
 
-    def read(self, positions: np.ndarray) -> dict[str, np.ndarray]: ...
+    def read(self, positions: np.ndarray, alloc=None) -> dict[str, np.ndarray]: ...
 
     def loss(
-        self, net: nn.Module, batch: dict[str, np.ndarray], draws: Draws, device: torch.device
+        self, net: nn.Module, batch: dict[str, torch.Tensor], draws: Draws, device: torch.device
     ) -> torch.Tensor: ...
 
     def validate(self, net: nn.Module) -> float: ...
@@ -134,15 +140,18 @@ class Schedule:
 
 
 class Loader:
-    """Reads this rank's items for blocks of steps at once (a sorted, chunk-local read) and the
-    next block on a background thread."""
+    """Reads this rank's items for blocks of steps at once (contiguous reads of the chunks that hold them, as
+    stored) and stages them on the device (stages/diffusion/feed.py), the next block on a background thread
+    while the current one trains; each step's rows are gathered on the device."""
 
-    def __init__(self, task: Task, schedule: Schedule, rank: int, world: int, first_step: int):
+    def __init__(self, task: Task, schedule: Schedule, rank: int, world: int, first_step: int, device="cpu"):
         self.task, self.schedule, self.rank, self.world = task, schedule, rank, world
         self.block = max(1, schedule.cfg.shuffle_window // schedule.batch)
+        self.staging = Staging(torch.device(device))
         self.pool = ThreadPoolExecutor(1)
         self.pending: dict[int, object] = {}
         self.current: tuple[int, dict] | None = None
+        self.waited = 0.0  # seconds the main thread waited for a block that was not read yet
         self._submit(first_step // self.block)
 
     def mine(self, step: int) -> tuple[np.ndarray, np.ndarray]:
@@ -157,23 +166,30 @@ class Loader:
     def _read_block(self, block: int) -> dict:
         steps = range(block * self.block, min((block + 1) * self.block, self.schedule.total))
         wanted = np.unique(np.concatenate([self.mine(s)[1] for s in steps] or [np.zeros(0, int)]))
-        arrays = self.task.read(wanted) if wanted.size else {}
-        return {"positions": wanted, "arrays": arrays}
+        alloc = self.staging.slot()
+        staged = self.staging.put(self.task.read(wanted, alloc) if wanted.size else {}, alloc)
+        return {"positions": wanted, **staged}
 
     def _submit(self, block: int) -> None:
         if block * self.block < self.schedule.total and block not in self.pending:
             self.pending[block] = self.pool.submit(self._read_block, block)
 
-    def batch(self, step: int) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    def batch(self, step: int) -> tuple[np.ndarray, dict[str, torch.Tensor]]:
         block = step // self.block
         if self.current is None or self.current[0] != block:
             self._submit(block)
-            self.current = (block, self.pending.pop(block).result())
+            began = time.perf_counter()
+            read = self.pending.pop(block).result()
+            self.waited += time.perf_counter() - began
+            self.current = (block, {"positions": read["positions"], "arrays": self.staging.ready(read)})
             self._submit(block + 1)
         data = self.current[1]
         slots, positions = self.mine(step)
-        rows = np.searchsorted(data["positions"], positions)
-        return slots, {k: v[rows] for k, v in data["arrays"].items()}
+        if not data["arrays"]:
+            return slots, {}
+        rows = torch.as_tensor(np.searchsorted(data["positions"], positions))
+        rows = rows.to(next(iter(data["arrays"].values())).device, non_blocking=True)
+        return slots, {k: v.index_select(0, rows) for k, v in data["arrays"].items()}
 
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
@@ -232,6 +248,9 @@ def autocast(precision: str, device: torch.device):
     return contextlib.nullcontext()
 
 
+FLUSH_EVERY = {"cuda": 16}  # steps between host reads of the losses, by device type (1 elsewhere)
+
+
 # -- the loop ---------------------------------------------------------------------------------------------------
 def train(task: Task, net: nn.Module, cfg: LoopConfig, directory: Path, progress: Progress, name: str) -> dict:
     """Train (or resume) `net` on `task`; rank 0 writes state, metrics and final weights into
@@ -276,10 +295,15 @@ class Fit:
             if self.first_step:
                 progress.log(f"resuming {name} training at step {self.first_step} of {self.total}")
         self.model = nn.parallel.DistributedDataParallel(net, broadcast_buffers=False) if self.world > 1 else net
-        self.loader = Loader(task, self.schedule, self.rank, self.world, self.first_step)
+        self.loader = Loader(task, self.schedule, self.rank, self.world, self.first_step, self.device)
         if self.rank == 0:
             progress.start(name, self.total - self.first_step, "step")
         self.start, self.tokens = clock.now(self.device), 0
+        # losses stay on the device and reach the host every flush_every steps (and at each validation and
+        # checkpoint): on a GPU a read per step would make the host wait for every step; on the CPU it costs
+        # nothing, and every step's row is logged as it ends
+        self.pending: list[dict] = []
+        self.flush_every = FLUSH_EVERY.get(self.device.type, 1)
 
     def step(self, step: int) -> dict:
         """One optimizer step on the global batch of `step`; its row of metrics.jsonl."""
@@ -299,36 +323,59 @@ class Fit:
         loss = summed.float() * (weight * self.world / global_size)
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
-        mean_loss = _global_mean(summed.detach().float() * weight, global_size, self.world)
-        if not math.isfinite(mean_loss):
-            kept = files.load_state(self.directory)
-            where = f"step {kept['step']}" if kept else "none yet"
-            raise DihalError(
-                f"{self.name} loss became {mean_loss} at step {step} (last good checkpoint: {where}); "
-                "lower --lr or raise --warmup, then rerun to resume"
-            )
+        logged = summed.detach().float() * weight
+        if self.world > 1:
+            dist.all_reduce(logged)  # queued on the device like the gradients' (no host wait)
         if cfg.grad_clip:
             nn.utils.clip_grad_norm_(self.net.parameters(), cfg.grad_clip)
         self.optimizer.step()
         self.ema.update(self.net, step)
         self.tokens += self.task.tokens_per_item * global_size
-        elapsed = max(clock.now(device) - self.start, 1e-9)
-        return {"step": step + 1, "train_loss": mean_loss, "lr": lr, "tokens_per_s": self.tokens / elapsed}
+        return {"step": step + 1, "summed": logged, "global_size": global_size, "lr": lr}
 
     def record(self, step: int, row: dict) -> None:
-        """Rank 0: the validation loss where due, the row logged (metrics.jsonl, trackers, progress) and the
-        checkpoint where due (the last one: a kill after it redoes nothing)."""
+        """Keep the step's row; where a flush is due (every rank at the same steps), read the kept rows' losses
+        in one host read, fail on a non-finite one, and on rank 0 log them (metrics.jsonl, trackers, progress),
+        with the validation loss and the checkpoint where due (the last one: a kill after it redoes nothing)."""
+        self.pending.append(row)
+        last = step + 1 == self.total
+        validate = (step + 1) % self.cfg.eval_every == 0 or last
+        checkpoint = (step + 1) % self.fit["checkpoint_every"] == 0 or last
+        if not (validate or checkpoint or len(self.pending) >= self.flush_every):
+            return
+        rows = self.flush()
         if self.rank != 0:
             return
-        if (step + 1) % self.cfg.eval_every == 0 or step + 1 == self.total:
-            row["val_loss"] = ema_validate(self.task, self.net, self.ema)
-        self.log.append(row)
-        files.append_jsonl(self.metrics_path, row)
-        self.report.log(step + 1, row)
-        if (step + 1) % self.fit["checkpoint_every"] == 0 or step + 1 == self.total:
-            self.save(step + 1)
-        info = {"val_loss": row["val_loss"]} if "val_loss" in row else {}
-        self.progress.advance(1, loss=row["train_loss"], tokens_per_s=row["tokens_per_s"], **info)
+        if validate:
+            rows[-1]["val_loss"] = ema_validate(self.task, self.net, self.ema)
+        for row in rows:
+            self.log.append(row)
+            files.append_jsonl(self.metrics_path, row)
+            self.report.log(row["step"], row)
+            if row is rows[-1] and checkpoint:
+                self.save(row["step"])
+            info = {"val_loss": row["val_loss"]} if "val_loss" in row else {}
+            self.progress.advance(1, loss=row["train_loss"], tokens_per_s=row["tokens_per_s"], **info)
+
+    def flush(self) -> list[dict]:
+        """The kept rows with their losses read from the device (one synchronisation for all of them) and the
+        throughput so far; a non-finite loss is an error naming its step, before anything of it is saved."""
+        rows, self.pending = self.pending, []
+        summed = torch.stack([row["summed"] for row in rows]).tolist()
+        losses = [value / row["global_size"] for row, value in zip(rows, summed, strict=True)]
+        for row, value in zip(rows, losses, strict=True):
+            if not math.isfinite(value):
+                kept = files.load_state(self.directory)
+                where = f"step {kept['step']}" if kept else "none yet"
+                raise DihalError(
+                    f"{self.name} loss became {value} at step {row['step'] - 1} (last good checkpoint: {where}); "
+                    "lower --lr or raise --warmup, then rerun to resume"
+                )
+        rate = self.tokens / max(clock.now(self.device) - self.start, 1e-9)  # the device has just finished
+        return [
+            {"step": row["step"], "train_loss": loss, "lr": row["lr"], "tokens_per_s": rate}
+            for row, loss in zip(rows, losses, strict=True)
+        ]
 
     def save(self, step: int) -> None:
         """The resume state after `step` steps (no pickle: files.save_state); resume() reads it back."""
@@ -366,13 +413,6 @@ class Fit:
             "train_tokens_per_s": log[-1]["tokens_per_s"] if log else None,
             "log": log,
         }
-
-
-def _global_mean(summed: torch.Tensor, global_size: int, world: int) -> float:
-    if world > 1:
-        summed = summed.clone()
-        dist.all_reduce(summed)
-    return float(summed) / global_size
 
 
 def write_trained(

@@ -1,0 +1,123 @@
+"""The trainer's data path and step as a GPU wants them (issue 64 items 3 and 4): contiguous reads of the
+store as stored, the float32 conversion where the step runs, the same bytes as the host path made; and a
+training step that reads nothing back from the device (losses reach the host every few steps)."""
+
+from __future__ import annotations
+
+import traceback
+
+import numpy as np
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from dihal.artifacts import files
+from dihal.artifacts import hidden_states as hs
+from dihal.artifacts.store import ArtifactStore
+from dihal.stages.diffusion import feed, trainer
+from tests.conftest import invoke
+from tests.test_bridge import TINY, tiny_bridge_extract  # noqa: F401  (the fixture)
+
+
+@pytest.fixture
+def float16_layers(tmp_path):
+    """30 sequences, chunks of 4, a float16 layer with a scale and its exact position 0, a float32 layer."""
+    n, t, d = 30, 5, 3
+    group = hs.create(tmp_path / "h.zarr", [0, 2], n, t, d, {0: "float16", 2: "float32"}, 4, {}, {0: 4.0})
+    rng = np.random.default_rng(0)
+    group["layers/0"][:] = rng.standard_normal((n, t, d)).astype(np.float16)
+    group["pos0/0"][:] = rng.standard_normal((n, d)).astype(np.float32)
+    group["layers/2"][:] = rng.standard_normal((n, t, d)).astype(np.float32)
+    return group
+
+
+@pytest.mark.parametrize("layer", [0, 2])
+def test_contiguous_reads_give_what_oindex_gives_in_any_order(float16_layers, layer):
+    array = float16_layers[f"layers/{layer}"]
+    rng = np.random.default_rng(1)
+    asks = [
+        np.arange(30),  # the whole layer: read in place
+        np.arange(8, 20),  # whole chunks in order
+        rng.permutation(30)[:13],  # scattered, unordered
+        np.array([5, 5, 29, 0, 5]),  # repeated, across the ends
+        np.zeros(0, dtype=int),
+    ]
+    for seqs in asks:
+        for max_bytes in (256 << 20, 1):  # one run, or one chunk a read
+            got = hs.read_stored(float16_layers, layer, seqs, max_bytes=max_bytes)
+            want = np.asarray(array.oindex[seqs]) if seqs.size else np.zeros((0, *array.shape[1:]), array.dtype)
+            assert got.dtype == array.dtype and got.tobytes() == want.tobytes(), (seqs, max_bytes)
+
+
+def test_float32_made_where_the_step_runs_is_the_hosts_to_the_bit(float16_layers):
+    seqs = np.array([7, 1, 22, 3])
+    host = hs.read_sequences(float16_layers, 0, seqs)  # the host's path: scale, float32, position 0 exact
+    staged = {k: torch.from_numpy(v) for k, v in feed.stored(float16_layers, 0, seqs, "c").items()}
+    assert staged["c"].dtype == torch.float16  # half the bytes travel
+    got = feed.as_float(staged, "c", "cpu", hs.layer_scales(float16_layers)[0])
+    assert got.dtype == torch.float32 and got.numpy().tobytes() == host.tobytes()
+    no_pos0 = feed.stored(float16_layers, 0, seqs, "c", pos0=False)
+    assert set(no_pos0) == {"c"}  # a bridge that drops position 0 does not read it
+
+
+class ReadsBack(TorchDispatchMode):
+    """Every read of a tensor's value into Python (`float(t)`, `int(t)`, `.item()`, `.tolist()`): on a GPU each
+    one waits for the device. The optimizer's own step counters (CPU tensors in torch.optim) are left out."""
+
+    def __init__(self):
+        super().__init__()
+        self.reads: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default:
+            stack = traceback.extract_stack()[:-1]
+            if not any("torch/optim" in frame.filename for frame in stack):
+                ours = [f"{f.filename.rsplit('/', 1)[-1]}:{f.lineno}" for f in stack if "dihal" in f.filename]
+                self.reads.append(" < ".join(reversed(ours[-3:])))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.slow
+def test_a_training_step_reads_nothing_back_from_the_device(tiny_bridge_extract, monkeypatch):  # noqa: F811
+    """A rotary bridge's steps under a spy on value reads: none between two flushes. Before: the loss's float()
+    and finiteness check at every step, and int(positions[-1]) in each rotary block."""
+    spy, real = ReadsBack(), trainer.Fit.step
+
+    def step(self, s):
+        with spy:
+            return real(self, s)
+
+    monkeypatch.setattr(trainer.Fit, "step", step)
+    args = ["--layer", "2", "--extract", "latest", *TINY, "--positions", "rotary", "--train-steps", "4"]
+    res = invoke("train-bridge", *args)
+    assert res.exit_code == 0, res.output
+    assert spy.reads == [], spy.reads
+
+
+def _bridge(root, flush: int, monkeypatch, *extra: str):
+    monkeypatch.setattr(trainer, "FLUSH_EVERY", {"cpu": flush})
+    args = ["--layer", "2", "--extract", "latest", *TINY, "--train-steps", "12", "--eval-every", "6", *extra]
+    return invoke("train-bridge", *args, "--force")
+
+
+@pytest.mark.slow
+def test_losses_read_every_few_steps_log_and_train_as_every_step(tiny_bridge_extract, monkeypatch):  # noqa: F811
+    """As on a GPU (trainer.FLUSH_EVERY): rows logged five at a time hold the same losses and the run the same
+    weights as rows logged at every step; a non-finite loss is named at its own step, and nothing of it is
+    checkpointed."""
+    store = ArtifactStore(tiny_bridge_extract)
+    runs = {}
+    for flush in (1, 5):
+        assert _bridge(tiny_bridge_extract, flush, monkeypatch).exit_code == 0
+        art = store.resolve("latest", "bridge")
+        rows = files.read_jsonl(art.file("metrics.jsonl"))
+        runs[flush] = (
+            [{k: v for k, v in r.items() if k != "tokens_per_s"} for r in rows],
+            art.file("weights.safetensors").read_bytes(),
+        )
+    assert runs[5] == runs[1]
+    assert [r["step"] for r in runs[5][0]] == list(range(1, 13)) and "val_loss" in runs[5][0][5]
+    every = _bridge(tiny_bridge_extract, 1, monkeypatch, "--lr", "1e30", "--warmup", "1")
+    five = _bridge(tiny_bridge_extract, 5, monkeypatch, "--lr", "1e30", "--warmup", "1")
+    said = lambda res: next(line for line in res.output.splitlines() if "loss became" in line)
+    assert every.exit_code == five.exit_code == 2 and said(five) == said(every), (said(every), five.output)
