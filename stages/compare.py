@@ -28,7 +28,15 @@ import pandas as pd
 from dihal.artifacts import hidden_states as hs
 from dihal.artifacts.errors import DihalError
 from dihal.artifacts.store import Artifact, ArtifactStore, Job
-from dihal.stages import compare_stats, generate_parallel, registry
+from dihal.stages import (
+    compare_stats,
+    generate_parallel,
+    registry,
+    train_autoencoder,
+    train_bridge,
+    train_decoder,
+    train_prior,
+)
 from dihal.stages import evaluate as eval_stage
 from dihal.stages import generate as gen_stage
 from dihal.stages import score as score_stage
@@ -449,6 +457,8 @@ def compare_key(cfg: CompareConfig, plan) -> dict:
     serves the old comparison."""
     config = {**cfg.hashed(), "l_star": plan.l_star, "worst": plan.worst, "evaluator": plan.primary}
     config.update(weights_digests(evaluator=plan.primary))
+    parts = (train_bridge, train_prior, train_decoder, train_autoencoder)  # what its parts compute, by version
+    config["part_versions"] = {m.STAGE: m.CACHE_VERSION for m in parts}
     if cfg.prior_data.startswith("corpus:"):
         name, extra = hashed_source(DataConfig(dataset=cfg.prior_data.removeprefix("corpus:")))
         config["prior_data"] = f"corpus:{name}"

@@ -46,6 +46,7 @@ def run(
 ) -> Artifact:
     progress = progress or NullProgress()
     config = {**asdict(cfg), "overrides": dict(cfg.overrides)}
+    config["bridge_version"] = bridge_stage.CACHE_VERSION  # its bridges' computation: a new one is another sweep
     parents = {"extract": extract.id, "score": score_art.id}
     if score_art.manifest.get("parents", {}).get("extract") != extract.id:
         raise DihalError(

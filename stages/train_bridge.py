@@ -2,6 +2,9 @@
 
 The bridge models h_l (positions 1..T-1, normalized per dimension) given c = h_0 (normalized
 with its own statistics); position 0 (BOS, the attention sink) is one stored constant vector.
+h_0 is the backbone's embedding of each token (its layer-0 state, scaling included), computed from the
+token ids on the training device through the backbone's own table (what generation computes it as), so
+training reads one layer of the extract: h_l (issue 64).
 Training randomness is drawn per step from (seed, step), so a resumed run replays exactly
 what an uninterrupted one would have done.
 """
@@ -16,18 +19,21 @@ import torch
 
 from dihal.artifacts import files
 from dihal.artifacts import hidden_states as hs
+from dihal.artifacts.errors import DihalError
 from dihal.artifacts.store import Artifact, ArtifactStore
 from dihal.stages.condition import check_condition_prior, condition_prior
 from dihal.stages.configs import BridgeConfig
 from dihal.stages.diffusion import feed, flow, trainer
 from dihal.stages.diffusion.denoiser import Denoiser, DenoiserConfig
 from dihal.stages.diffusion.normalizer import Normalizer
+from dihal.stages.parts.decoder import frozen_table
 from dihal.stages.runtime import plotting
 from dihal.stages.runtime.dist import distributed
 from dihal.stages.runtime.progress import NullProgress, Progress
 
 STAGE = "bridge"
-CACHE_VERSION = 1  # bump whenever a bridge's bytes change (tests/test_golden.py says when)
+CACHE_VERSION = 2  # bump whenever a bridge's bytes change (tests/test_golden.py says when)
+# 2: h_0 from the token ids through the backbone's table in float32, not read from the float16 extract
 
 
 # -- data -----------------------------------------------------------------------------------------
@@ -39,30 +45,36 @@ def covered_start(group) -> int:
 
 # -- training ------------------------------------------------------------------------------------
 class BridgeTask:
-    """The bridge as a task of the shared training loop (stages/diffusion/trainer.py): reads
-    (h_0, h_l) for training sequences from the Zarr store, never the whole split."""
+    """The bridge as a task of the shared training loop (stages/diffusion/trainer.py): reads h_l and the token
+    ids of training sequences from the Zarr store, never the whole split; h_0 = table[ids] on the device."""
 
-    def __init__(self, group, cfg: BridgeConfig, norm: Normalizer, start: int, prior=None):
-        """prior: a trained stages.parts.prior.Prior whose estimates corrupt c (--condition-noise prior:T)."""
+    def __init__(self, group, cfg: BridgeConfig, norm: Normalizer, start: int, table: torch.Tensor, prior=None):
+        """table: the backbone's (V, D) layer-0 state of every token (stages/parts/decoder.frozen_table), on the
+        training device; prior: a trained stages.parts.prior.Prior whose estimates corrupt c (--condition-noise
+        prior:T)."""
         self.group, self.cfg, self.norm, self.start, self.prior = group, cfg, norm, start, prior
+        self.table = table
         self.on_device = norm.to(cfg.device)  # the loss normalizes where it trains
-        self.scales = hs.layer_scales(group)
+        self.scale = hs.layer_scales(group)[cfg.layer]
         val = trainer.take_split(
             self, group, cfg.val_sequences, start, fix="--val-fraction > 0 and more --max-sequences"
         )
-        self.c_val = norm.c(_read(group, 0, val, start))
+        self.c_val = norm.c(self.h0(_ids(group, val))[:, start:].cpu())
         self.y_val = norm.y(_read(group, cfg.layer, val, start))
+
+    def h0(self, ids) -> torch.Tensor:
+        """(B, T) token ids (a host array or a tensor) -> (B, T, D) float32 layer-0 states on the table's device."""
+        return self.table[torch.as_tensor(ids).to(self.table.device).long()]
 
     def read(self, positions: np.ndarray, alloc=None) -> dict[str, np.ndarray]:
         seqs, whole = self.train_seqs[positions], self.start == 0  # position 0 only where the bridge models it
-        condition = feed.stored(self.group, 0, seqs, "c", whole, alloc)
-        return {**condition, **feed.stored(self.group, self.cfg.layer, seqs, "y", whole, alloc)}
+        return {"ids": _ids(self.group, seqs), **feed.stored(self.group, self.cfg.layer, seqs, "y", whole, alloc)}
 
     def loss(self, net, batch, draws, device) -> torch.Tensor:
         norm = self.on_device
-        raw = feed.as_float(batch, "c", device, self.scales[0])
+        raw = self.h0(batch["ids"])
         c = norm.c(raw[:, self.start :])
-        y = norm.y(feed.as_float(batch, "y", device, self.scales[self.cfg.layer])[:, self.start :])
+        y = norm.y(feed.as_float(batch, "y", device, self.scale)[:, self.start :])
         t = draws.rand()
         eps = draws.randn(*y.shape[1:])
         if self.prior is not None:  # positions 1..T' only: the prior does not model position 0
@@ -81,13 +93,33 @@ def _read(group, layer: int, seqs: np.ndarray, start: int) -> torch.Tensor:
     return torch.from_numpy(hs.read_sequences(group, layer, seqs)[:, start:].astype(np.float32))
 
 
+def _ids(group, seqs: np.ndarray) -> np.ndarray:
+    return np.asarray(group["input_ids"].oindex[np.asarray(seqs)])
+
+
+def check_layer0(group, table: torch.Tensor, seqs: np.ndarray) -> None:
+    """The extract's stored layer 0 of a few training sequences is table[ids] to the precisions involved (the
+    float16 store, a bfloat16 backbone: 2^-7 relative); else h_0 is not the embedding of each token alone (a
+    model with position embeddings, or another backbone's table), and a bridge trained on table[ids] would
+    not see what the extract saw."""
+    seqs = np.asarray(seqs)[:8]
+    stored = torch.from_numpy(hs.read_sequences(group, 0, seqs).astype(np.float32))
+    ours = table[torch.from_numpy(_ids(group, seqs)).to(table.device).long()].float().cpu()
+    off = (ours - stored).abs() > 2**-7 * stored.abs() + 2**-14 * stored.abs().amax()
+    if bool(off.any()):
+        raise DihalError(
+            f"layer 0 of this extract is not the backbone's embedding of each token alone ({int(off.sum())} of "
+            f"{off.numel()} values differ); extract anew from the model as it is now"
+        )
+
+
 def ridge_skip(net: Denoiser, task: BridgeTask, rows: int = 16384, seed: int = 0) -> None:
     """Start A at the ridge least-squares map from c to y (normalized units), fitted on `rows`
     positions of randomly chosen training sequences (read from the store, not the whole split)."""
     gen = torch.Generator().manual_seed(seed)
     n_seqs = min(task.n_train, -(-rows // task.tokens_per_item))
     seqs = np.sort(task.train_seqs[torch.randperm(task.n_train, generator=gen)[:n_seqs].numpy()])
-    c = task.norm.c(_read(task.group, 0, seqs, task.start)).reshape(-1, net.cfg.dim)
+    c = task.norm.c(task.h0(_ids(task.group, seqs))[:, task.start :].cpu()).reshape(-1, net.cfg.dim)
     y = task.norm.y(_read(task.group, task.cfg.layer, seqs, task.start)).reshape(-1, net.cfg.dim)
     pick = torch.randperm(c.shape[0], generator=gen)[:rows]
     cc = torch.cat([c[pick].double(), torch.ones(len(pick), 1, dtype=torch.float64)], dim=1)
@@ -98,12 +130,16 @@ def ridge_skip(net: Denoiser, task: BridgeTask, rows: int = 16384, seed: int = 0
         net.skip.bias.copy_(sol[-1].float())
 
 
-def train(cfg: BridgeConfig, group, art: Artifact, progress: Progress, prior_art: Artifact | None = None) -> dict:
-    """Train (or resume) into art; returns final metrics."""
+def train(
+    cfg: BridgeConfig, group, art: Artifact, progress: Progress, table: torch.Tensor, prior_art: Artifact | None = None
+) -> dict:
+    """Train (or resume) into art; returns final metrics. table: the backbone's layer-0 state of every token."""
     rank, _ = distributed()
     start = covered_start(group)
-    norm = Normalizer.fit(group, 0, cfg.layer, hs.split_indices(group, "train"), start)
-    task = BridgeTask(group, cfg, norm, start, condition_prior(prior_art, cfg))
+    train_seqs = hs.split_indices(group, "train")
+    check_layer0(group, table, train_seqs)
+    norm = Normalizer.fit(group, 0, cfg.layer, train_seqs, start, table=table)
+    task = BridgeTask(group, cfg, norm, start, table, condition_prior(prior_art, cfg))
     den_cfg = DenoiserConfig(
         dim=norm.mu_y.shape[0],
         width=cfg.width,
@@ -140,6 +176,19 @@ def train(cfg: BridgeConfig, group, art: Artifact, progress: Progress, prior_art
 
 
 # -- the stage ----------------------------------------------------------------------------------
+_TABLES: dict[tuple, torch.Tensor] = {}
+
+
+def layer0_table(extract: Artifact, cfg: BridgeConfig) -> torch.Tensor:
+    """The backbone's (V, D) layer-0 table on the training device, read from the backbone once per process and
+    extract (a sweep trains a bridge per layer from one)."""
+    key = (extract.id, cfg.device, cfg.precision)
+    if key not in _TABLES:
+        _TABLES.clear()  # one at a time: at 8B it is 2 GiB of the device
+        _TABLES[key] = frozen_table(extract, cfg).to(cfg.device)
+    return _TABLES[key]
+
+
 def config_dict(cfg: BridgeConfig) -> dict:
     return cfg.hashed()
 
@@ -158,7 +207,7 @@ def run(
     progress = progress or NullProgress()
     group = hs.open_with_layers(extract, (0, cfg.layer))
     config, parents = config_dict(cfg), {"extract": extract.id, **check_condition_prior(cfg, extract, prior)}
-    train_fn = lambda art, report: train(cfg, group, art, report, prior)
+    train_fn = lambda art, report: train(cfg, group, art, report, layer0_table(extract, cfg), prior)
     return trainer.write_trained(
         store, STAGE, CACHE_VERSION, config, parents, extract, cfg, train_fn, force=force, progress=progress
     )

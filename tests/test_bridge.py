@@ -96,6 +96,11 @@ def test_lr_schedule_warmup_then_cosine_to_zero():
 
 @pytest.fixture()
 def tiny_bridge_extract(tiny_dirs, root):
+    return make_tiny_extract(tiny_dirs, root)
+
+
+def make_tiny_extract(tiny_dirs, root):
+    """40 sequences of 16 tokens of the tiny llama, every layer, in `root` (the current store)."""
     res = invoke(
         "extract",
         "--model",

@@ -16,7 +16,12 @@ from dihal.artifacts import hidden_states as hs
 from dihal.artifacts.store import ArtifactStore
 from dihal.stages.diffusion import feed, trainer
 from tests.conftest import invoke
-from tests.test_bridge import TINY, tiny_bridge_extract  # noqa: F401  (the fixture)
+from tests.test_bridge import TINY, make_tiny_extract
+
+
+@pytest.fixture
+def tiny_bridge_extract(tiny_dirs, root):
+    return make_tiny_extract(tiny_dirs, root)
 
 
 @pytest.fixture
@@ -78,7 +83,7 @@ class ReadsBack(TorchDispatchMode):
 
 
 @pytest.mark.slow
-def test_a_training_step_reads_nothing_back_from_the_device(tiny_bridge_extract, monkeypatch):  # noqa: F811
+def test_a_training_step_reads_nothing_back_from_the_device(tiny_bridge_extract, monkeypatch):
     """A rotary bridge's steps under a spy on value reads: none between two flushes. Before: the loss's float()
     and finiteness check at every step, and int(positions[-1]) in each rotary block."""
     spy, real = ReadsBack(), trainer.Fit.step
@@ -101,7 +106,7 @@ def _bridge(root, flush: int, monkeypatch, *extra: str):
 
 
 @pytest.mark.slow
-def test_losses_read_every_few_steps_log_and_train_as_every_step(tiny_bridge_extract, monkeypatch):  # noqa: F811
+def test_losses_read_every_few_steps_log_and_train_as_every_step(tiny_bridge_extract, monkeypatch):
     """As on a GPU (trainer.FLUSH_EVERY): rows logged five at a time hold the same losses and the run the same
     weights as rows logged at every step; a non-finite loss is named at its own step, and nothing of it is
     checkpointed."""
@@ -121,3 +126,50 @@ def test_losses_read_every_few_steps_log_and_train_as_every_step(tiny_bridge_ext
     five = _bridge(tiny_bridge_extract, 5, monkeypatch, "--lr", "1e30", "--warmup", "1")
     said = lambda res: next(line for line in res.output.splitlines() if "loss became" in line)
     assert every.exit_code == five.exit_code == 2 and said(five) == said(every), (said(every), five.output)
+
+
+def test_moments_from_token_counts_are_those_of_every_position():
+    from dihal.stages.diffusion.normalizer import RunningMoments, table_moments
+
+    rng = np.random.default_rng(3)
+    table = torch.from_numpy(rng.standard_normal((50, 6)).astype(np.float32) * 3 + 1)
+    ids = rng.integers(0, 50, (9, 13))
+    ids[:, 4] = 7  # one token far more often than the others
+    want = RunningMoments(6)
+    want.add(table[torch.from_numpy(ids)].numpy())
+    got = table_moments(table, ids, rows=8)  # blocks of 8 of the tokens that occur
+    assert got.n == want.n and np.allclose(got.mean, want.mean, rtol=1e-12) and np.allclose(got.std(), want.std())
+
+
+@pytest.mark.slow
+def test_the_bridge_reads_one_layer_and_conditions_on_the_backbones_embedding(
+    tiny_bridge_extract, tiny_dirs, monkeypatch
+):
+    """Issue 64 item 1: training reads h_l alone; h_0 is the token's row of the backbone's embedding, so the
+    condition's statistics are those of the embedding over the training tokens (here from the model's own
+    weights, in float64), not of the float16 extract."""
+    from transformers import AutoModelForCausalLM
+
+    from dihal.stages import train_bridge
+
+    layers, real = [], feed.stored
+    monkeypatch.setattr(
+        feed, "stored", lambda group, layer, *a, **k: layers.append(layer) or real(group, layer, *a, **k)
+    )
+    args = ["--layer", "2", "--extract", "latest", *TINY, "--train-steps", "4"]
+    res = invoke("train-bridge", *args)
+    assert res.exit_code == 0, res.output
+    assert set(layers) == {2}
+    store = ArtifactStore(tiny_bridge_extract)
+    group = hs.open_group(store.resolve("latest", "extract"))
+    ids = np.asarray(group["input_ids"][:])[hs.split_indices(group, "train")][:, 1:]
+    embed = AutoModelForCausalLM.from_pretrained(tiny_dirs["llama"]).get_input_embeddings().weight.detach().double()
+    rows = embed[torch.from_numpy(ids).long()].reshape(-1, embed.shape[1]).numpy()
+    stats = files.load_tensors(store.resolve("latest", "bridge").file("stats.safetensors"))
+    assert np.allclose(stats["mu_c"].numpy(), rows.mean(0), rtol=1e-5, atol=1e-7)
+    assert np.allclose(stats["sigma_c"].numpy(), rows.std(0, ddof=1), rtol=1e-5)
+    # a table that is not what the extract stored as layer 0 (another backbone's, position embeddings): refused
+    monkeypatch.setattr(train_bridge, "layer0_table", lambda extract, cfg: 1.1 * real_table(extract, cfg))
+    real_table = train_bridge.frozen_table
+    res = invoke("train-bridge", *args, "--seed", "5")
+    assert res.exit_code == 2 and "layer 0 of this extract is not the backbone's embedding" in res.output, res.output

@@ -40,6 +40,29 @@ class RunningMoments:
         return np.sqrt(self.m2 / max(self.n - 1, 1))
 
 
+def table_moments(table: torch.Tensor, ids: np.ndarray, rows: int = 8192) -> RunningMoments:
+    """The moments of table[ids] per dimension (float64) from each token's count: sum_v n_v e_v / N and
+    sum_v n_v (e_v - mean)^2, over the tokens that occur, in blocks of `rows` of them on the table's device.
+    What RunningMoments over every (sequence, position) of h_0 gives, to rounding, without building it."""
+    counts = np.bincount(np.asarray(ids, dtype=np.int64).ravel(), minlength=table.shape[0])
+    used = np.flatnonzero(counts)
+    moments = RunningMoments(table.shape[1])
+    weights = torch.from_numpy(counts[used].astype(np.float64)).to(table.device)
+    n = float(weights.sum()) if used.size else 0.0
+    if n == 0:
+        return moments
+    index = torch.from_numpy(used).to(table.device)
+    total = torch.zeros(table.shape[1], dtype=torch.float64, device=table.device)
+    for s in range(0, used.size, rows):
+        total += weights[s : s + rows] @ table[index[s : s + rows]].double()
+    mean = total / n
+    m2 = torch.zeros_like(mean)
+    for s in range(0, used.size, rows):
+        m2 += weights[s : s + rows] @ (table[index[s : s + rows]].double() - mean) ** 2
+    moments.n, moments.mean, moments.m2 = int(n), mean.cpu().numpy(), m2.cpu().numpy()
+    return moments
+
+
 @dataclass
 class Normalizer:
     mu_y: torch.Tensor
@@ -50,18 +73,27 @@ class Normalizer:
 
     @staticmethod
     def fit(
-        group, cond_layer: int, target_layer: int, seqs: np.ndarray, start: int = 1, block_bytes: int = 64 << 20
+        group,
+        cond_layer: int,
+        target_layer: int,
+        seqs: np.ndarray,
+        start: int = 1,
+        block_bytes: int = 64 << 20,
+        table: torch.Tensor | None = None,
     ) -> Normalizer:
         """One pass over the sequences `seqs` (sorted), reading contiguous runs of at most
-        block_bytes per layer."""
+        block_bytes per layer. table: the condition is h_0 = table[token id] (the backbone's embedding of each
+        token alone), whose moments come from the tokens' counts (table_moments), no layer read for it."""
         width = group[f"layers/{target_layer}"].shape[2]
         y, c, pos0 = RunningMoments(width), RunningMoments(width), np.zeros(width)
         for run in hs.contiguous_runs(group, target_layer, seqs, block_bytes):
             target = hs.read_block(group, target_layer, run[0], run[-1] + 1)
-            cond = hs.read_block(group, cond_layer, run[0], run[-1] + 1)
             y.add(target[:, start:])
-            c.add(cond[:, start:])
+            if table is None:
+                c.add(hs.read_block(group, cond_layer, run[0], run[-1] + 1)[:, start:])
             pos0 += target[:, 0].astype(np.float64).sum(axis=0)
+        if table is not None:
+            c = table_moments(table, np.asarray(group["input_ids"].oindex[np.asarray(seqs)])[:, start:])
         for layer, moments in ((target_layer, y), (cond_layer, c)):
             if not (np.isfinite(moments.mean).all() and np.isfinite(moments.m2).all()):
                 raise DihalError(
