@@ -51,14 +51,22 @@ POSITIONS = ("learned", "rotary")
 ROPE_BASE = 10_000.0
 
 
-def rotate(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """RoPE: (B, H, n, d) rotated pairwise by the angles position * ROPE_BASE^(-2i/d) (half-split pairs)."""
+def rotate(x: torch.Tensor, positions: torch.Tensor, angles: tuple | None = None) -> torch.Tensor:
+    """RoPE: (B, H, n, d) rotated pairwise by the angles position * ROPE_BASE^(-2i/d) (half-split pairs).
+    angles: rotary_angles(positions, d) where a caller computed them once for every block."""
     half = x.shape[-1] // 2
-    freqs = ROPE_BASE ** (-torch.arange(half, device=x.device, dtype=torch.float32) / half)
-    angles = positions.float()[:, None] * freqs[None]
-    cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+    cos, sin = angles if angles is not None else rotary_angles(positions, x.shape[-1], x.device)
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
     x1, x2 = x[..., :half], x[..., half:]
     return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
+
+
+def rotary_angles(positions: torch.Tensor, head_dim: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos, sin) of RoPE's angles at `positions` (float32), what rotate applies."""
+    half = head_dim // 2
+    freqs = ROPE_BASE ** (-torch.arange(half, device=device, dtype=torch.float32) / half)
+    angles = positions.float()[:, None] * freqs[None]
+    return angles.cos(), angles.sin()
 
 
 def modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -88,12 +96,14 @@ class CausalSelfAttention(nn.Module):
     def forward(
         self, x: torch.Tensor, cache: dict | None = None, rotary: tuple[torch.Tensor, int] | None = None
     ) -> torch.Tensor:
-        """rotary: (the positions start..start+n-1 on x's device, the last of them as a host int)."""
+        """rotary: (the positions start..start+n-1 on x's device, the last of them as a host int, their RoPE
+        angles: rotary_angles, the same in every block)."""
         b, n, w = x.shape
         q, k, v = self.qkv(x).view(b, n, 3, self.heads, w // self.heads).permute(2, 0, 3, 1, 4)
         if self.window is not None:
-            positions, last = rotary
-            out = self._windowed(rotate(q, positions), rotate(k, positions), v, positions, last, cache)
+            positions, last, angles = rotary
+            q, k = rotate(q, positions, angles), rotate(k, positions, angles)
+            out = self._windowed(q, k, v, positions, last, cache)
             return self.proj(out.transpose(1, 2).reshape(b, n, w))
         if cache is not None and "k" in cache:  # earlier positions, computed at this same step
             k = torch.cat([cache["k"], k], dim=2)
@@ -141,11 +151,21 @@ class Block(nn.Module):
         nn.init.zeros_(self.modulation.bias)
 
     def forward(
-        self, x: torch.Tensor, temb: torch.Tensor, cache: dict | None = None, rotary: tuple | None = None
+        self,
+        x: torch.Tensor,
+        temb: torch.Tensor,
+        cache: dict | None = None,
+        rotary: tuple | None = None,
+        modulations: tuple | None = None,
     ) -> torch.Tensor:
-        shift1, scale1, gate1, shift2, scale2, gate2 = self.modulation(F.silu(temb)).chunk(6, dim=1)
+        """modulations: this block's share of Denoiser.time_terms(t), where a sampler computed it once."""
+        mods = modulations if modulations is not None else self.modulations(temb)
+        shift1, scale1, gate1, shift2, scale2, gate2 = mods
         x = x + gate1[:, None] * self.attn(modulate(self.norm1(x), shift1, scale1), cache, rotary)
         return x + gate2[:, None] * self.mlp(modulate(self.norm2(x), shift2, scale2))
+
+    def modulations(self, temb: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return self.modulation(F.silu(temb)).chunk(6, dim=1)
 
 
 class Denoiser(nn.Module):
@@ -177,21 +197,40 @@ class Denoiser(nn.Module):
         start: int = 0,
         caches: list[dict] | None = None,
         x0_prev: torch.Tensor | None = None,
+        times: tuple | None = None,
+        condition: tuple | None = None,
     ) -> torch.Tensor:
-        """x_t, c, x0_prev: (B, n, D) for positions start..start+n-1 of the covered range; t: (B,)."""
+        """x_t, c, x0_prev: (B, n, D) for positions start..start+n-1 of the covered range; t: (B,). times =
+        time_terms(t) and condition = condition_terms(c) where a sampler computed them once (an Euler step's
+        t is the same at every new position, and a position's c the same at every step): the same tensors,
+        so the same output."""
         positions = torch.arange(start, start + x_t.shape[1], device=x_t.device)
         h = self.in_x(x_t) if self.rotary else self.in_x(x_t) + self.pos(positions)[None]
-        if self.in_c is not None:
-            h = h + self.in_c(c)
+        in_c, skip = condition if condition is not None else self.condition_terms(c)
+        if in_c is not None:
+            h = h + in_c
         if self.in_sc is not None:
             h = h + self.in_sc(x0_prev if x0_prev is not None else torch.zeros_like(x_t))
-        temb = self.time(t)
-        rotary = (positions, start + x_t.shape[1] - 1) if self.rotary else None  # the last one known on the host
+        blocks, (shift, scale) = times if times is not None else self.time_terms(t)
+        rotary = None
+        if self.rotary:  # the last position known on the host; the angles once for every block
+            angles = rotary_angles(positions, self.cfg.width // self.cfg.heads, x_t.device)
+            rotary = (positions, start + x_t.shape[1] - 1, angles)
         for i, block in enumerate(self.blocks):
-            h = block(h, temb, None if caches is None else caches[i], rotary)
-        shift, scale = self.final_modulation(F.silu(temb)).chunk(2, dim=1)
+            h = block(h, None, None if caches is None else caches[i], rotary, blocks[i])
         out = self.out(modulate(self.final_norm(h), shift, scale))
-        return out + self.skip(c) if self.skip is not None else out
+        return out + skip if skip is not None else out
+
+    def time_terms(self, t: torch.Tensor) -> tuple[list[tuple], tuple]:
+        """What depends on t alone: every block's modulations and the final norm's (shift, scale)."""
+        temb = self.time(t)
+        return [block.modulations(temb) for block in self.blocks], self.final_modulation(F.silu(temb)).chunk(2, dim=1)
+
+    def condition_terms(self, c: torch.Tensor | None) -> tuple:
+        """What depends on c alone: (W_c c, A c), None without a condition."""
+        if self.in_c is None:
+            return None, None
+        return self.in_c(c), self.skip(c) if self.skip is not None else None
 
     def new_caches(self) -> list[dict]:
         return [{} for _ in self.blocks]

@@ -411,6 +411,9 @@ class Fit:
             "val_loss": log[-1].get("val_loss") if log else None,
             "final_train_loss": log[-1]["train_loss"] if log else None,
             "train_tokens_per_s": log[-1]["tokens_per_s"] if log else None,
+            # the main thread's wait for blocks the Loader had not read yet (rank 0's; the share of the run spent
+            # waiting for data, against the run's time at tokens_per_s)
+            "data_wait_seconds": round(self.loader.waited, 3),
             "log": log,
         }
 

@@ -83,6 +83,13 @@ class CachedSampler:
         self.caches = [bridge.net.new_caches() for _ in range(steps)]
         self.done = 0  # covered positions already sampled
         self.started = False  # position 0 (the stored start-token state) emitted
+        self.time_terms: dict[int, tuple] = {}  # per Euler step: its t is the same at every position
+
+    def times(self, step: int, t: torch.Tensor) -> tuple:
+        """The denoiser's time terms of Euler step `step` (Denoiser.time_terms), computed at its first position."""
+        if step not in self.time_terms or self.time_terms[step][0].shape != t.shape:
+            self.time_terms[step] = (t, self.bridge.net.time_terms(t))
+        return self.time_terms[step][1]
 
     @torch.no_grad()
     def extend(self, h0_new: torch.Tensor, noise_new: torch.Tensor) -> torch.Tensor:
@@ -96,9 +103,9 @@ class CachedSampler:
         out = []
         if h0_new.shape[1]:
             c = b.norm.c(h0_new.float())
-            start = self.done
+            start, condition = self.done, b.net.condition_terms(c)  # once for every Euler step
             y = flow.sample(
-                lambda x, t, i: b.net(x, t, c, start, self.caches[i]),
+                lambda x, t, i: b.net(x, t, c, start, self.caches[i], times=self.times(i, t), condition=condition),
                 noise_new[:, : c.shape[1]],
                 self.steps,
                 b.prediction,
