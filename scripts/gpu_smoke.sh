@@ -12,20 +12,7 @@
 #   on the GPU machine:  bash scripts/gpu_smoke.sh       (carry .whl and .gpu; no network, no install needed)
 #   rehearsal on a CPU:  DEVICE=cpu bash scripts/gpu_smoke.sh     (small blocks, the real vocabularies)
 set -euo pipefail
-export DIHAL_STRICT_CACHE=${DIHAL_STRICT_CACHE:-1}  # a cached artifact made by other code is recomputed (issue 45)
-cd "$(dirname "$0")/.."
-have() { python3 -c "import zarr, transformers as t, sys; sys.exit(tuple(map(int, t.__version__.split('.')[:2])) < (5, 24))" 2>/dev/null; }
-if ! have && ls .whl/*.whl >/dev/null 2>&1; then  # what the GPU image lacks: zarr and its codecs, transformers >= 5.24
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/dihal-site .whl/*.whl
-  export PYTHONPATH=/tmp/dihal-site${PYTHONPATH:+:$PYTHONPATH}
-fi
-if ! python3 -c "import dihal.cli" 2>/dev/null; then  # dihal from this checkout, not installed: one namespace
-  shim=$(mktemp -d) && mkdir "$shim/dihal"
-  ln -s "$PWD/dihal_cli" "$shim/dihal/cli" && ln -s "$PWD/stages" "$shim/dihal/stages" && ln -s "$PWD/artifacts" "$shim/dihal/artifacts"
-  export PYTHONPATH=$shim${PYTHONPATH:+:$PYTHONPATH}
-fi
-TOKENIZER=${TOKENIZER:-}
-[ -z "$TOKENIZER" ] && [ -f .gpu/tokenizer/tokenizer.json ] && TOKENIZER=.gpu/tokenizer
+source "$(dirname "$0")/gpu_env.sh"  # wheels, dihal from this checkout, $TOKENIZER
 ARGS=(--root "${DIHAL_ROOT:-runs/gpu-smoke-${DEVICE:-cuda}}" --device "${DEVICE:-cuda}" --dtype "${DTYPE:-bfloat16}")
 [ -n "$TOKENIZER" ] && ARGS+=(--tokenizer "$TOKENIZER")
 if [ "${DEVICE:-cuda}" = cpu ]; then  # the rehearsal: blocks of width 64, few sequences and steps

@@ -4,7 +4,9 @@ data-parallel training equal to one process, the KV cache really used, lengths c
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
 
 import numpy as np
 import pytest
@@ -14,7 +16,7 @@ from dihal.artifacts import files
 from dihal.artifacts import hidden_states as hs
 from dihal.artifacts.store import ArtifactStore
 from tests import golden
-from tests.conftest import invoke, run_cli, torchrun
+from tests.conftest import ROOT, invoke, run_cli, torchrun
 
 TINY = ["--protocol", "sweep-tiny", "--width", "16", "--depth", "1", "--heads", "2", "--batch-size", "4"]
 
@@ -697,3 +699,20 @@ def test_a_gpu_rank_loads_its_weights_straight_onto_its_own_device(tiny_dirs, mo
     asked.clear()
     models.load_model(str(tiny_dirs["llama"]), "cpu")
     assert "device_map" not in asked
+
+
+@pytest.mark.slow
+def test_the_gpu_profile_rehearses_on_the_cpu(tmp_path):
+    """scripts/gpu_profile.sh as the next GPU session runs it, on the CPU (issue 64 item 5): a random Llama-shaped
+    model, its extract, then the paper bridge and prior trained under the profiler; one line each with its
+    throughput and data wait, and each part's table of kernels."""
+    import re
+
+    env = {**os.environ, "DEVICE": "cpu", "DTYPE": "float32", "DIHAL_ROOT": str(tmp_path / "runs")}
+    proc = subprocess.run(["bash", "scripts/gpu_profile.sh"], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    for part in ("bridge, store", "prior"):
+        row = re.search(rf"^{re.escape(part)} +([\d,]+) +([\d,]+) +n/a +([\d.]+)% +n/a$", proc.stdout, re.M)
+        assert row and int(row[2].replace(",", "")) > 0 and 0 <= float(row[3]) <= 100, proc.stdout[-3000:]
+        assert f"== {part}: the 15 costliest kernels" in proc.stdout
+    assert "not a source yet: --states model" in proc.stdout

@@ -1,0 +1,156 @@
+"""The paper's trained parts on a GPU, profiled (issue 64 item 5): where a step's time goes.
+
+On a random-weight model of Llama-3.1-8B's shape (scripts/make_random_model.py, --layers blocks), one extract
+of layers 0 and --layer, then --steps steps of each part below, in this process, each under torch.profiler:
+
+    bridge, store    the paper protocol's bridge (184M parameters at D = 4096) reading h_l from the extract
+                     (h_0 from the token ids on the device)
+    prior            the paper protocol's prior over h_0
+
+One line per part: tokens per second, the model FLOP utilisation against the device's bf16 dense peak
+(6 x parameters + attention's 12 x depth x T x width FLOPs a token; PEAK_BF16 by device name), the share of the
+run spent waiting for data (the Loader's wait, stages/diffusion/trainer.py), the peak memory; then the
+profiler's 15 costliest kernels. The parts' states computed by the backbone on the device (`--states model`,
+issue 64 item 2) are not a source yet: its line says so.
+
+    on the GPU machine:   bash scripts/gpu_profile.sh            (carry .whl and .gpu, as gpu_smoke.sh)
+    rehearsal on a CPU:   DEVICE=cpu bash scripts/gpu_profile.sh (small blocks; no MFU)
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpu_smoke import Failed, Smoke  # noqa: E402
+
+PEAK_BF16 = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L40S": 362e12}  # dense TFLOP/s, vendor sheets
+
+
+def peak_flops(device) -> tuple[float | None, str]:
+    import torch
+
+    if torch.device(device).type != "cuda":
+        return None, "cpu"
+    name = torch.cuda.get_device_name(torch.device(device))
+    return next((v for k, v in PEAK_BF16.items() if k in name), None), name
+
+
+def flops_per_token(metrics: dict, cfg, seq_len: int) -> float:
+    """6 N for the weights' matmuls (forward and backward) and 12 x depth x T x width for attention's."""
+    return 6 * metrics["parameters"] + 12 * cfg.depth * seq_len * cfg.width
+
+
+def profiled(name: str, run, cfg, extract, store, device: str, seq_len: int) -> dict:
+    """Train one part with the profiler over steps 10-19 (after 5 of warm-up); its line's figures."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile, schedule
+
+    from dihal.stages.diffusion import trainer
+
+    cuda = torch.device(device).type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    real = trainer.Fit.step
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    with profile(activities=activities, schedule=schedule(wait=5, warmup=5, active=10)) as prof:
+
+        def step(fit, s):
+            row = real(fit, s)
+            prof.step()
+            return row
+
+        trainer.Fit.step = step
+        try:
+            start = time.perf_counter()
+            art = run(cfg, extract, store, force=True)
+            seconds = time.perf_counter() - start
+        finally:
+            trainer.Fit.step = real
+    m = art.manifest["metrics"]
+    rate = m["train_tokens_per_s"]
+    peak, device_name = peak_flops(device)
+    train_seconds = m["tokens_seen"] / rate if m.get("tokens_seen") else seconds
+    out = {
+        "part": name,
+        "tokens_per_s": rate,
+        "mfu": rate * flops_per_token(m, cfg, seq_len) / peak if peak else None,
+        "data_wait_share": m["data_wait_seconds"] / max(train_seconds, 1e-9),
+        "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
+        "parameters": m["parameters"],
+        "device": device_name,
+    }
+    sort = "cuda_time_total" if cuda else "cpu_time_total"
+    out["kernels"] = prof.key_averages().table(sort_by=sort, row_limit=15, max_name_column_width=60)
+    return out
+
+
+def line(r: dict) -> str:
+    mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "n/a"
+    peak = f"{r['peak_gib']:.2f}" if r["peak_gib"] is not None else "n/a"
+    return (
+        f"{r['part']:<16} {r['parameters']:>12,} {r['tokens_per_s']:>11,.0f} {mfu:>7} "
+        f"{100 * r['data_wait_share']:>9.1f}% {peak:>9}"
+    )
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--root", default=os.environ.get("DIHAL_ROOT", "runs/gpu-profile"))
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--like", default="llama-3.1-8b")
+    p.add_argument("--layers", type=int, default=4, help="the random model's blocks")
+    p.add_argument("--layer", type=int, default=3, help="the bridge's layer")
+    p.add_argument("--sequences", type=int, default=1024)
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--steps", type=int, default=50)
+    p.add_argument("--tokenizer", default=None)
+    p.add_argument("--shrink", default="", help="make_random_model's shrinking flags, for a CPU rehearsal")
+    p.add_argument("--recipe", default="", help="overrides of the paper protocol, for a CPU rehearsal")
+    a = p.parse_args()
+    a.shrink, a.models, a.tokens, a.samples, a.paper_steps = a.shrink.split(), a.like, 0, 0, a.steps
+    import torch
+
+    from dihal.artifacts.store import ArtifactStore
+    from dihal.stages import train_bridge, train_prior
+    from dihal.stages.configs import BridgeConfig, PriorConfig
+
+    if a.device == "cuda" and not torch.cuda.is_available():
+        sys.exit("gpu_profile: torch sees no GPU; rehearse on the CPU with DEVICE=cpu")
+    smoke = Smoke(a)
+    precision = "bfloat16" if a.dtype == "bfloat16" else "float32"
+    try:
+        model = smoke.model(a.like)
+        dev = f"--device {a.device} --dtype {a.dtype}"
+        extract = smoke.step(
+            "extract",
+            f"extract --model {model} --layers 0,{a.layer} --max-sequences {a.sequences} --seq-len {a.seq_len} {dev}",
+            stage="extract",
+        )
+    except Failed as exc:
+        sys.exit(f"FAILED at {exc}")
+    store = ArtifactStore(smoke.root)
+    recipe = dict(kv.split("=") for kv in a.recipe.split())
+    recipe = {k: int(v) for k, v in recipe.items()}
+    common = dict(steps=a.steps, eval_every=a.steps, device=a.device, precision=precision, **recipe)
+    parts = [
+        ("bridge, store", train_bridge.run, BridgeConfig.from_protocol("paper", layer=a.layer, **common)),
+        ("prior", train_prior.run, PriorConfig.from_protocol("paper", layer=0, **common)),
+    ]
+    rows = [profiled(name, run, cfg, extract, store, a.device, a.seq_len) for name, run, cfg in parts]
+    print(f"\n{'part':<16} {'parameters':>12} {'tokens/s':>11} {'MFU':>7} {'data wait':>10} {'peak GiB':>9}")
+    for r in rows:
+        print(line(r))
+    print(f"{'bridge, model':<16} not a source yet: --states model is issue 64 item 2")
+    print(f"device: {rows[0]['device']}; MFU against {peak_flops(a.device)[0] or 'no'} bf16 FLOP/s")
+    for r in rows:
+        print(f"\n== {r['part']}: the 15 costliest kernels over steps 10-19\n{r['kernels']}")
+
+
+if __name__ == "__main__":
+    main()
