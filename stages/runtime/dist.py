@@ -11,6 +11,7 @@ current, or `cuda:N` for one process, so that `cuda` means that GPU everywhere a
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import datetime
 import os
@@ -61,9 +62,20 @@ def join(device: str) -> str:
                 torch.cuda.set_device(torch.device(device))
                 kwargs["device_id"] = torch.device(device)
             dist.init_process_group("nccl" if device.startswith("cuda") else "gloo", **kwargs)
+            if not device.startswith("cuda"):
+                atexit.register(leave)
     elif device.startswith("cuda:"):
         torch.cuda.set_device(torch.device(device))
     return device
+
+
+def leave() -> None:
+    """Destroy a Gloo process group before the interpreter tears down (at exit): left to static destruction,
+    its C++ threads may be destroyed while still joinable, which aborts the process ("terminate called
+    without an active exception"). Local to the process, no collective. NCCL's is left to torch: its
+    destruction can wait on a peer that died, and a failed rank must exit."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def world() -> tuple[int, int]:
