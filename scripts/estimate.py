@@ -129,9 +129,12 @@ def estimate(a: argparse.Namespace) -> list[tuple[str, float, float, float, floa
     den = denoiser_parameters(w, d, depth)
     steps = math.ceil(n_train / batch)
     bridge_tokens = steps * batch * (a.seq_len - 1)
-    read = 2 * n_train * a.seq_len * d * 2 / GIB * 2  # the normalizer's pass and one epoch, layers 0 and l
+    # the normalizer's pass and one epoch of layer l alone (h_0 comes from the token ids, issue 64)
+    read = 2 * n_train * a.seq_len * d * 2 / GIB
     bridge_gpu = training_gib(den, batch, a.seq_len - 1, w, depth, d)
-    bridge_minutes = (bridge_tokens / a.bridge_tps + read / a.disk_gibps) / 60
+    # the measured rate already includes reads from the page cache, and the Loader reads the next block while the
+    # current one trains: the slower of the two bounds, never their sum (issue 64 item 6)
+    bridge_minutes = max(bridge_tokens / a.bridge_tps, read / a.disk_gibps) / 60
     ram = a.window * a.seq_len * d * 2 * 2 / GIB + 16384 * d * 8 * 2 / GIB + 2
     rows.append(
         (
@@ -273,8 +276,9 @@ def main() -> None:
             print(f"{stage:<30}{disk:>9.1f}{ram:>8.1f}{gpu:>8.1f}{minutes:>8.0f}  {note}")
         print(f"{'total (the sweep counted once)':<30}{'':>25}{total - estimate(a)[2][4]:>8.0f}")
     print(
-        f"\nbridge training {a.bridge_tps:,.0f} tok/s: measured on one H200 (2026-12-04), host-bound, not GPU-bound "
-        f"(docs/results/paper_scale.md);\nassumed, not yet measured on a GPU: forward {a.forward_tps:,.0f} tok/s, "
+        f"\nbridge training {a.bridge_tps:,.0f} tok/s: measured on one H200 (2026-12-04), host-bound, not GPU-bound, "
+        "with the loader before issue 64 (the new one is not yet measured on a GPU; docs/results/paper_scale.md);\n"
+        f"assumed, not yet measured on a GPU: forward {a.forward_tps:,.0f} tok/s, "
         f"generation {a.gen_tps:,.0f} tok/s (batched), disk {a.disk_gibps} GiB/s"
     )
 

@@ -716,3 +716,24 @@ def test_the_gpu_profile_rehearses_on_the_cpu(tmp_path):
         assert row and int(row[2].replace(",", "")) > 0 and 0 <= float(row[3]) <= 100, proc.stdout[-3000:]
         assert f"== {part}: the 15 costliest kernels" in proc.stdout
     assert "not a source yet: --states model" in proc.stdout
+
+
+@pytest.mark.slow
+def test_the_estimate_counts_a_bridges_reads_once_and_one_layer_of_them():
+    """issue 64 item 6: the measured training rate already includes reads from the page cache and the loader
+    reads ahead, so a bridge's time is the slower of its compute and its disk reads, never their sum; and it
+    reads layer l alone (h_0 comes from the token ids), twice: the normaliser's pass and the epoch."""
+    import sys
+
+    n_train, tokens = int(20000 * 0.9), 282 * 64 * 127  # the defaults: 20,000 sequences of 128, batch 64
+    for disk in (0.01, 1000.0):
+        out = subprocess.run(
+            [sys.executable, "scripts/estimate.py", "--like", "llama-3.1-8b", "--disk-gibps", str(disk)],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+        row = next(line for line in out.splitlines() if line.startswith("train-bridge (one layer)"))
+        read_s = 2 * n_train * 128 * 4096 * 2 / 2**30 / disk
+        assert float(row.split()[6]) == round(max(tokens / 14500, read_s) / 60), (disk, row)
