@@ -307,11 +307,11 @@ def with_pos0(group: zarr.Group, layer: int, states: np.ndarray, seq_idx: np.nda
     """states (n, seq_len, D) of sequences seq_idx as stored, with position 0 put back exactly
     (float32) where the extract kept it apart."""
     states = _unscaled(group, layer, states)
-    pos0 = _pos0(group, layer)
-    if pos0 is None:
+    rows = pos0_rows(group, layer, seq_idx)
+    if rows is None:
         return states
     out = states.astype(np.float32)
-    out[:, 0] = np.asarray(pos0.oindex[np.asarray(seq_idx)])
+    out[:, 0] = rows
     return out
 
 
@@ -403,6 +403,11 @@ def read_stored(
     elif runs:
         read(runs[0])
     return out
+
+
+def token_ids(group: zarr.Group, seq_idx: np.ndarray) -> np.ndarray:
+    """(len(seq_idx), seq_len) token ids of sequences seq_idx, in the order asked."""
+    return np.asarray(group["input_ids"].oindex[np.asarray(seq_idx)])
 
 
 def pos0_rows(group: zarr.Group, layer: int, seq_idx: np.ndarray) -> np.ndarray | None:

@@ -59,7 +59,7 @@ class BridgeTask:
         val = trainer.take_split(
             self, group, cfg.val_sequences, start, fix="--val-fraction > 0 and more --max-sequences"
         )
-        self.c_val = norm.c(self.h0(_ids(group, val))[:, start:].cpu())
+        self.c_val = norm.c(self.h0(hs.token_ids(group, val))[:, start:].cpu())
         self.y_val = norm.y(_read(group, cfg.layer, val, start))
 
     def h0(self, ids) -> torch.Tensor:
@@ -68,7 +68,8 @@ class BridgeTask:
 
     def read(self, positions: np.ndarray, alloc=None) -> dict[str, np.ndarray]:
         seqs, whole = self.train_seqs[positions], self.start == 0  # position 0 only where the bridge models it
-        return {"ids": _ids(self.group, seqs), **feed.stored(self.group, self.cfg.layer, seqs, "y", whole, alloc)}
+        target = feed.stored(self.group, self.cfg.layer, seqs, "y", whole, alloc)
+        return {"ids": hs.token_ids(self.group, seqs), **target}
 
     def loss(self, net, batch, draws, device) -> torch.Tensor:
         norm = self.on_device
@@ -93,10 +94,6 @@ def _read(group, layer: int, seqs: np.ndarray, start: int) -> torch.Tensor:
     return torch.from_numpy(hs.read_sequences(group, layer, seqs)[:, start:].astype(np.float32))
 
 
-def _ids(group, seqs: np.ndarray) -> np.ndarray:
-    return np.asarray(group["input_ids"].oindex[np.asarray(seqs)])
-
-
 def check_layer0(group, table: torch.Tensor, seqs: np.ndarray) -> None:
     """The extract's stored layer 0 of a few training sequences is table[ids] to the precisions involved (the
     float16 store, a bfloat16 backbone: 2^-7 relative); else h_0 is not the embedding of each token alone (a
@@ -104,7 +101,7 @@ def check_layer0(group, table: torch.Tensor, seqs: np.ndarray) -> None:
     not see what the extract saw."""
     seqs = np.asarray(seqs)[:8]
     stored = torch.from_numpy(hs.read_sequences(group, 0, seqs).astype(np.float32))
-    ours = table[torch.from_numpy(_ids(group, seqs)).to(table.device).long()].float().cpu()
+    ours = table[torch.from_numpy(hs.token_ids(group, seqs)).to(table.device).long()].float().cpu()
     off = (ours - stored).abs() > 2**-7 * stored.abs() + 2**-14 * stored.abs().amax()
     if bool(off.any()):
         raise DihalError(
@@ -119,7 +116,7 @@ def ridge_skip(net: Denoiser, task: BridgeTask, rows: int = 16384, seed: int = 0
     gen = torch.Generator().manual_seed(seed)
     n_seqs = min(task.n_train, -(-rows // task.tokens_per_item))
     seqs = np.sort(task.train_seqs[torch.randperm(task.n_train, generator=gen)[:n_seqs].numpy()])
-    c = task.norm.c(task.h0(_ids(task.group, seqs))[:, task.start :].cpu()).reshape(-1, net.cfg.dim)
+    c = task.norm.c(task.h0(hs.token_ids(task.group, seqs))[:, task.start :].cpu()).reshape(-1, net.cfg.dim)
     y = task.norm.y(_read(task.group, task.cfg.layer, seqs, task.start)).reshape(-1, net.cfg.dim)
     pick = torch.randperm(c.shape[0], generator=gen)[:rows]
     cc = torch.cat([c[pick].double(), torch.ones(len(pick), 1, dtype=torch.float64)], dim=1)

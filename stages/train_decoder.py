@@ -53,7 +53,7 @@ class DecoderTask:
     def read(self, positions: np.ndarray, alloc=None) -> dict[str, np.ndarray]:
         seqs = self.train_seqs[positions]  # h_0 as stored, made float32 on the device (stages/diffusion/feed.py)
         condition = feed.stored(self.group, 0, seqs, "c", False, alloc)
-        return {**condition, "ids": np.asarray(self.group["input_ids"].oindex[seqs])}
+        return {**condition, "ids": hs.token_ids(self.group, seqs)}
 
     def condition(self, raw: np.ndarray) -> torch.Tensor:
         return self.norm.c(torch.from_numpy(raw[:, 1:].astype(np.float32)))

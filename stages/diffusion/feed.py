@@ -75,13 +75,14 @@ class Staging:
         return functools.partial(self._alloc, slot)
 
     def put(self, arrays: dict[str, np.ndarray], alloc) -> dict:
-        """The block's arrays as tensors on the device (on CUDA the copy may still be under way); an array
-        that was not read into the slot's buffers is copied into them first."""
+        """The block's arrays as tensors on the device (on CUDA the copy may still be under way); on CUDA an
+        array that was not read into the slot's pinned buffers is copied into them first (the CPU uses it as
+        it is)."""
         slot = alloc.args[0]
         host = {}
         for name, value in arrays.items():
             mine = self.buffers[slot].get(name)
-            if mine is None or not np.may_share_memory(value, mine.numpy()):
+            if self.cuda and (mine is None or not np.may_share_memory(value, mine.numpy())):
                 buffer = alloc(name, value.shape, value.dtype)
                 buffer[...] = value
                 value = buffer

@@ -93,7 +93,7 @@ class Normalizer:
                 c.add(hs.read_block(group, cond_layer, run[0], run[-1] + 1)[:, start:])
             pos0 += target[:, 0].astype(np.float64).sum(axis=0)
         if table is not None:
-            c = table_moments(table, np.asarray(group["input_ids"].oindex[np.asarray(seqs)])[:, start:])
+            c = table_moments(table, hs.token_ids(group, seqs)[:, start:])
         for layer, moments in ((target_layer, y), (cond_layer, c)):
             if not (np.isfinite(moments.mean).all() and np.isfinite(moments.m2).all()):
                 raise DihalError(
