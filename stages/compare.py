@@ -144,65 +144,89 @@ def part_configs(cfg: CompareConfig, seed: int, l_star: int, worst: int, k: int 
     return {spec.label(layers): build(spec) for spec in dict.fromkeys(specs)}
 
 
+def reads_of(part_cfg) -> str | None:
+    """The part a part's training reads: the prior's estimates (--condition-noise prior:T), or the autoencoder's
+    latents (a prior over them); None."""
+    if getattr(part_cfg, "latent", False):
+        return "autoencoder"
+    return "prior" if getattr(part_cfg, "condition_from", None) == "prior" else None
+
+
 def train_parts(
-    cfg: CompareConfig, extract, store, seed: int, l_star: int, worst: int, k: int, progress: Progress, loaded
+    cfg: CompareConfig,
+    extract,
+    store,
+    seed: int,
+    l_star: int,
+    worst: int,
+    k: int,
+    progress: Progress,
+    loaded,
+    only=None,
 ) -> dict[str, Artifact]:
-    """loaded: the backbone this comparison holds; the decoder and the autoencoder read their frozen
-    embedding table from it instead of loading it again."""
-    parts = {}  # the prior over h_0 comes first: with prior:T the decoder and the noisy bridges read it
-    for name, (spec, run, part_cfg) in part_configs(cfg, seed, l_star, worst, k).items():
-        progress.log(f"budget x{k}, seed {seed}: {name}")
-        reads = {"prior": parts["prior"]} if getattr(part_cfg, "condition_from", None) == "prior" else {}
-        if getattr(part_cfg, "latent", False):
-            reads = {"latents": parts["autoencoder"]}
+    """Every part of one seed and budget (only: those labels and the parts they read), in training order: a
+    part another reads comes first. loaded() -> the backbone this comparison holds; the decoder and the
+    autoencoder read their frozen embedding table from it instead of loading it again."""
+    configs = part_configs(cfg, seed, l_star, worst, k)
+    wanted = set(configs if only is None else only)
+    for name in reversed(list(configs)):  # a part's reads, and theirs
+        if name in wanted and reads_of(configs[name][2]) is not None:
+            wanted.add(reads_of(configs[name][2]))
+    parts = {}
+    for name, (spec, run, part_cfg) in configs.items():
+        if name not in wanted:
+            continue
+        reads = {}
+        if (needs := reads_of(part_cfg)) is not None:
+            reads = {"latents" if needs == "autoencoder" else needs: parts[needs]}
         if spec.reads_backbone:
-            reads["loaded"] = loaded
+            reads["loaded"] = loaded()
         parts[name] = run(part_cfg, extract, store, progress=progress, **reads)
     return parts
 
 
 def generations(cfg: CompareConfig) -> list[dict]:
-    """Every generation of one seed and budget: (row, source, temperature) and what it reads."""
+    """Every generation of one seed and budget: (row, source, temperature) and what it reads, then the AR
+    references (the backbone's own AR samples and the hybrid's, at each temperature)."""
     out = []
     for row in active_rows(cfg):
         temps = cfg.temperatures if row.curve else (None,)
         sources = ["prior"] + (["oracle", "null"] if (row.controls_of or row.key) in cfg.controls else [])
         for source in sources:
             for t in temps if source == "prior" else (temps[-1],):  # controls at the grid's last temperature
-                out.append({"row": row, "key": row.key, "source": source, "temperature": t, "cost": row.cost})
+                what = {"key": row.key, "source": source, "temperature": t, "cost": row.cost}
+                out.append({"row": row, **what, "kind": "curve" if row.curve else "point"})
+    for t in cfg.temperatures:
+        what = {"key": AR_REFERENCES, "source": "prior", "temperature": t, "cost": "reference"}
+        out.append({"row": None, **what, "kind": "curve"})
     return out
 
 
-def generate_rows(cfg, parts, store, loaded, seed, l_star, worst, progress):
-    """(what, generate artifact) for every registry row, source and temperature, then the AR references."""
+def generate_one(g: dict, cfg, parts, store, loaded, seed, l_star, worst, progress) -> Artifact:
+    """One generation of generations(): a registry row's parallel one, or an AR reference."""
     layers = layer_names(l_star, worst, cfg.oracle)
     common = dict(sample_steps=cfg.sample_steps, num_samples=cfg.num_samples, batch_size=cfg.batch_size, seed=seed)
     common |= dict(device=cfg.device, dtype=cfg.dtype, top_p=cfg.top_p)
-    out = []
-    for g in generations(cfg):
-        row = g["row"]
-        gcfg = GenerateConfig(
-            mode="parallel",
-            recovery=row.recovery,
-            clamp=row.clamp and g["source"] == "prior",
-            source=g["source"],
-            prior_steps=cfg.prior_steps,
-            temperature=g["temperature"],
-            readout=row.readout,
-            guidance=cfg.guidance if row.readout != "independent" else GenerateConfig.guidance,
-            **common,
-        )
-        part = parts[row.part.label(layers)] if row.part is not None else None
-        prior = parts[row.prior.label(layers)]
-        art = generate_parallel.run_parallel(gcfg, prior, store, loaded, part, progress=progress)
-        out.append(({k: v for k, v in g.items() if k != "row"} | {"kind": "curve" if row.curve else "point"}, art))
-    reference = parts[registry.AR_REFERENCE_BRIDGE.label(layers)]
-    for t in cfg.temperatures:
+    row = g["row"]
+    if row is None:
+        reference = parts[registry.AR_REFERENCE_BRIDGE.label(layers)]
+        t = g["temperature"]
         ar = GenerateConfig(max_new_tokens=origin(reference).seq_len - 1, baseline="original", temperature=t, **common)
-        art = gen_stage.run(ar, reference, store, loaded, progress=progress)
-        what = {"key": AR_REFERENCES, "source": "prior", "temperature": t, "kind": "curve", "cost": "reference"}
-        out.append((what, art))
-    return out
+        return gen_stage.run(ar, reference, store, loaded, progress=progress)
+    gcfg = GenerateConfig(
+        mode="parallel",
+        recovery=row.recovery,
+        clamp=row.clamp and g["source"] == "prior",
+        source=g["source"],
+        prior_steps=cfg.prior_steps,
+        temperature=g["temperature"],
+        readout=row.readout,
+        guidance=cfg.guidance if row.readout != "independent" else GenerateConfig.guidance,
+        **common,
+    )
+    part = parts[row.part.label(layers)] if row.part is not None else None
+    prior = parts[row.prior.label(layers)]
+    return generate_parallel.run_parallel(gcfg, prior, store, loaded, part, progress=progress)
 
 
 def held_out_texts(extract: Artifact, loaded, n: int) -> tuple[list[str], list[list[int]]]:
@@ -256,14 +280,10 @@ def texts_of(art: Artifact) -> dict[str, list[dict]]:
     return out
 
 
-def sample_table(gens, evaluators: dict, store, cfg, budget: int, seed: int, progress) -> pd.DataFrame:
+def sample_table(gens, evaluators: dict, store, cfg, budget: int, seed: int) -> pd.DataFrame:
     """One line per generated sample of one budget and seed, scored under both evaluators."""
     frames = []
-    for i, (what, art) in enumerate(gens):
-        progress.log(
-            f"budget x{budget}, seed {seed}: scoring {i + 1}/{len(gens)}: {what['key']}, "
-            f"{what['source']}, t={what['temperature']}"
-        )
+    for what, art in gens:
         scores = {name: scored_samples(art, ev, store, cfg) for name, ev in evaluators.items()}
         for model, samples in texts_of(art).items():
             frame = pd.DataFrame(
@@ -377,20 +397,114 @@ def check(cfg: CompareConfig, extract: Artifact, score_art: Artifact) -> Plan:
     return Plan(l_star, worst, backbone, Path(backbone).name, primary)
 
 
-def collect(cfg: CompareConfig, plan: Plan, extract: Artifact, store: ArtifactStore, load_model, progress) -> dict:
-    """Train every part per budget and seed, generate every row, score every sample under both
-    evaluators: {samples (one line per sample, the held-out text's too), parts, texts, h_ref, evaluators}."""
-    loaded = load_model(plan.backbone)
-    evaluators = {"evaluator": load_model(plan.primary), "backbone": loaded}
-    texts, ids = held_out_texts(extract, loaded, cfg.num_samples)
-    real = held_out_samples(texts, ids, evaluators)
-    frames, parts_table = [], []
+@dataclass(frozen=True)
+class Unit:
+    """A piece of a comparison that any rank does alone (dist.share), with its own artifacts and randomness
+    (seeded from its seed, never the rank): one part's training, or one generation and its scoring under both
+    evaluators, of one budget and seed. A part comes a wave after the part it reads; the generations after
+    every part. Its cost, for dealing: the budget's multiple for a part, 1 for a generation."""
+
+    budget: int
+    seed: int
+    what: str  # a part's label, or a generation's (row, source, temperature)
+    wave: int
+    generation: int | None = None  # its index in generations()
+
+    @property
+    def cost(self) -> float:
+        return float(self.budget if self.generation is None else 1)
+
+    def name(self) -> str:
+        return f"budget x{self.budget}, seed {self.seed}: {self.what}"
+
+
+def units(cfg: CompareConfig, plan: Plan) -> list[Unit]:
+    """Every unit of the comparison, in the order one process does them."""
+    out = []
     for k in cfg.budgets:
         for seed in cfg.seeds:
-            parts = train_parts(cfg, extract, store, seed, plan.l_star, plan.worst, k, progress, loaded)
+            configs, wave = part_configs(cfg, seed, plan.l_star, plan.worst, k), {}
+            for name, (_, _, part_cfg) in configs.items():
+                needs = reads_of(part_cfg)
+                wave[name] = 0 if needs is None else wave[needs] + 1
+                out.append(Unit(k, seed, name, wave[name]))
+    last = max(u.wave for u in out) + 1
+    for k in cfg.budgets:
+        for seed in cfg.seeds:
+            for i, g in enumerate(generations(cfg)):
+                what = f"{g['key']}, {g['source']}, t={g['temperature']}"
+                out.append(Unit(k, seed, what, last, i))
+    return out
+
+
+class Models:
+    """The backbone and the primary evaluator, each loaded on first use by the rank that needs it."""
+
+    def __init__(self, load_model, plan: Plan):
+        self.load, self.plan, self.held = load_model, plan, {}
+
+    def get(self, spec: str):
+        if spec not in self.held:
+            self.held[spec] = self.load(spec)
+        return self.held[spec]
+
+    def backbone(self):
+        return self.get(self.plan.backbone)
+
+    def evaluators(self) -> dict:
+        return {"evaluator": self.get(self.plan.primary), "backbone": self.backbone()}
+
+
+def do_units(cfg: CompareConfig, plan: Plan, extract: Artifact, store, models: Models, progress) -> None:
+    """Every unit done once over the ranks of this command (a wave at a time: each ends when every rank has
+    done its share of it), every one an artifact in the store."""
+    rank = dist.distributed()[0]
+    inner = progress if rank == 0 else NullProgress()  # one rank's bars on a terminal; every rank names its units
+    parts_of = {}
+
+    def parts(k: int, seed: int, only=None) -> dict[str, Artifact]:
+        if only is not None:
+            return train_parts(cfg, extract, store, seed, plan.l_star, plan.worst, k, inner, models.backbone, only)
+        if (k, seed) not in parts_of:  # every part a cache hit by now
+            parts_of[k, seed] = train_parts(
+                cfg, extract, store, seed, plan.l_star, plan.worst, k, inner, models.backbone
+            )
+        return parts_of[k, seed]
+
+    def do(unit: Unit) -> None:
+        if unit.generation is None:
+            parts(unit.budget, unit.seed, only={unit.what})
+            return
+        g = generations(cfg)[unit.generation]
+        got = parts(unit.budget, unit.seed)
+        art = generate_one(g, cfg, got, store, models.backbone(), unit.seed, plan.l_star, plan.worst, inner)
+        for ev in models.evaluators().values():
+            scored_samples(art, ev, store, cfg)
+
+    todo = units(cfg, plan)
+    for wave in sorted({u.wave for u in todo}):
+        dist.share([u for u in todo if u.wave == wave], do, Unit.name, cost=lambda u: u.cost, log=progress.log)
+
+
+def collect(cfg: CompareConfig, plan: Plan, extract: Artifact, store: ArtifactStore, models: Models) -> dict:
+    """Every unit's artifacts (each a cache hit after do_units) gathered into {samples (one line per sample,
+    the held-out text's too), parts, texts, h_ref, evaluators}."""
+    loaded, evaluators = models.backbone(), models.evaluators()
+    texts, ids = held_out_texts(extract, loaded, cfg.num_samples)
+    real = held_out_samples(texts, ids, evaluators)
+    frames, parts_table, quiet = [], [], NullProgress()
+    for k in cfg.budgets:
+        for seed in cfg.seeds:
+            parts = train_parts(cfg, extract, store, seed, plan.l_star, plan.worst, k, quiet, models.backbone)
             parts_table += [{"budget": k, "seed": seed, **part_row(n, a, loaded.model)} for n, a in parts.items()]
-            gens = generate_rows(cfg, parts, store, loaded, seed, plan.l_star, plan.worst, progress)
-            frames.append(sample_table(gens, evaluators, store, cfg, k, seed, progress))
+            gens = [
+                (
+                    {k: v for k, v in g.items() if k != "row"},
+                    generate_one(g, cfg, parts, store, loaded, seed, plan.l_star, plan.worst, quiet),
+                )
+                for g in generations(cfg)
+            ]
+            frames.append(sample_table(gens, evaluators, store, cfg, k, seed))
             frames.append(real.assign(budget=k, seed=seed))
     return {
         "samples": pd.concat(frames, ignore_index=True),
@@ -483,9 +597,13 @@ def run(
     parents = {"extract": extract.id, "score": score_art.id}
     extra = {"model": extract.manifest.get("model")}
 
-    def work(art: Artifact) -> None:
-        start = time.time()
-        got = collect(cfg, plan, extract, store, load_model, progress)
+    def work(art: Artifact) -> None:  # on every rank: the units dealt over them; rank 0 gathers and writes
+        start, models = time.time(), Models(load_model, plan)
+        do_units(cfg, plan, extract, store, models, progress)
+        if dist.distributed()[0] != 0:
+            return
+        with dist.local():  # rank 0 alone: every stage it calls now is a cache hit of this process
+            got = collect(cfg, plan, extract, store, models)
         ours = next(r.key for r in active_rows(cfg) if r.ours)
         baselines = [r.key for r in active_rows(cfg) if r.baseline]
         dihal = [r.key for r in active_rows(cfg) if r.ours or r.controls_of == "dihal"]
@@ -495,5 +613,5 @@ def run(
         )
         write(art, cfg, plan, got, stats, ours, time.time() - start)
 
-    job = Job(STAGE, CACHE_VERSION, config, parents, work, device=cfg.device, extra=extra)
+    job = Job(STAGE, CACHE_VERSION, config, parents, work, device=cfg.device, extra=extra, every_rank=True)
     return store.run_stage(job, force=force, progress=progress, group=dist.group())

@@ -77,18 +77,25 @@ def run(
             return models[spec]
 
         evaluators = {"backbone": backbone, "evaluator": config["evaluator"]}
-        rows = []
-        for layer, label in layers.items():
-            for seed in cfg.seeds:
-                progress.log(f"{label} (layer {layer}), seed {seed}: bridge under protocol {cfg.protocol}")
-                bcfg = bridge_stage.BridgeConfig.for_run(
-                    cfg.protocol, cfg.overrides, seed=seed, device=cfg.device, dtype=cfg.dtype, layer=layer
-                )
-                with dist.local():
-                    bridge_art = bridge_stage.run(bcfg, extract, store, progress=progress)
-                row = {"label": label, "layer": layer, "seed": seed}
-                row.update(measure(cfg, bridge_art, seed, seq_len, store, model, evaluators, progress))
-                rows.append(row)
+        units = [(layer, seed) for layer in layers for seed in cfg.seeds]
+
+        def run_one(unit: tuple[int, int], inner: Progress) -> dict:
+            """One unit (dist.share): the bridge of (layer, seed), its fidelity, generations and their scores."""
+            layer, seed = unit
+            bcfg = bridge_stage.BridgeConfig.for_run(
+                cfg.protocol, cfg.overrides, seed=seed, device=cfg.device, dtype=cfg.dtype, layer=layer
+            )
+            bridge_art = bridge_stage.run(bcfg, extract, store, progress=inner)
+            row = {"label": layers[layer], "layer": layer, "seed": seed}
+            return row | measure(cfg, bridge_art, seed, seq_len, store, model, evaluators, inner)
+
+        rank = dist.distributed()[0]
+        name = lambda u: f"{layers[u[0]]} (layer {u[0]}), seed {u[1]}: bridge under protocol {cfg.protocol}"
+        dist.share(units, lambda u: run_one(u, progress if rank == 0 else NullProgress()), name, log=progress.log)
+        if rank != 0:
+            return
+        with dist.local():  # rank 0 alone: every bridge, fidelity, generation and score a cache hit now
+            rows = [run_one(u, NullProgress()) for u in units]
         per_seed = pd.DataFrame(rows)
         numeric = [c for c in per_seed.columns if c not in ("label", "layer", "seed")]
         grouped = per_seed.groupby(["label", "layer"], sort=False)[numeric]
@@ -101,8 +108,8 @@ def run(
         art.manifest["metrics"] = {"layers": layers, "evaluator": config["evaluator"], "seeds": list(cfg.seeds)}
 
     extra = {"model": extract.manifest.get("model")}
-    job = Job(STAGE, CACHE_VERSION, config, parents, work, device=cfg.device, extra=extra)
-    return store.run_stage(job, force=force, progress=progress, group=dist.group())
+    job = Job(STAGE, CACHE_VERSION, config, parents, work, device=cfg.device, extra=extra, every_rank=True)
+    return store.run_stage(job, force=force, progress=progress, group=dist.group())  # units dealt (dist.deal)
 
 
 def measure(

@@ -61,29 +61,37 @@ def run(
         cfg.protocol, cfg.overrides, seed=seed, device=cfg.device, dtype=cfg.dtype, layer=layer
     )
     jobs = [(layer, seed) for layer in cfg.layers for seed in cfg.seeds]
+    fidelity_cfg = lambda seed: eval_stage.FidelityConfig(
+        sample_steps=(cfg.sample_steps,), limit=cfg.eval_limit, seed=seed, device=cfg.device, dtype=cfg.dtype
+    )
+    held = {}  # the backbone, loaded by a rank the first time one of its bridges' fidelity is not in the store
 
-    def work(art: Artifact) -> None:
-        variant_scores = normalize_variants(score_art, extract, store, progress)  # cheap next to the bridges
-        loaded = None
-        runs = []
-        for layer, seed in jobs:
-            progress.log(f"layer {layer}, seed {seed}: bridge under protocol {cfg.protocol}")
-            bridge_art = bridge_stage.run(bridge_cfg(layer, seed), extract, store, progress=progress)
-            fcfg = eval_stage.FidelityConfig(
-                sample_steps=(cfg.sample_steps,), limit=cfg.eval_limit, seed=seed, device=cfg.device, dtype=cfg.dtype
-            )
-            if not eval_stage.fidelity_cached(fcfg, bridge_art, store):
-                loaded = loaded or eval_stage.backbone_for(bridge_art, cfg.device, cfg.dtype, trust_remote_code)
-            fid = eval_stage.run_fidelity(fcfg, bridge_art, store, loaded=loaded).manifest["metrics"]["fidelity"][0]
-            runs.append(
-                {
-                    "layer": layer,
-                    "seed": seed,
-                    "val_loss": bridge_art.manifest["metrics"]["val_loss"],
-                    "bridge": bridge_art.id,
-                    **{k: v for k, v in fid.items() if k != "steps"},
-                }
-            )
+    def run_one(job: tuple[int, int], inner: Progress) -> dict:
+        """One unit (dist.share): the bridge of (layer, seed) and its fidelity, each an artifact of its own."""
+        layer, seed = job
+        bridge_art = bridge_stage.run(bridge_cfg(layer, seed), extract, store, progress=inner)
+        if not eval_stage.fidelity_cached(fidelity_cfg(seed), bridge_art, store) and "loaded" not in held:
+            held["loaded"] = eval_stage.backbone_for(bridge_art, cfg.device, cfg.dtype, trust_remote_code)
+        fid = eval_stage.run_fidelity(fidelity_cfg(seed), bridge_art, store, loaded=held.get("loaded"))
+        fid = fid.manifest["metrics"]["fidelity"][0]
+        return {
+            "layer": layer,
+            "seed": seed,
+            "val_loss": bridge_art.manifest["metrics"]["val_loss"],
+            "bridge": bridge_art.id,
+            **{k: v for k, v in fid.items() if k != "steps"},
+        }
+
+    def work(art: Artifact) -> None:  # on every rank: the bridges dealt over them; rank 0 sums up
+        rank = dist.distributed()[0]
+        name = lambda job: f"layer {job[0]}, seed {job[1]}: bridge under protocol {cfg.protocol} and its fidelity"
+        inner = progress if rank == 0 else NullProgress()
+        dist.share(jobs, lambda job: run_one(job, inner), name, log=progress.log)
+        if rank != 0:
+            return
+        with dist.local():  # rank 0 alone: every bridge and fidelity a cache hit now
+            variant_scores = normalize_variants(score_art, extract, store, progress)  # cheap next to the bridges
+            runs = [run_one(job, NullProgress()) for job in jobs]
         runs = pd.DataFrame(runs)
         table = per_layer(runs, scores)
         num_blocks = int(extract.manifest["metrics"]["num_blocks"])
@@ -101,15 +109,9 @@ def run(
         art.manifest["metrics"] = {k: v for k, v in summary.items() if k != "variants"}
 
     extra = {"model": extract.manifest.get("model")}
-    job = Job(STAGE, CACHE_VERSION, config, parents, work, seed=min(cfg.seeds), device=cfg.device, extra=extra)
-    rank, world = dist.distributed()
-    if world > 1 and store.cached(job, force=force) is None:  # torchrun: rank r trains bridges r, r + W, ...
-        with dist.local():
-            for layer, seed in jobs[rank::world]:
-                progress.log(f"rank {rank}, layer {layer}, seed {seed}: bridge under protocol {cfg.protocol}")
-                bridge_stage.run(bridge_cfg(layer, seed), extract, store, progress=progress if rank == 0 else None)
-        dist.barrier()
-    return store.run_stage(job, force=force, progress=progress, group=dist.group())  # rank 0 sums up
+    seed = min(cfg.seeds)  # torchrun: every rank does its units (layer, seed) of dist.deal; rank 0 sums up
+    job = Job(STAGE, CACHE_VERSION, config, parents, work, seed=seed, device=cfg.device, extra=extra, every_rank=True)
+    return store.run_stage(job, force=force, progress=progress, group=dist.group())
 
 
 def per_layer(runs: pd.DataFrame, scores: pd.DataFrame) -> pd.DataFrame:

@@ -533,8 +533,14 @@ def test_a_sweep_under_torchrun_shards_layers_over_ranks(tiny_dirs, tmp_path):
     assert all(b.complete and b.manifest["metrics"]["world_size"] == 1 for b in bridges)  # each by one rank
     for b in bridges:  # trained once: three steps, never resumed or started again by another rank
         assert [r["step"] for r in files.read_jsonl(b.file("metrics.jsonl"))] == [1, 2, 3] and not b.manifest["resumed"]
-    # jobs (layer, seed) in order (1,0) (1,1) (2,0) (2,1): rank 1 takes the second and the fourth
-    assert "rank 1, layer 1, seed 1" in proc.stderr and "rank 1, layer 2, seed 1" in proc.stderr
+    # units (layer, seed) in order (1,0) (1,1) (2,0) (2,1), dealt round-robin: rank 1 takes the second and the
+    # fourth; each is named once in the log, with its rank, and its fidelity is measured by that rank (issue 65)
+    for (layer, seed), rank in zip([(1, 0), (1, 1), (2, 0), (2, 1)], [0, 1, 0, 1]):
+        unit = f"layer {layer}, seed {seed}: bridge under protocol"
+        named = [line for line in proc.stderr.splitlines() if unit in line]
+        assert len(named) == 1 and named[0].endswith(f"and its fidelity (rank {rank})"), named
+    fidelities = store.all("evaluate")
+    assert len(fidelities) == 4 and all(f.complete for f in fidelities)
     assert sorted(s.config["normalize"] for s in store.all("score")) == ["none", "rms", "standardize"]
     sweep = store.resolve("latest", "sweep")
     assert sweep.complete and sweep.manifest["metrics"]["layers"] == [1, 2]

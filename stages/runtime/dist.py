@@ -141,6 +141,51 @@ class Group:
         return local()
 
 
+def deal(costs: list[float], size: int) -> list[int]:
+    """The rank of each unit, by one rule every rank computes alike: the costliest unit first (ties in listing
+    order), each to the rank with the least cost dealt so far (ties to the lowest rank). Equal costs deal
+    round-robin: units 0, 1, ... to ranks 0, 1, ...; a 5x unit does not queue behind four 1x ones."""
+    load, owner = [0.0] * size, [0] * len(costs)
+    for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
+        rank = min(range(size), key=lambda r: (load[r], r))
+        owner[i], load[rank] = rank, load[rank] + costs[i]
+    return owner
+
+
+def share(units: list, do, name, cost=None, log=None) -> None:
+    """Every unit done once, by the rank deal() gives it, as one process (local()): the units of a stage that
+    splits its work into pieces any rank can do alone (each its own artifact, its randomness seeded from the
+    unit, never the rank). Then every rank learns whether a unit failed anywhere: a failure raises on every
+    rank, naming the unit and its rank, so none waits for a rank that has stopped. One process does every
+    unit in order and lets a failure through as it is. log(line) names each unit once, with its rank."""
+    rank, size = distributed()
+    owners = deal([float(cost(u)) if cost else 1.0 for u in units], size)
+    failure = error = None
+    with local():
+        for unit, owner in zip(units, owners):
+            if owner != rank:
+                continue
+            if log is not None:
+                log(name(unit) + (f" (rank {rank})" if size > 1 else ""))
+            if size == 1:
+                do(unit)
+                continue
+            try:
+                do(unit)
+            except Exception as exc:  # told to every rank below, then raised here as it is
+                reason = str(exc) if isinstance(exc, DihalError) else f"{type(exc).__name__}: {exc}"
+                failure, error = f"{name(unit)} failed on rank {rank}: {reason}", exc
+                break
+    if size > 1:
+        failures: list = [None] * size
+        dist.all_gather_object(failures, failure)
+        if error is not None and not isinstance(error, DihalError):
+            raise error  # a bug: its traceback on its own rank, the line naming it on the others
+        first = next((f for f in failures if f), None)
+        if first is not None:
+            raise DihalError(first)
+
+
 def group() -> Group | None:
     """The process group of data-parallel work for ArtifactStore.run_stage; None for one process
     (outside torchrun, or inside local())."""
