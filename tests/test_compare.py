@@ -1073,3 +1073,64 @@ def test_compare_reads_dihal_every_way_and_says_whose_text_each_row_writes(tiny_
         for b in v["baselines"]:
             if b["baseline"] in lm_written and v["dihal"] not in lm_written:
                 assert b["outcome"] == "baseline LM-written" and "measured" in b
+
+
+def _tables(root) -> dict:
+    """compare's tables as written, without their clocks (wall seconds and ms per sample differ run to run)."""
+    import pandas as pd
+
+    art = ArtifactStore(root).resolve("latest", "compare")
+    assert art.complete
+    out = {}
+    for name in ("compare.csv", "summary.csv", "controls.csv", "parts.csv", "samples.csv"):
+        frame = pd.read_csv(art.file(name), keep_default_na=False, dtype=str)  # the written text, as it is
+        out[name] = frame.drop(columns=[c for c in frame.columns if "seconds" in c or c.startswith("ms_per")])
+    return out
+
+
+@pytest.mark.slow
+def test_compare_on_two_ranks_writes_one_process_table_bit_for_bit_and_resumes_under_either(tiny_dirs, tmp_path):
+    """Issue 65: compare deals its units (each part's training, each generation with its scoring) over the
+    ranks; each unit seeds its randomness from itself, so two gloo ranks write the one-process table to the
+    last digit (every process one thread, as torchrun's ranks). The log names each unit once, with its rank.
+    Killed under two ranks, the same command on one process redoes only the units not complete."""
+    from tests.conftest import run_cli, torchrun
+
+    base = tmp_path / "base"
+    data = ["--model", str(tiny_dirs["llama"]), "--max-sequences", "48", "--seq-len", "12", "--device", "cpu"]
+    run_cli("extract", *data, "--layers", "all", "--root", str(base), check=True)
+    run_cli("score", "--extract", "latest", "--tokens", "150", "--root", str(base), check=True)
+    for name in ("one", "two", "killed"):
+        shutil.copytree(base, tmp_path / name)
+    args = ["compare", "--extract", "latest", "--score", "latest", "--evaluator", str(tiny_dirs["qwen3"])]
+    args += ["--seeds", "0,1", "--num-samples", "4", "--prior-steps", "3", "--sample-steps", "2", "--budgets", "1"]
+    args += ["--train-steps", "3", "--width", "16", "--depth", "1", "--temperatures", "0,1", "--device", "cpu"]
+    one = run_cli(*args, "--root", str(tmp_path / "one"), env={"OMP_NUM_THREADS": "1"}, check=True)
+    two = torchrun(*args, "--root", str(tmp_path / "two"))
+    assert two.returncode == 0, two.stderr[-3000:]
+    a, b = _tables(tmp_path / "one"), _tables(tmp_path / "two")
+    for name in a:
+        assert a[name].equals(b[name]), name
+    # every unit named once in each log, with its rank under torchrun; both ranks did some
+    units = [line.split("] ")[-1] for line in one.stderr.splitlines() if line.strip().startswith("budget x1, seed")]
+    assert len(units) == len(set(units)) > 20, units
+    named = [line for line in two.stderr.splitlines() if "budget x1, seed" in line and "(rank " in line]
+    assert sorted(n.split("budget x1")[1].rsplit(" (rank", 1)[0] for n in named) == sorted(
+        u.split("budget x1")[1] for u in units
+    )
+    assert {n.rsplit("(rank ", 1)[1] for n in named} == {"0)", "1)"}
+    # killed on rank 0 in the middle of its parts; torchrun takes rank 1 down with it
+    killed = torchrun(*args, "--root", str(tmp_path / "killed"), kill_after=7)
+    assert killed.returncode != 0
+    store = ArtifactStore(tmp_path / "killed")
+    before = {a.id: (a.path / "manifest.json").read_bytes() for a in store.all() if a.complete}
+    unfinished = [a.id for a in store.all() if not a.complete]
+    assert unfinished and any(a.stage == "prior" for a in store.all() if a.complete)
+    again = run_cli(*args, "--root", str(tmp_path / "killed"), env={"OMP_NUM_THREADS": "1"})
+    assert again.returncode == 0, again.stderr[-3000:]
+    after = {a.id: a for a in ArtifactStore(tmp_path / "killed").all()}
+    assert all((after[i].path / "manifest.json").read_bytes() == m for i, m in before.items())  # not redone
+    assert all(after[i].complete for i in unfinished)
+    c = _tables(tmp_path / "killed")
+    for name in a:
+        assert a[name].equals(c[name]), name
