@@ -25,6 +25,7 @@ from make_random_model import LIKE  # noqa: E402
 
 from dihal.artifacts.hidden_states import estimate_bytes  # noqa: E402
 from dihal.stages.configs import PROTOCOLS, CompareConfig  # noqa: E402
+from dihal.stages.runtime.dist import deal  # noqa: E402
 from dihal.stages.score import Embeddings  # noqa: E402
 
 GIB = 2**30
@@ -98,9 +99,23 @@ def compare_parts(seeds: int, budgets: list[int]) -> tuple[int, float]:
     return parts, parts * seeds * sum(budgets)
 
 
+def compare_generations() -> int:
+    """Generations per seed and budget of the script's comparison (stages/compare.py generations): every row's
+    at each of its temperatures, the controls', and the AR references'."""
+    from dihal.stages.compare import generations
+
+    cfg = CompareConfig(
+        protocol="paper", temperatures=(0.0, 0.7, 1.0), controls=("sed", "codar", "dihal", "dihal-direct")
+    )
+    return len(generations(cfg))
+
+
+RANK0 = "; rank 0 alone"  # a stage that does not split itself under torchrun
+
+
 def estimate(a: argparse.Namespace) -> list[tuple[str, float, float, float, float, str]]:
     """(stage, disk GiB, RAM GiB, peak GPU GiB, minutes, note) per stage."""
-    s = shapes(a)
+    s, n = shapes(a), a.gpus
     d, v, layers, tokens = s["width"], s["vocab"], s["blocks"] + 1, a.sequences * a.seq_len
     weights = s["params"] * 2 / GIB  # bfloat16
     head32 = v * d * 4 / GIB  # the float32 LM head of fidelity and Gen.PPL
@@ -114,7 +129,7 @@ def estimate(a: argparse.Namespace) -> list[tuple[str, float, float, float, floa
             extract_bytes / GIB,
             captured * 4 + 2,
             weights + captured + 4 * a.batch * a.seq_len * s["inter"] * 2 / GIB,
-            max(tokens / a.forward_tps, extract_bytes / GIB / a.disk_gibps) / 60,
+            max(tokens / (a.forward_tps * n), extract_bytes / GIB / a.disk_gibps) / 60,  # ranks split documents
             f"{layers} layers x {tokens:,} tokens, float16",
         ),
         (
@@ -123,7 +138,7 @@ def estimate(a: argparse.Namespace) -> list[tuple[str, float, float, float, floa
             score_host_bytes(d, a.tokens, a.pool) / GIB,
             (a.tokens**2 * 8 * 4 + a.tokens * 4 * d * 8) / GIB,
             (a.pool * d * 2 * (layers - 2) / GIB / a.disk_gibps + (layers - 2) * a.score_s_per_layer) / 60,
-            f"the {a.pool:,}-position pool and {max(a.tokens, Embeddings.ROWS):,} ridge rows",
+            f"the {a.pool:,}-position pool and {max(a.tokens, Embeddings.ROWS):,} ridge rows" + RANK0,
         ),
     ]
     den = denoiser_parameters(w, d, depth)
@@ -134,7 +149,9 @@ def estimate(a: argparse.Namespace) -> list[tuple[str, float, float, float, floa
     bridge_gpu = training_gib(den, batch, a.seq_len - 1, w, depth, d)
     # the measured rate already includes reads from the page cache, and the Loader reads the next block while the
     # current one trains: the slower of the two bounds, never their sum (issue 64 item 6)
-    bridge_minutes = max(bridge_tokens / a.bridge_tps, read / a.disk_gibps) / 60
+    # under DDP on n GPUs the compute splits; every rank still reads the whole window (issue 64: not yet sharded)
+    ddp_minutes = max(bridge_tokens / (a.bridge_tps * n), read / a.disk_gibps) / 60
+    one_gpu = bridge_tokens / a.bridge_tps / 60  # a unit trained by one GPU alone (sweep, confirm, compare)
     ram = a.window * a.seq_len * d * 2 * 2 / GIB + 16384 * d * 8 * 2 / GIB + 2
     rows.append(
         (
@@ -142,7 +159,7 @@ def estimate(a: argparse.Namespace) -> list[tuple[str, float, float, float, floa
             den * 4 * 4 / GIB,
             ram,
             bridge_gpu,
-            bridge_minutes,
+            ddp_minutes,
             f"{den / 1e6:.0f}M-parameter denoiser, {steps} steps (1 epoch)",
         )
     )
@@ -152,8 +169,8 @@ def estimate(a: argparse.Namespace) -> list[tuple[str, float, float, float, floa
             (s["blocks"] - 1) * den * 16 / GIB,
             ram,
             bridge_gpu,
-            (s["blocks"] - 1) * bridge_minutes,
-            "one bridge at a time per GPU",
+            max(math.ceil((s["blocks"] - 1) / n) * one_gpu, (s["blocks"] - 1) * read / a.disk_gibps / 60),
+            "bridges dealt over the GPUs, one each at a time; the disk shared",
         )
     )
     prior = denoiser_parameters(w, d, depth, skip=False)
@@ -163,7 +180,7 @@ def estimate(a: argparse.Namespace) -> list[tuple[str, float, float, float, floa
             prior * 16 / GIB,
             ram,
             training_gib(prior, batch, a.seq_len - 1, w, depth, d),
-            bridge_minutes,
+            ddp_minutes,
             "the bridge's network, no condition",
         )
     )
@@ -177,7 +194,7 @@ def estimate(a: argparse.Namespace) -> list[tuple[str, float, float, float, floa
             decoder * 16 / GIB,
             ram + table,
             decoder_gpu,
-            bridge_minutes,
+            ddp_minutes,
             f"frozen {v:,} x {d} table; the backbone is read once for it",
         )
     )
@@ -188,7 +205,7 @@ def estimate(a: argparse.Namespace) -> list[tuple[str, float, float, float, floa
             4,
             weights + head32 + bridge_gpu / 4,
             a.eval_tokens / a.forward_tps / 60,
-            "backbone, float32 head, bridge; logits in slices",
+            "backbone, float32 head, bridge; logits in slices" + RANK0,
         )
     )
     kv_cache = 2 * s["blocks"] * a.gen_batch * a.seq_len * s["kv"] * 2 / GIB
@@ -199,7 +216,7 @@ def estimate(a: argparse.Namespace) -> list[tuple[str, float, float, float, floa
             4,
             weights + kv_cache + den * 4 / GIB + a.gen_batch * v * 8 / GIB,
             a.samples * (a.seq_len - 1) / a.gen_tps / 60,
-            f"{a.samples} samples of {a.seq_len - 1} tokens",
+            f"{a.samples} samples of {a.seq_len - 1} tokens" + RANK0,
         )
     )
     rows.append(
@@ -209,23 +226,30 @@ def estimate(a: argparse.Namespace) -> list[tuple[str, float, float, float, floa
             4,
             weights + head32 + 1,
             a.samples * a.seq_len / a.forward_tps / 60,
-            "the evaluator, float32 head",
+            "the evaluator, float32 head" + RANK0,
         )
     )
     budgets = [int(b) for b in a.budgets.split(",")]
     seeds = len(a.seeds.split(","))
     parts, epochs = compare_parts(seeds, budgets)
-    curves = 3 * 8  # the temperatures of every row that ends in a distribution, rows with their controls
-    samples = seeds * len(budgets) * curves * a.compare_samples
+    gens = compare_generations()
+    samples = seeds * len(budgets) * gens * a.compare_samples
     sampling = samples * a.prior_steps * (a.seq_len - 1) / (3 * a.bridge_tps)  # a forward is a third of a step
     scoring = 2 * samples * a.seq_len / a.forward_tps  # under the backbone and the evaluator
+    # compare's units over n GPUs by its own rule (stages/runtime/dist.py deal): each part's training (cost: its
+    # budget) on one GPU alone, then each generation with its scoring; the three layers its parts read (0, l*,
+    # argmin S) stay in the page cache after their first read, so the disk does not bound it
+    costs = [float(k) for k in budgets for _ in range(seeds * parts)]
+    owners = deal(costs, n)
+    longest = max(sum(c for c, o in zip(costs, owners) if o == r) for r in range(n))
+    units = seeds * len(budgets) * gens
     rows.append(
         (
             "compare",
             parts * seeds * len(budgets) * den * 16 / GIB,  # every part of every seed and budget, as a bridge
             ram + table,
             2 * (weights + head32) + decoder_gpu - weights,
-            epochs * bridge_minutes + (sampling + scoring) / 60,
+            longest * one_gpu + math.ceil(units / n) / units * (sampling + scoring) / 60,
             f"{parts} parts x {seeds} seeds x budgets {a.budgets} = {epochs} epochs; {samples:,} samples scored twice",
         )
     )
@@ -261,25 +285,40 @@ def main() -> None:
     ).items():
         p.add_argument("--" + name.replace("_", "-"), type=type(value), default=value)
     p.add_argument("--model", default="", help="a name for the header")
+    p.add_argument("--gpus", default="1,8", help="GPU counts of one node to estimate, comma list (torchrun)")
     a = p.parse_args()
+    counts = [int(g) for g in a.gpus.split(",")]
     for like in [a.like] if (a.like or a.blocks) else sorted(LIKE):
         a.like = like
         s = shapes(a)
-        print(
-            f"\nestimate for {a.model or like or 'the model'}: {s['blocks']} blocks, width {s['width']}, "
-            f"vocab {s['vocab']:,}, {s['params'] / 1e9:.2f}B parameters; paper protocol, one GPU"
-        )
-        print(f"{'stage':<30}{'disk GiB':>9}{'RAM GiB':>8}{'GPU GiB':>8}{'minutes':>8}  note")
-        total = 0.0
-        for stage, disk, ram, gpu, minutes, note in estimate(a):
-            total += minutes
-            print(f"{stage:<30}{disk:>9.1f}{ram:>8.1f}{gpu:>8.1f}{minutes:>8.0f}  {note}")
-        print(f"{'total (the sweep counted once)':<30}{'':>25}{total - estimate(a)[2][4]:>8.0f}")
+        totals = {}
+        for gpus in counts:
+            a.gpus = gpus
+            print(
+                f"\nestimate for {a.model or like or 'the model'}: {s['blocks']} blocks, width {s['width']}, "
+                f"vocab {s['vocab']:,}, {s['params'] / 1e9:.2f}B parameters; paper protocol, "
+                + ("one GPU" if gpus == 1 else f"{gpus} GPUs of one node under torchrun")
+            )
+            print(f"{'stage':<30}{'disk GiB':>9}{'RAM GiB':>8}{'GPU GiB':>8}{'minutes':>8}  note")
+            rows = estimate(a)
+            for stage, disk, ram, gpu, minutes, note in rows:
+                print(f"{stage:<30}{disk:>9.1f}{ram:>8.1f}{gpu:>8.1f}{minutes:>8.0f}  {note}")
+            totals[gpus] = sum(r[4] for r in rows) - rows[2][4]
+            print(f"{'total (the sweep counted once)':<30}{'':>25}{totals[gpus]:>8.0f}")
+        if 1 in totals and len(totals) > 1:
+            print(
+                "\n"
+                + "; ".join(f"{g} GPUs: {m / totals[1]:.2f} of one GPU's time" for g, m in totals.items() if g != 1)
+            )
+        a.gpus = ",".join(map(str, counts))
     print(
-        f"\nbridge training {a.bridge_tps:,.0f} tok/s: measured on one H200 (2026-12-04), host-bound, not GPU-bound, "
-        "with the loader before issue 64 (the new one is not yet measured on a GPU; docs/results/paper_scale.md);\n"
-        f"assumed, not yet measured on a GPU: forward {a.forward_tps:,.0f} tok/s, "
-        f"generation {a.gen_tps:,.0f} tok/s (batched), disk {a.disk_gibps} GiB/s"
+        f"\nrates, each with where it was measured:\n"
+        f"  bridge training {a.bridge_tps:,.0f} tok/s per GPU: one H200 (2026-12-04), host-bound, with the loader "
+        "before issue 64 (the new one is not yet measured on a GPU; docs/results/paper_scale.md)\n"
+        f"  forward {a.forward_tps:,.0f} tok/s: assumed, not yet measured on a GPU\n"
+        f"  generation {a.gen_tps:,.0f} tok/s (batched): assumed; on the CPU the hybrid takes 1.2-1.3x the backbone's "
+        "time per token (benchmarks/results/hybrid_generate.json)\n"
+        f"  disk {a.disk_gibps} GiB/s: assumed"
     )
 
 

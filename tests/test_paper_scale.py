@@ -743,3 +743,31 @@ def test_the_estimate_counts_a_bridges_reads_once_and_one_layer_of_them():
         row = next(line for line in out.splitlines() if line.startswith("train-bridge (one layer)"))
         read_s = 2 * n_train * 128 * 4096 * 2 / 2**30 / disk
         assert float(row.split()[6]) == round(max(tokens / 14500, read_s) / 60), (disk, row)
+
+
+@pytest.mark.slow
+def test_the_estimate_on_eight_gpus_deals_compares_units_and_is_a_fifth_of_one_gpus():
+    """issue 65 item 4: `--gpus 1,8` prints the protocol on one GPU and on eight. On eight, compare's 162
+    part-epochs (27 parts at budget 1, 27 at budget 5) are dealt by dist.deal: the busiest GPU trains 21 of
+    them (the fewest possible: 162 / 8 rounds up to 21 with whole epochs), and its 168 generations split
+    evenly, an eighth each; the protocol takes at most a fifth of one GPU's time."""
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "scripts/estimate.py", "--like", "llama-3.1-8b", "--gpus", "1,8"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    one, eight = out.split("8 GPUs of one node")[0], out.split("8 GPUs of one node")[1]
+    compare_1 = next(x for x in one.splitlines() if x.startswith("compare"))
+    compare_8 = next(x for x in eight.splitlines() if x.startswith("compare"))
+    epoch = 282 * 64 * 127 / 14500 / 60  # one part-epoch on one GPU alone, minutes
+    generation = float(compare_1.split()[4]) - 162 * epoch  # compare's sampling and scoring on one GPU
+    assert float(compare_8.split()[4]) == pytest.approx(21 * epoch + generation / 8, abs=1)
+    total = lambda block: float(next(x for x in block.splitlines() if x.startswith("total")).split()[-1])
+    assert total(eight) <= total(one) / 5, (total(one), total(eight))
+    ratio = float(out.split("8 GPUs: ")[1].split(" of one GPU's time")[0])
+    assert ratio == pytest.approx(total(eight) / total(one), abs=0.01) and ratio <= 0.2
+    assert "measured" in out and "assumed" in out  # every rate says where it comes from
