@@ -1,0 +1,287 @@
+"""Where the hybrid's free-running generation loses what teacher forcing keeps (issue 66 item 1).
+
+For one bridge, per position of the sequence, the original's next-token distribution p against the
+hybrid's q on the same prefix: KL(p || q) (fidelity's), KL(q || p) (what sampling from q pays under p),
+the hybrid's rank of the original's top token and the share of positions whose top-1 flips, each
+    teacher forced   on held-out sequences of the bridge's extract (its validation split), and
+    free running     on the hybrid's own samples from the start token (scored on the same prefixes,
+                     with the bridge noise that wrote them),
+for each generation-time setting of the bridge: its noise scaled by s (s = 0: the flow's mean path) and
+its Euler steps. Then Gen.PPL under the original of each setting's free-running samples, and both
+models' Gen.PPL against unigram entropy over a temperature grid, read at matched entropy.
+
+Every row uses the same decoding (temperature, top-p 1), the same number of samples and tokens and the same
+seeds. Gen.PPL here is token-level on the sampled ids (no decode and re-encode) and positions after a stop
+token are left out; `dihal evaluate --samples` scores decoded text, so its figures differ slightly.
+
+    python scripts/hybrid_study.py --bridge ID --root runs/main-smollm2-135m --out docs/results/hybrid_study
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import torch
+import torch.nn.functional as F
+
+from dihal import open_store
+from dihal.artifacts import hidden_states as hs
+from dihal.stages.configs import GenerateConfig
+from dihal.stages.diffusion import draws
+from dihal.stages.generate import generate_hybrid, generate_original
+from dihal.stages.lineage import backbone_for
+from dihal.stages.lm.capture import hidden_states
+from dihal.stages.lm.hybrid import lm_logits, suffix_hidden, suffix_model
+from dihal.stages.lm.tokens import start_token
+from dihal.stages.parts.bridge import Bridge
+from dihal.stages.text.text_metrics import token_entropy
+
+
+def settings(text: str) -> list[tuple[float, int]]:
+    """'1x8,0x8' -> [(noise scale, Euler steps), ...]."""
+    return [(float(s.split("x")[0]), int(s.split("x")[1])) for s in text.split(",")]
+
+
+@torch.no_grad()
+def compare_on(loaded, bridge: Bridge, suffix, ids: torch.Tensor, noise: torch.Tensor, steps: int, stops) -> dict:
+    """ids (B, T) starting with the start token; noise (B, T - start, D) as the bridge draws it. Per position
+    0..T-2 (the prediction of token p + 1): KL both ways, rank of p's top token under q, top-1 flip, and the NLL
+    under p and q of the next token in ids. Positions at or after a stop token are masked out."""
+    model = loaded.model
+    p = lm_logits(model, model.model(input_ids=ids, use_cache=False).last_hidden_state).float()
+    h0 = hidden_states(model, ids, [0])[0].float()
+    h = bridge.sample(h0, steps, noise)
+    q = lm_logits(suffix, suffix_hidden(suffix, h)).float()
+    lp, lq = F.log_softmax(p[:, :-1], -1), F.log_softmax(q[:, :-1], -1)
+    kl_pq = (lp.exp() * (lp - lq)).sum(-1)
+    kl_qp = (lq.exp() * (lq - lp)).sum(-1)
+    top = lp.argmax(-1, keepdim=True)
+    rank = (lq > lq.gather(-1, top)).sum(-1)  # 0: q's top token is p's
+    nxt = ids[:, 1:, None]
+    nll_p, nll_q = -lp.gather(-1, nxt)[..., 0], -lq.gather(-1, nxt)[..., 0]
+    keep = torch.ones_like(kl_pq, dtype=torch.bool)
+    for b, row in enumerate(ids[:, 1:].tolist()):  # a stop as token k + 1 ends the positions after k
+        first = next((k for k, t in enumerate(row) if t in stops), None)
+        if first is not None:
+            keep[b, first + 1 :] = False
+    return {
+        "kl_pq": kl_pq,
+        "kl_qp": kl_qp,
+        "rank": rank.float(),
+        "flip": (rank > 0).float(),
+        "nll_p": nll_p,
+        "nll_q": nll_q,
+        "keep": keep,
+    }
+
+
+def per_position(got: dict, setting: str, mode: str) -> pd.DataFrame:
+    keep = got["keep"].float()
+    count = keep.sum(0)
+    frame = {"setting": setting, "mode": mode, "position": np.arange(keep.shape[1]), "count": count.numpy()}
+    for name in ("kl_pq", "kl_qp", "rank", "flip", "nll_p", "nll_q"):
+        frame[name] = ((got[name] * keep).sum(0) / count.clamp(min=1)).numpy()
+    return pd.DataFrame(frame)
+
+
+def summary(got: dict) -> dict:
+    """Means over positions 1.. (position 0 reads the exact start-token state in both, as fidelity leaves it
+    out); the NLLs and Gen.PPL over every predicted token, the first one included."""
+    keep, later = got["keep"], got["keep"].clone()
+    later[:, 0] = False
+    out = {name: float(got[name][later].mean()) for name in ("kl_pq", "kl_qp", "flip")}
+    out |= {name: float(got[name][keep].mean()) for name in ("nll_p", "nll_q")}
+    out["mean_rank"] = float(got["rank"][later].mean())
+    out["gen_ppl"] = math.exp(out["nll_p"])  # of the next tokens in the sequences, under the original
+    return out
+
+
+def batches(n: int, size: int):
+    for start in range(0, n, size):
+        yield start, min(start + size, n)
+
+
+def sample(
+    loaded, bridge, suffix, cfg: GenerateConfig, n: int, noise_scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """n free-running samples (start token + new ids) and the bridge noise that wrote them; noise None: the
+    original backbone's samples. Batch b draws from stream (seed, b) as `dihal generate` does."""
+    first = start_token(loaded.tokenizer)[0]
+    ids, noises = [], []
+    for b, (s, e) in enumerate(batches(n, cfg.batch_size)):
+        gen = draws.stream(cfg.seed, b)
+        prefix = torch.full((e - s, 1), first, dtype=torch.long)
+        if bridge is None:
+            new = generate_original(loaded, prefix, cfg, gen)
+        else:
+            noise = bridge.noise(e - s, 1 + cfg.max_new_tokens, gen) * noise_scale
+            new = generate_hybrid(loaded, bridge, suffix, prefix, cfg, gen, noise=noise)
+            noises.append(noise)
+        ids.append(torch.cat([prefix, new], dim=1))
+    return torch.cat(ids), (torch.cat(noises) if noises else None)
+
+
+def entropy_of(ids: torch.Tensor, stops) -> float:
+    from dihal.stages.lm.tokens import truncate
+
+    return token_entropy([truncate(row, stops) for row in ids[:, 1:].tolist()])
+
+
+def gen_ppl(loaded, ids: torch.Tensor, stops) -> float:
+    model, total, count = loaded.model, 0.0, 0
+    with torch.no_grad():
+        lp = F.log_softmax(lm_logits(model, model.model(input_ids=ids, use_cache=False).last_hidden_state), -1)
+    nll = -lp[:, :-1].gather(-1, ids[:, 1:, None])[..., 0]
+    for b, row in enumerate(ids[:, 1:].tolist()):
+        k = next((k for k, t in enumerate(row) if t in stops), len(row))
+        total, count = total + float(nll[b, :k].sum()), count + k
+    return math.exp(total / max(count, 1))
+
+
+def matched(curve: list[dict], entropy: float) -> float:
+    """log Gen.PPL linear in entropy between the grid's points (compare's rule), read at `entropy`."""
+    pts = sorted((c["entropy"], math.log(c["gen_ppl"])) for c in curve)
+    xs, ys = [x for x, _ in pts], [y for _, y in pts]
+    return math.exp(float(np.interp(entropy, xs, ys)))  # clamped at the grid's ends (said in the table)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--bridge", required=True)
+    p.add_argument("--root", default=None)
+    p.add_argument("--samples", type=int, default=64)
+    p.add_argument(
+        "--tokens", type=int, default=None, help="new tokens per sample (default: the extract's seq_len - 1)"
+    )
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--settings", default="1x8,0x8,0.5x8,1x1,1x32,0x32", help="noise scale x Euler steps, comma list")
+    p.add_argument("--temperatures", default="0.7,0.85,1.0")
+    p.add_argument(
+        "--curve-setting", default=None, help="the hybrid setting of the entropy curves (default: the first)"
+    )
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", required=True)
+    a = p.parse_args()
+    torch.manual_seed(0)
+    store = open_store(a.root) if a.root else open_store()
+    art = store.load(a.bridge, "bridge")
+    extract = store.load(art.manifest["parents"]["extract"], "extract")
+    loaded = backbone_for(art, "cpu", "float32")
+    bridge = Bridge.load(art)
+    suffix = suffix_model(loaded.model, bridge.layer)
+    stops = loaded.stop_ids
+    group = hs.open_group(extract)
+    seq_len = int(np.asarray(group["input_ids"]).shape[1])
+    tokens = a.tokens or seq_len - 1
+    held = hs.split_indices(group, "validation")[: a.samples]
+    real = torch.tensor(np.asarray(group["input_ids"].oindex[held])[:, : tokens + 1], dtype=torch.long)
+    cfg = GenerateConfig(max_new_tokens=tokens, batch_size=a.batch_size, seed=a.seed, device="cpu", dtype="float32")
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    frames, rows, started = [], [], time.time()
+    for noise_scale, steps in settings(a.settings):
+        name = f"noise {noise_scale:g}, {steps} steps"
+        # teacher forced: held-out text, noise drawn as fidelity draws it (stream (seed, 0)), scaled
+        gen = draws.stream(a.seed, 0)
+        tf_noise = bridge.noise(len(real), real.shape[1], gen) * noise_scale
+        tf = compare_on(loaded, bridge, suffix, real, tf_noise, steps, stops)
+        # free running: the hybrid's own samples at this setting, scored with the noise that wrote them
+        ids, noise = sample(loaded, bridge, suffix, replace(cfg, sample_steps=steps), len(real), noise_scale)
+        fr = compare_on(loaded, bridge, suffix, ids, noise, steps, stops)
+        frames += [per_position(tf, name, "teacher forced"), per_position(fr, name, "free running")]
+        row = {"setting": name, "noise_scale": noise_scale, "steps": steps}
+        row |= {f"tf_{k}": v for k, v in summary(tf).items()} | {f"fr_{k}": v for k, v in summary(fr).items()}
+        row["fr_entropy"] = entropy_of(ids, stops)
+        rows.append(row)
+        print(
+            f"{name}: TF KL {row['tf_kl_pq']:.3f} flip {row['tf_flip']:.3f} | FR KL {row['fr_kl_pq']:.3f} "
+            f"KL(q||p) {row['fr_kl_qp']:.3f} flip {row['fr_flip']:.3f} Gen.PPL {row['fr_gen_ppl']:.1f} "
+            f"entropy {row['fr_entropy']:.3f} ({time.time() - started:.0f} s)",
+            flush=True,
+        )
+    pd.concat(frames).to_csv(out / "per_position.csv", index=False)
+    table = pd.DataFrame(rows)
+    table.to_csv(out / "settings.csv", index=False)
+    # the entropy curves: the original and the hybrid (its curve setting) at each temperature
+    curve_noise, curve_steps = settings(a.curve_setting or a.settings.split(",")[0])[0]
+    curves = []
+    for t in [float(x) for x in a.temperatures.split(",")]:
+        for who in ("original", "hybrid"):
+            c = replace(cfg, temperature=t, sample_steps=curve_steps)
+            ids, _ = sample(loaded, bridge if who == "hybrid" else None, suffix, c, len(real), curve_noise)
+            curves.append(
+                {
+                    "model": who,
+                    "temperature": t,
+                    "entropy": entropy_of(ids, stops),
+                    "gen_ppl": gen_ppl(loaded, ids, stops),
+                }
+            )
+            print(
+                f"curve {who} t={t}: entropy {curves[-1]['entropy']:.3f} Gen.PPL {curves[-1]['gen_ppl']:.1f}",
+                flush=True,
+            )
+    curves = pd.DataFrame(curves)
+    curves.to_csv(out / "curves.csv", index=False)
+    orig, hyb = (curves[curves.model == m].to_dict("records") for m in ("original", "hybrid"))
+    at = (
+        next(c for c in orig if c["temperature"] == 1.0)["entropy"]
+        if any(c["temperature"] == 1.0 for c in orig)
+        else orig[-1]["entropy"]
+    )
+    result = {
+        "bridge": art.id,
+        "layer": bridge.layer,
+        "model": extract.config["model"],
+        "samples": len(real),
+        "tokens": tokens,
+        "settings": rows,
+        "curves": curves.to_dict("records"),
+        "matched_entropy": at,
+        "matched_ratio": matched(hyb, at) / matched(orig, at),
+        "hybrid_entropy_range": [min(c["entropy"] for c in hyb), max(c["entropy"] for c in hyb)],
+        "seconds": time.time() - started,
+    }
+    (out / "study.json").write_text(json.dumps(result, indent=2))
+    plot(
+        pd.concat(frames),
+        curves,
+        out / "study.png",
+        f"{extract.config['model']} bridge {art.id} (layer {bridge.layer})",
+    )
+    print(f"matched entropy {at:.3f}: hybrid / original Gen.PPL {result['matched_ratio']:.2f}")
+
+
+def plot(positions: pd.DataFrame, curves: pd.DataFrame, path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
+    for (setting, mode), g in positions.groupby(["setting", "mode"], sort=False):
+        style = "-" if mode == "free running" else "--"
+        axes[0].plot(g.position, g.kl_pq, style, label=f"{setting}, {mode}")
+        axes[1].plot(g.position, g.flip, style, label=f"{setting}, {mode}")
+    axes[0].set(xlabel="position", ylabel="KL(original || hybrid), nats", yscale="log")
+    axes[1].set(xlabel="position", ylabel="share of top-1 flips")
+    axes[0].legend(fontsize=6)
+    for who, g in curves.groupby("model"):
+        g = g.sort_values("entropy")
+        axes[2].plot(g.entropy, g.gen_ppl, "o-", label=who)
+    axes[2].set(xlabel="mean per-sample unigram entropy (nats)", ylabel="Gen.PPL under the original", yscale="log")
+    axes[2].legend()
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    main()
