@@ -21,7 +21,7 @@ SEQUENCES=${SEQUENCES:-20000}; SEQ_LEN=${SEQ_LEN:-128}; BATCH=${BATCH:-32}; TOKE
 EVAL_LIMIT=${EVAL_LIMIT:-256}; LIMIT=${LIMIT:-512}; EVAL_STEPS=${EVAL_STEPS:-4,8,16,32}; SAMPLE_STEPS=${SAMPLE_STEPS:-16}
 NUM_SAMPLES=${NUM_SAMPLES:-1000}; GEN_BATCH=${GEN_BATCH:-50}; MAX_NEW=${MAX_NEW:-$((SEQ_LEN - 1))}
 SEEDS=${SEEDS:-0,1,2}; BUDGETS=${BUDGETS:-1,5}; COMPARE_SAMPLES=${COMPARE_SAMPLES:-256}; PRIOR_STEPS=${PRIOR_STEPS:-50}
-COMPARE_BATCH=${COMPARE_BATCH:-64}
+COMPARE_BATCH=${COMPARE_BATCH:-64}; TEMPERATURES=${TEMPERATURES:-0,0.7,1.0}; CONTROLS=${CONTROLS:-sed,codar,dihal,dihal-direct}
 RECIPE=${RECIPE:-}                          # recipe flags on top of --protocol paper (a CPU rehearsal shrinks it)
 # model, candidate layers, its shapes for the estimate printed first (scripts/make_random_model.py's configs),
 # one a line
@@ -62,7 +62,7 @@ while read -r -u 3 MODEL LAYERS LIKE; do
   OTHER=$(printf '%s\n' "$MODELS" | awk -v m="$MODEL" 'NF && $1 != m {print $1; exit}')
   $DIHAL compare --extract "$EXTRACT" --score "$SCORE" --protocol paper $RECIPE --seeds "$SEEDS" \
     --num-samples "$COMPARE_SAMPLES" --prior-steps "$PRIOR_STEPS" --sample-steps "$SAMPLE_STEPS" \
-    --condition-noise prior:0.5 --temperatures 0,0.7,1.0 --top-p 1.0 --budgets "$BUDGETS" \
-    --controls sed,codar,dihal,dihal-direct --evaluator "${OTHER:-$MODEL}" --batch-size "$COMPARE_BATCH" $DEV
+    --condition-noise prior:0.5 --temperatures "$TEMPERATURES" --top-p 1.0 --budgets "$BUDGETS" \
+    --controls "$CONTROLS" --evaluator "${OTHER:-$MODEL}" --batch-size "$COMPARE_BATCH" $DEV
   dry || python3 scripts/summarize.py "$DIHAL_ROOT" "$DIHAL_ROOT/summary.md"
 done 3<<< "$MODELS"

@@ -1104,7 +1104,8 @@ def test_compare_on_two_ranks_writes_one_process_table_bit_for_bit_and_resumes_u
         shutil.copytree(base, tmp_path / name)
     args = ["compare", "--extract", "latest", "--score", "latest", "--evaluator", str(tiny_dirs["qwen3"])]
     args += ["--seeds", "0,1", "--num-samples", "4", "--prior-steps", "3", "--sample-steps", "2", "--budgets", "1"]
-    args += ["--train-steps", "3", "--width", "16", "--depth", "1", "--temperatures", "0,1", "--device", "cpu"]
+    args += ["--train-steps", "3", "--width", "16", "--depth", "1", "--temperatures", "0,1", "--controls", "dihal"]
+    args += ["--device", "cpu"]
     one = run_cli(*args, "--root", str(tmp_path / "one"), env={"OMP_NUM_THREADS": "1"}, check=True)
     two = torchrun(*args, "--root", str(tmp_path / "two"))
     assert two.returncode == 0, two.stderr[-3000:]

@@ -35,6 +35,8 @@ SIZES = {
     "COMPARE_SAMPLES": "4",
     "PRIOR_STEPS": "3",
     "COMPARE_BATCH": "4",
+    "TEMPERATURES": "0,1",  # two points a curve, and the controls of DiHAL alone: 16 generations, not 28
+    "CONTROLS": "dihal",
     "RECIPE": "--train-steps 3 --width 16 --depth 1 --heads 2 --batch-size 4",
     "DEVICE": "cpu",
     "DTYPE": "float32",
