@@ -64,6 +64,7 @@ def generate(
     top_k: int = o.opt(GenerateConfig, "top_k"),
     top_p: float = o.opt(GenerateConfig, "top_p"),
     sample_steps: int = o.opt(GenerateConfig, "sample_steps", help="Bridge Euler steps per position."),
+    bridge_noise: float = o.opt(GenerateConfig, "bridge_noise", help="Scale of the bridge's noise (0: its mean path)."),
     batch_size: int = o.opt(GenerateConfig, "batch_size"),
     baseline: str = o.opt(
         GenerateConfig,

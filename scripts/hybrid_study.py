@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -31,8 +32,8 @@ import pandas as pd
 import torch
 import torch.nn.functional as F
 
-from dihal import open_store
 from dihal.artifacts import hidden_states as hs
+from dihal.artifacts.store import ArtifactStore
 from dihal.stages.configs import GenerateConfig
 from dihal.stages.diffusion import draws
 from dihal.stages.generate import generate_hybrid, generate_original
@@ -62,6 +63,7 @@ def compare_on(loaded, bridge: Bridge, suffix, ids: torch.Tensor, noise: torch.T
     lp, lq = F.log_softmax(p[:, :-1], -1), F.log_softmax(q[:, :-1], -1)
     kl_pq = (lp.exp() * (lp - lq)).sum(-1)
     kl_qp = (lq.exp() * (lq - lp)).sum(-1)
+    h_p, h_q = -(lp.exp() * lp).sum(-1), -(lq.exp() * lq).sum(-1)
     top = lp.argmax(-1, keepdim=True)
     rank = (lq > lq.gather(-1, top)).sum(-1)  # 0: q's top token is p's
     nxt = ids[:, 1:, None]
@@ -78,6 +80,8 @@ def compare_on(loaded, bridge: Bridge, suffix, ids: torch.Tensor, noise: torch.T
         "flip": (rank > 0).float(),
         "nll_p": nll_p,
         "nll_q": nll_q,
+        "h_p": h_p,
+        "h_q": h_q,
         "keep": keep,
     }
 
@@ -86,7 +90,7 @@ def per_position(got: dict, setting: str, mode: str) -> pd.DataFrame:
     keep = got["keep"].float()
     count = keep.sum(0)
     frame = {"setting": setting, "mode": mode, "position": np.arange(keep.shape[1]), "count": count.numpy()}
-    for name in ("kl_pq", "kl_qp", "rank", "flip", "nll_p", "nll_q"):
+    for name in ("kl_pq", "kl_qp", "rank", "flip", "nll_p", "nll_q", "h_p", "h_q"):
         frame[name] = ((got[name] * keep).sum(0) / count.clamp(min=1)).numpy()
     return pd.DataFrame(frame)
 
@@ -97,7 +101,7 @@ def summary(got: dict) -> dict:
     keep, later = got["keep"], got["keep"].clone()
     later[:, 0] = False
     out = {name: float(got[name][later].mean()) for name in ("kl_pq", "kl_qp", "flip")}
-    out |= {name: float(got[name][keep].mean()) for name in ("nll_p", "nll_q")}
+    out |= {name: float(got[name][keep].mean()) for name in ("nll_p", "nll_q", "h_p", "h_q")}
     out["mean_rank"] = float(got["rank"][later].mean())
     out["gen_ppl"] = math.exp(out["nll_p"])  # of the next tokens in the sequences, under the original
     return out
@@ -145,6 +149,17 @@ def gen_ppl(loaded, ids: torch.Tensor, stops) -> float:
     return math.exp(total / max(count, 1))
 
 
+def matched_entropy(orig: list[dict], hyb: list[dict]) -> tuple[float, str]:
+    """Where both curves are read: the original's entropy at temperature 1 when the hybrid's curve reaches it,
+    else the top of the entropy range both curves cover (never an extrapolation)."""
+    top = next((c["entropy"] for c in orig if c["temperature"] == 1.0), max(c["entropy"] for c in orig))
+    low = max(min(c["entropy"] for c in orig), min(c["entropy"] for c in hyb))
+    high = min(max(c["entropy"] for c in orig), max(c["entropy"] for c in hyb))
+    if low <= top <= high:
+        return top, "the original's entropy at temperature 1"
+    return high, "the top of the range both curves cover"
+
+
 def matched(curve: list[dict], entropy: float) -> float:
     """log Gen.PPL linear in entropy between the grid's points (compare's rule), read at `entropy`."""
     pts = sorted((c["entropy"], math.log(c["gen_ppl"])) for c in curve)
@@ -170,9 +185,9 @@ def main() -> None:
     p.add_argument("--out", required=True)
     a = p.parse_args()
     torch.manual_seed(0)
-    store = open_store(a.root) if a.root else open_store()
-    art = store.load(a.bridge, "bridge")
-    extract = store.load(art.manifest["parents"]["extract"], "extract")
+    store = ArtifactStore(a.root or os.environ.get("DIHAL_ROOT", "runs"))
+    art = store.load("bridge", a.bridge)
+    extract = store.load("extract", art.manifest["parents"]["extract"])
     loaded = backbone_for(art, "cpu", "float32")
     bridge = Bridge.load(art)
     suffix = suffix_model(loaded.model, bridge.layer)
@@ -186,6 +201,8 @@ def main() -> None:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     frames, rows, started = [], [], time.time()
+    own, _ = sample(loaded, None, suffix, cfg, len(real), 0.0)  # the original's own samples: the text a perfect
+    own_entropy = entropy_of(own, stops)  # hybrid would write, read by the hybrid teacher forced (the control)
     for noise_scale, steps in settings(a.settings):
         name = f"noise {noise_scale:g}, {steps} steps"
         # teacher forced: held-out text, noise drawn as fidelity draws it (stream (seed, 0)), scaled
@@ -195,13 +212,22 @@ def main() -> None:
         # free running: the hybrid's own samples at this setting, scored with the noise that wrote them
         ids, noise = sample(loaded, bridge, suffix, replace(cfg, sample_steps=steps), len(real), noise_scale)
         fr = compare_on(loaded, bridge, suffix, ids, noise, steps, stops)
-        frames += [per_position(tf, name, "teacher forced"), per_position(fr, name, "free running")]
+        gen = draws.stream(a.seed, 1)
+        ot = compare_on(
+            loaded, bridge, suffix, own, bridge.noise(len(own), own.shape[1], gen) * noise_scale, steps, stops
+        )
+        frames += [
+            per_position(x, name, m) for x, m in ((tf, "teacher forced"), (fr, "free running"), (ot, "original's text"))
+        ]
         row = {"setting": name, "noise_scale": noise_scale, "steps": steps}
         row |= {f"tf_{k}": v for k, v in summary(tf).items()} | {f"fr_{k}": v for k, v in summary(fr).items()}
-        row["fr_entropy"] = entropy_of(ids, stops)
+        row |= {f"ot_{k}": v for k, v in summary(ot).items()}
+        row["fr_entropy"], row["ot_entropy"] = entropy_of(ids, stops), own_entropy
         rows.append(row)
         print(
-            f"{name}: TF KL {row['tf_kl_pq']:.3f} flip {row['tf_flip']:.3f} | FR KL {row['fr_kl_pq']:.3f} "
+            f"{name}: TF KL {row['tf_kl_pq']:.3f} flip {row['tf_flip']:.3f} | own text KL {row['ot_kl_pq']:.3f} "
+            f"flip {row['ot_flip']:.3f} Gen.PPL {row['ot_gen_ppl']:.1f} H(p) {row['ot_h_p']:.3f} | "
+            f"FR H(p) {row['fr_h_p']:.3f} H(q) {row['fr_h_q']:.3f} | FR KL {row['fr_kl_pq']:.3f} "
             f"KL(q||p) {row['fr_kl_qp']:.3f} flip {row['fr_flip']:.3f} Gen.PPL {row['fr_gen_ppl']:.1f} "
             f"entropy {row['fr_entropy']:.3f} ({time.time() - started:.0f} s)",
             flush=True,
@@ -231,11 +257,7 @@ def main() -> None:
     curves = pd.DataFrame(curves)
     curves.to_csv(out / "curves.csv", index=False)
     orig, hyb = (curves[curves.model == m].to_dict("records") for m in ("original", "hybrid"))
-    at = (
-        next(c for c in orig if c["temperature"] == 1.0)["entropy"]
-        if any(c["temperature"] == 1.0 for c in orig)
-        else orig[-1]["entropy"]
-    )
+    at, where = matched_entropy(orig, hyb)
     result = {
         "bridge": art.id,
         "layer": bridge.layer,
@@ -245,6 +267,7 @@ def main() -> None:
         "settings": rows,
         "curves": curves.to_dict("records"),
         "matched_entropy": at,
+        "matched_at": where,
         "matched_ratio": matched(hyb, at) / matched(orig, at),
         "hybrid_entropy_range": [min(c["entropy"] for c in hyb), max(c["entropy"] for c in hyb)],
         "seconds": time.time() - started,
@@ -256,7 +279,7 @@ def main() -> None:
         out / "study.png",
         f"{extract.config['model']} bridge {art.id} (layer {bridge.layer})",
     )
-    print(f"matched entropy {at:.3f}: hybrid / original Gen.PPL {result['matched_ratio']:.2f}")
+    print(f"matched entropy {at:.3f} ({where}): hybrid / original Gen.PPL {result['matched_ratio']:.2f}")
 
 
 def plot(positions: pd.DataFrame, curves: pd.DataFrame, path: Path, title: str) -> None:

@@ -65,8 +65,8 @@ def generate_hybrid(
     """prefix (B, P) -> (B, max_new_tokens) new ids, hybrid model. noise: (B, covered, D) for the covered
     positions (default: drawn from gen, a fresh draw per sample)."""
     model, batch = loaded.model, prefix.shape[0]
-    if noise is None:
-        noise = bridge.noise(batch, prefix.shape[1] + cfg.max_new_tokens, gen)
+    if noise is None:  # drawn at full scale whatever --bridge-noise, so the tokens' draws that follow are the same
+        noise = bridge.noise(batch, prefix.shape[1] + cfg.max_new_tokens, gen) * cfg.bridge_noise
     ids, new = prefix, []
     if cfg.cache:
         sampler, kv = bridge.cached_sampler(cfg.sample_steps, batch), DynamicCache(config=suffix.config)

@@ -277,3 +277,34 @@ def test_an_euler_steps_time_and_condition_terms_computed_once_give_the_same_bit
     cached = net(x, t, c, start=5, times=net.time_terms(t), condition=net.condition_terms(c))
     assert torch.equal(plain, cached)
     assert not torch.equal(plain, net(x, t, c, start=5, times=net.time_terms(t * 0.5)))  # the terms are used
+
+
+def test_bridge_noise_zero_is_the_flows_mean_path_and_one_keeps_every_id(hybrid):
+    """--bridge-noise s scales the bridge's noise (issue 66): at 0 the hybrid's states, and so its greedy
+    tokens, no longer depend on the noise's seed, and equal the flow sampled from a zero start by hand; at 1 a
+    generation's id is the one it had before the option existed."""
+    from dihal.stages import generate as gen_stage
+    from dihal.stages.configs import GenerateConfig
+    from dihal.stages.diffusion import flow
+
+    prompt, new = _prompt(hybrid), 6
+    cfg = GenerateConfig(max_new_tokens=new, temperature=0.0, sample_steps=3, bridge_noise=0.0)
+    runs = [
+        gen_stage.generate_hybrid(
+            hybrid.loaded, hybrid.bridge, hybrid.suffix, prompt, cfg, torch.Generator().manual_seed(s)
+        )
+        for s in (0, 1)
+    ]
+    assert runs[0].tolist() == runs[1].tolist()
+    # by hand: the states of prompt + tokens from a zero start, the upper blocks' greedy token at the end
+    ids = torch.cat([prompt, runs[0][:, :-1]], dim=1)
+    h0 = gen_stage._layer0(hybrid.backbone, ids)
+    c = hybrid.bridge.norm.c(h0[:, hybrid.bridge.start :])
+    y = flow.sample(lambda x, t, i: hybrid.bridge.net(x, t, c), torch.zeros_like(c), 3, hybrid.bridge.prediction)
+    states = hybrid.bridge._assemble(y, 1)
+    logits = hybrid.suffix(inputs_embeds=states).logits
+    assert logits[0, prompt.shape[1] - 1 :].argmax(-1).tolist() == runs[0][0].tolist()
+    one = GenerateConfig(bridge_noise=1.0).hashed()
+    assert "bridge_noise" not in one and GenerateConfig(bridge_noise=0.5).hashed()["bridge_noise"] == 0.5
+    with pytest.raises(DihalError, match="--mode parallel takes none"):
+        GenerateConfig(mode="parallel", bridge_noise=0.5)
