@@ -46,12 +46,21 @@ from dihal.stages.text.text_metrics import token_entropy
 
 
 def settings(text: str) -> list[tuple[float, int]]:
-    """'1x8,0x8' -> [(noise scale, Euler steps), ...]."""
-    return [(float(s.split("x")[0]), int(s.split("x")[1])) for s in text.split(",")]
+    """'1x8,0x8' -> [(noise scale, Euler steps), ...]; '' -> none."""
+    return [(float(s.split("x")[0]), int(s.split("x")[1])) for s in text.split(",") if s]
+
+
+def compare_on(loaded, bridge: Bridge, suffix, ids, noise, steps: int, stops, rows: int = 8) -> dict:
+    """compare_rows over slices of `rows` sequences (a (B, T, V) float32 tensor of gemma3's 262k vocabulary is
+    4 GiB at 64 x 64), joined."""
+    parts = [
+        compare_rows(loaded, bridge, suffix, ids[s:e], noise[s:e], steps, stops) for s, e in batches(len(ids), rows)
+    ]
+    return {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
 
 
 @torch.no_grad()
-def compare_on(loaded, bridge: Bridge, suffix, ids: torch.Tensor, noise: torch.Tensor, steps: int, stops) -> dict:
+def compare_rows(loaded, bridge: Bridge, suffix, ids: torch.Tensor, noise: torch.Tensor, steps: int, stops) -> dict:
     """ids (B, T) starting with the start token; noise (B, T - start, D) as the bridge draws it. Per position
     0..T-2 (the prediction of token p + 1): KL both ways, rank of p's top token under q, top-1 flip, and the NLL
     under p and q of the next token in ids. Positions at or after a stop token are masked out."""
@@ -139,10 +148,13 @@ def entropy_of(ids: torch.Tensor, stops) -> float:
 
 
 def gen_ppl(loaded, ids: torch.Tensor, stops) -> float:
-    model, total, count = loaded.model, 0.0, 0
+    model, total, count, nll = loaded.model, 0.0, 0, []
     with torch.no_grad():
-        lp = F.log_softmax(lm_logits(model, model.model(input_ids=ids, use_cache=False).last_hidden_state), -1)
-    nll = -lp[:, :-1].gather(-1, ids[:, 1:, None])[..., 0]
+        for s, e in batches(len(ids), 8):
+            hidden = model.model(input_ids=ids[s:e], use_cache=False).last_hidden_state
+            lp = F.log_softmax(lm_logits(model, hidden), -1)
+            nll.append(-lp[:, :-1].gather(-1, ids[s:e, 1:, None])[..., 0])
+    nll = torch.cat(nll)
     for b, row in enumerate(ids[:, 1:].tolist()):
         k = next((k for k, t in enumerate(row) if t in stops), len(row))
         total, count = total + float(nll[b, :k].sum()), count + k
@@ -178,9 +190,7 @@ def main() -> None:
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--settings", default="1x8,0x8,0.5x8,1x1,1x32,0x32", help="noise scale x Euler steps, comma list")
     p.add_argument("--temperatures", default="0.7,0.85,1.0")
-    p.add_argument(
-        "--curve-setting", default=None, help="the hybrid setting of the entropy curves (default: the first)"
-    )
+    p.add_argument("--curve-settings", default="1x8", help="the hybrid settings of the entropy curves, comma list")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", required=True)
     a = p.parse_args()
@@ -232,32 +242,30 @@ def main() -> None:
             f"entropy {row['fr_entropy']:.3f} ({time.time() - started:.0f} s)",
             flush=True,
         )
-    pd.concat(frames).to_csv(out / "per_position.csv", index=False)
+    positions = pd.concat(frames) if frames else pd.DataFrame(columns=["setting", "mode", "position", "kl_pq", "flip"])
+    positions.to_csv(out / "per_position.csv", index=False)
     table = pd.DataFrame(rows)
     table.to_csv(out / "settings.csv", index=False)
-    # the entropy curves: the original and the hybrid (its curve setting) at each temperature
-    curve_noise, curve_steps = settings(a.curve_setting or a.settings.split(",")[0])[0]
+    # the entropy curves: the original and the hybrid (each curve setting) at each temperature
     curves = []
+    whom = [("original", None)] + [(f"hybrid, {n:g} x {k}", (n, k)) for n, k in settings(a.curve_settings)]
     for t in [float(x) for x in a.temperatures.split(",")]:
-        for who in ("original", "hybrid"):
-            c = replace(cfg, temperature=t, sample_steps=curve_steps)
-            ids, _ = sample(loaded, bridge if who == "hybrid" else None, suffix, c, len(real), curve_noise)
-            curves.append(
-                {
-                    "model": who,
-                    "temperature": t,
-                    "entropy": entropy_of(ids, stops),
-                    "gen_ppl": gen_ppl(loaded, ids, stops),
-                }
-            )
-            print(
-                f"curve {who} t={t}: entropy {curves[-1]['entropy']:.3f} Gen.PPL {curves[-1]['gen_ppl']:.1f}",
-                flush=True,
-            )
+        for who, setting in whom:
+            noise_scale, steps = setting or (0.0, cfg.sample_steps)
+            c = replace(cfg, temperature=t, sample_steps=steps)
+            ids, _ = sample(loaded, bridge if setting else None, suffix, c, len(real), noise_scale)
+            curves.append({"model": who, "temperature": t, "entropy": entropy_of(ids, stops)})
+            curves[-1]["gen_ppl"] = gen_ppl(loaded, ids, stops)
+            print(f"curve {who} t={t}: entropy {curves[-1]['entropy']:.3f} Gen.PPL {curves[-1]['gen_ppl']:.1f}")
     curves = pd.DataFrame(curves)
     curves.to_csv(out / "curves.csv", index=False)
-    orig, hyb = (curves[curves.model == m].to_dict("records") for m in ("original", "hybrid"))
-    at, where = matched_entropy(orig, hyb)
+    orig = curves[curves.model == "original"].to_dict("records")
+    readings = {}
+    for who, _ in whom[1:]:
+        hyb = curves[curves.model == who].to_dict("records")
+        at, where = matched_entropy(orig, hyb)
+        readings[who] = {"entropy": at, "where": where, "ratio": matched(hyb, at) / matched(orig, at)}
+        print(f"{who}: matched entropy {at:.3f} ({where}): hybrid / original Gen.PPL {readings[who]['ratio']:.2f}")
     result = {
         "bridge": art.id,
         "layer": bridge.layer,
@@ -266,20 +274,16 @@ def main() -> None:
         "tokens": tokens,
         "settings": rows,
         "curves": curves.to_dict("records"),
-        "matched_entropy": at,
-        "matched_at": where,
-        "matched_ratio": matched(hyb, at) / matched(orig, at),
-        "hybrid_entropy_range": [min(c["entropy"] for c in hyb), max(c["entropy"] for c in hyb)],
+        "matched": readings,
         "seconds": time.time() - started,
     }
     (out / "study.json").write_text(json.dumps(result, indent=2))
     plot(
-        pd.concat(frames),
+        positions,
         curves,
         out / "study.png",
         f"{extract.config['model']} bridge {art.id} (layer {bridge.layer})",
     )
-    print(f"matched entropy {at:.3f} ({where}): hybrid / original Gen.PPL {result['matched_ratio']:.2f}")
 
 
 def plot(positions: pd.DataFrame, curves: pd.DataFrame, path: Path, title: str) -> None:

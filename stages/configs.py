@@ -43,7 +43,9 @@ DIST_TIMEOUT_MINUTES = 60.0  # a torchrun rank's wait for the others (NCCL's own
 DIST_TIMEOUT_ENV = "DIHAL_DIST_TIMEOUT"  # how `dihal --dist-timeout` reaches every rank's process group
 COMPARISON_CONDITION_NOISE = 0.5  # METHOD §5: sigma_max of the corrupted conditions of decoder and bridges
 DECODER_DEPTH = 2  # METHOD §5: the decoder has the protocol's width and depth 2
-BRIDGE_NOISE = 1.0  # the AR hybrid's bridge noise scale (GenerateConfig.bridge_noise; issue 66's rule)
+# the AR hybrid's bridge noise scale (GenerateConfig.bridge_noise): 0, the flow's mean path, by the rule of
+# docs/results/hybrid_generation.md (issue 66); every generation before it sampled at 1
+BRIDGE_NOISE = 0.0
 
 # the CPU protocols share one network and batch; each names only what it changes
 _CPU = dict(epochs=None, batch_size=32, schedule="cosine", width=256, depth=4, heads=4, val_sequences=64)
@@ -624,15 +626,17 @@ class GenerateConfig(Config):
     num_prompts: int = added(64, when=lambda c: c.prompts_from is None)
     # ar: the hybrid's bridge samples from its noise times this (0: the flow's mean path, one state per context;
     # chosen by the rule of docs/results/hybrid_generation.md); 1 is every generation's before it existed
-    bridge_noise: float = added(BRIDGE_NOISE, when=lambda c: c.mode == "parallel" or c.bridge_noise == 1.0)
+    bridge_noise: float = added(
+        BRIDGE_NOISE, when=lambda c: c.mode == "parallel" or c.baseline == "original-only" or c.bridge_noise == 1.0
+    )
 
     def check(self) -> None:
         one_of(self, "mode", ("ar", "parallel"))
         noise = self.bridge_noise
         require(0 <= noise <= 1 and math.isfinite(noise), f"--bridge-noise must be in [0, 1], got {noise}")
         require(
-            self.mode == "ar" or noise == BRIDGE_NOISE,
-            "--bridge-noise scales the AR hybrid's bridge; --mode parallel takes none",
+            (self.mode == "ar" and self.baseline != "original-only") or noise == BRIDGE_NOISE,
+            "--bridge-noise scales the AR hybrid's bridge; --mode parallel and --baseline original-only take none",
         )
         require(
             self.baseline != "original-only" or self.model is not None,

@@ -62,6 +62,7 @@ def run(
         "evaluator": eval_stage.second_evaluator(cfg.evaluator, backbone),
         "generate_version": gen_stage.CACHE_VERSION,  # its generations are unprompted hybrid ones
         "bridge_version": bridge_stage.CACHE_VERSION,  # and its bridges' computation
+        **gen_stage.noise_key(),  # and their bridge noise, where it is not the 1 of every id before it
     }
     config.update(weights_digests(evaluator=config["evaluator"]))  # a local evaluator by its files
     parents = {"sweep": sweep_art.id, "extract": extract.id}

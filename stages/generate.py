@@ -18,7 +18,7 @@ from transformers import DynamicCache
 
 from dihal.artifacts.errors import DihalError
 from dihal.artifacts.store import Artifact, ArtifactStore, Job
-from dihal.stages.configs import GenerateConfig
+from dihal.stages.configs import BRIDGE_NOISE, GenerateConfig
 from dihal.stages.diffusion import draws
 from dihal.stages.lm import decoding, tokens
 from dihal.stages.lm.capture import hidden_states
@@ -103,6 +103,12 @@ def generate_original(
 
 def _dtype(module) -> torch.dtype:
     return next(module.parameters()).dtype
+
+
+def noise_key() -> dict:
+    """What a stage that runs `dihal generate`'s default AR hybrid (compare's and confirm's rows) hashes of its
+    bridge noise: nothing at 1, the scale of every generation made before --bridge-noise existed."""
+    return {} if BRIDGE_NOISE == 1.0 else {"ar_bridge_noise": BRIDGE_NOISE}
 
 
 def generate_key(cfg: GenerateConfig) -> dict:

@@ -306,5 +306,5 @@ def test_bridge_noise_zero_is_the_flows_mean_path_and_one_keeps_every_id(hybrid)
     assert logits[0, prompt.shape[1] - 1 :].argmax(-1).tolist() == runs[0][0].tolist()
     one = GenerateConfig(bridge_noise=1.0).hashed()
     assert "bridge_noise" not in one and GenerateConfig(bridge_noise=0.5).hashed()["bridge_noise"] == 0.5
-    with pytest.raises(DihalError, match="--mode parallel takes none"):
+    with pytest.raises(DihalError, match="--mode parallel and --baseline original-only take none"):
         GenerateConfig(mode="parallel", bridge_noise=0.5)
