@@ -105,9 +105,10 @@ MODEL_COMMANDS = {"extract", "train-bridge", "sweep", "compare"}
 # numeric options where 0 is a valid value (and so the CLI must accept it), from docs/method.md and the
 # configs' own meaning: a seed, warm-up, EMA 0, no condition noise, greedy decoding, top-k off, no pool,
 # no bootstrap draws, a prior over layer 0, a validation fraction of 0, no own text in a bridge's data,
-# gamma 0 (the guided readouts read as independent)
+# gamma 0 (the guided readouts read as independent), bridge noise 0 (the flow's mean path)
 ZERO_OK = {
     "guidance",
+    "bridge-noise",
     "seed",
     "own-seed",
     "own-text",
@@ -285,10 +286,13 @@ def test_artifact_ids_do_not_move():
     assert schema2_id("decoder", {**decoder.hashed(), "revision": 2}, PARENT) != "a8a443db7c36"
     assert dec.CACHE_VERSION == 2  # the revision became the decoder's CACHE_VERSION
     # an AR generation hashes the temperature it uses: at the defaults, the landed main's ids
-    # (computed with its configs.py: fc16c39bd5d2 and a8e2c81d9800); a parallel one moved (README)
+    # (computed with its configs.py: fc16c39bd5d2 and a8e2c81d9800) at --bridge-noise 1, the scale they sampled
+    # at; the default mean path (issue 66) is another generation, with its own id; a parallel one moved (README)
     on_bridge = {"bridge": "0123456789ab"}
-    assert schema2_id("generate", C.GenerateConfig(num_samples=16).hashed(), on_bridge) == "fc16c39bd5d2"
-    greedy = C.GenerateConfig(num_samples=16, temperature=0.0, top_p=0.9)
+    old = C.GenerateConfig(num_samples=16, bridge_noise=1.0)
+    assert schema2_id("generate", old.hashed(), on_bridge) == "fc16c39bd5d2"
+    assert schema2_id("generate", C.GenerateConfig(num_samples=16).hashed(), on_bridge) == "e82bd8180c43"
+    greedy = C.GenerateConfig(num_samples=16, temperature=0.0, top_p=0.9, bridge_noise=1.0)
     assert schema2_id("generate", greedy.hashed(), on_bridge) == "a8e2c81d9800"
     gen = C.GenerateConfig(mode="parallel", recovery="hidden", num_samples=16)
     assert schema2_id("generate", gen.hashed(), {"prior": "0123456789ab"}) != "ec66f62b7c09"
