@@ -17,6 +17,7 @@ baseline's own entropies under the primary evaluator (a model other than the bac
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 from dataclasses import dataclass
@@ -437,65 +438,47 @@ def units(cfg: CompareConfig, plan: Plan) -> list[Unit]:
     return out
 
 
-class Models:
-    """The backbone and the primary evaluator, each loaded on first use by the rank that needs it."""
-
-    def __init__(self, load_model, plan: Plan):
-        self.load, self.plan, self.held = load_model, plan, {}
-
-    def get(self, spec: str):
-        if spec not in self.held:
-            self.held[spec] = self.load(spec)
-        return self.held[spec]
-
-    def backbone(self):
-        return self.get(self.plan.backbone)
-
-    def evaluators(self) -> dict:
-        return {"evaluator": self.get(self.plan.primary), "backbone": self.backbone()}
+def evaluators(model, plan: Plan) -> dict:
+    """The primary evaluator and the backbone, by model(spec): load_model under functools.cache, so each loads
+    on first use by the rank that needs it."""
+    return {"evaluator": model(plan.primary), "backbone": model(plan.backbone)}
 
 
-def do_units(cfg: CompareConfig, plan: Plan, extract: Artifact, store, models: Models, progress) -> None:
+def do_units(cfg: CompareConfig, plan: Plan, extract: Artifact, store, model, progress) -> None:
     """Every unit done once over the ranks of this command (a wave at a time: each ends when every rank has
     done its share of it), every one an artifact in the store."""
-    rank = dist.distributed()[0]
-    inner = progress if rank == 0 else NullProgress()  # one rank's bars on a terminal; every rank names its units
-    parts_of = {}
+    backbone = lambda: model(plan.backbone)
+    train = lambda k, seed, inner, only=None: train_parts(
+        cfg, extract, store, seed, plan.l_star, plan.worst, k, inner, backbone, only
+    )
+    parts = functools.cache(lambda k, seed: train(k, seed, NullProgress()))  # a generation's: each a cache hit
 
-    def parts(k: int, seed: int, only=None) -> dict[str, Artifact]:
-        if only is not None:
-            return train_parts(cfg, extract, store, seed, plan.l_star, plan.worst, k, inner, models.backbone, only)
-        if (k, seed) not in parts_of:  # every part a cache hit by now
-            parts_of[k, seed] = train_parts(
-                cfg, extract, store, seed, plan.l_star, plan.worst, k, inner, models.backbone
-            )
-        return parts_of[k, seed]
-
-    def do(unit: Unit) -> None:
+    def do(unit: Unit, inner: Progress) -> None:
         if unit.generation is None:
-            parts(unit.budget, unit.seed, only={unit.what})
+            train(unit.budget, unit.seed, inner, only={unit.what})
             return
         g = generations(cfg)[unit.generation]
-        got = parts(unit.budget, unit.seed)
-        art = generate_one(g, cfg, got, store, models.backbone(), unit.seed, plan.l_star, plan.worst, inner)
-        for ev in models.evaluators().values():
+        art = generate_one(
+            g, cfg, parts(unit.budget, unit.seed), store, backbone(), unit.seed, plan.l_star, plan.worst, inner
+        )
+        for ev in evaluators(model, plan).values():
             scored_samples(art, ev, store, cfg)
 
     todo = units(cfg, plan)
     for wave in sorted({u.wave for u in todo}):
-        dist.share([u for u in todo if u.wave == wave], do, Unit.name, cost=lambda u: u.cost, log=progress.log)
+        dist.share([u for u in todo if u.wave == wave], do, Unit.name, cost=lambda u: u.cost, progress=progress)
 
 
-def collect(cfg: CompareConfig, plan: Plan, extract: Artifact, store: ArtifactStore, models: Models) -> dict:
+def collect(cfg: CompareConfig, plan: Plan, extract: Artifact, store: ArtifactStore, model) -> dict:
     """Every unit's artifacts (each a cache hit after do_units) gathered into {samples (one line per sample,
     the held-out text's too), parts, texts, h_ref, evaluators}."""
-    loaded, evaluators = models.backbone(), models.evaluators()
+    loaded, scorers = model(plan.backbone), evaluators(model, plan)
     texts, ids = held_out_texts(extract, loaded, cfg.num_samples)
-    real = held_out_samples(texts, ids, evaluators)
+    real = held_out_samples(texts, ids, scorers)
     frames, parts_table, quiet = [], [], NullProgress()
     for k in cfg.budgets:
         for seed in cfg.seeds:
-            parts = train_parts(cfg, extract, store, seed, plan.l_star, plan.worst, k, quiet, models.backbone)
+            parts = train_parts(cfg, extract, store, seed, plan.l_star, plan.worst, k, quiet, lambda: loaded)
             parts_table += [{"budget": k, "seed": seed, **part_row(n, a, loaded.model)} for n, a in parts.items()]
             gens = [
                 (
@@ -504,14 +487,14 @@ def collect(cfg: CompareConfig, plan: Plan, extract: Artifact, store: ArtifactSt
                 )
                 for g in generations(cfg)
             ]
-            frames.append(sample_table(gens, evaluators, store, cfg, k, seed))
+            frames.append(sample_table(gens, scorers, store, cfg, k, seed))
             frames.append(real.assign(budget=k, seed=seed))
     return {
         "samples": pd.concat(frames, ignore_index=True),
         "parts": pd.DataFrame(parts_table),
         "texts": texts,
         "h_ref": float(real["token_entropy"].mean()),
-        "evaluators": evaluators,
+        "evaluators": scorers,
     }
 
 
@@ -599,12 +582,12 @@ def run(
     extra = {"model": extract.manifest.get("model")}
 
     def work(art: Artifact) -> None:  # on every rank: the units dealt over them; rank 0 gathers and writes
-        start, models = time.time(), Models(load_model, plan)
-        do_units(cfg, plan, extract, store, models, progress)
+        start, model = time.time(), functools.cache(load_model)
+        do_units(cfg, plan, extract, store, model, progress)
         if dist.distributed()[0] != 0:
             return
         with dist.local():  # rank 0 alone: every stage it calls now is a cache hit of this process
-            got = collect(cfg, plan, extract, store, models)
+            got = collect(cfg, plan, extract, store, model)
         ours = next(r.key for r in active_rows(cfg) if r.ours)
         baselines = [r.key for r in active_rows(cfg) if r.baseline]
         dihal = [r.key for r in active_rows(cfg) if r.ours or r.controls_of == "dihal"]

@@ -10,6 +10,7 @@ and std over seeds per layer. Every part is an ordinary artifact, reused when it
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import asdict
 
@@ -70,13 +71,7 @@ def run(
 
     def work(art: Artifact) -> None:
         check_weights(extract)  # its bridges train on the extract's states and run under this backbone
-        models: dict = {}
-
-        def model(spec: str):
-            if spec not in models:
-                models[spec] = load_model(spec)
-            return models[spec]
-
+        model = functools.cache(load_model)
         evaluators = {"backbone": backbone, "evaluator": config["evaluator"]}
         units = [(layer, seed) for layer in layers for seed in cfg.seeds]
 
@@ -90,13 +85,10 @@ def run(
             row = {"label": layers[layer], "layer": layer, "seed": seed}
             return row | measure(cfg, bridge_art, seed, seq_len, store, model, evaluators, inner)
 
-        rank = dist.distributed()[0]
         name = lambda u: f"{layers[u[0]]} (layer {u[0]}), seed {u[1]}: bridge under protocol {cfg.protocol}"
-        dist.share(units, lambda u: run_one(u, progress if rank == 0 else NullProgress()), name, log=progress.log)
-        if rank != 0:
+        rows = dist.share(units, run_one, name, progress=progress)
+        if dist.distributed()[0] != 0:
             return
-        with dist.local():  # rank 0 alone: every bridge, fidelity, generation and score a cache hit now
-            rows = [run_one(u, NullProgress()) for u in units]
         per_seed = pd.DataFrame(rows)
         numeric = [c for c in per_seed.columns if c not in ("label", "layer", "seed")]
         grouped = per_seed.groupby(["label", "layer"], sort=False)[numeric]

@@ -10,6 +10,7 @@ bootstrap 95% interval for rho that resamples the seeds and the score's position
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from dataclasses import asdict, fields, replace
@@ -64,15 +65,15 @@ def run(
     fidelity_cfg = lambda seed: eval_stage.FidelityConfig(
         sample_steps=(cfg.sample_steps,), limit=cfg.eval_limit, seed=seed, device=cfg.device, dtype=cfg.dtype
     )
-    held = {}  # the backbone, loaded by a rank the first time one of its bridges' fidelity is not in the store
+    # the backbone, loaded by a rank the first time one of its bridges' fidelity is not in the store
+    backbone = functools.cache(lambda: eval_stage.backbone_for(extract, cfg.device, cfg.dtype, trust_remote_code))
 
     def run_one(job: tuple[int, int], inner: Progress) -> dict:
         """One unit (dist.share): the bridge of (layer, seed) and its fidelity, each an artifact of its own."""
         layer, seed = job
         bridge_art = bridge_stage.run(bridge_cfg(layer, seed), extract, store, progress=inner)
-        if not eval_stage.fidelity_cached(fidelity_cfg(seed), bridge_art, store) and "loaded" not in held:
-            held["loaded"] = eval_stage.backbone_for(bridge_art, cfg.device, cfg.dtype, trust_remote_code)
-        fid = eval_stage.run_fidelity(fidelity_cfg(seed), bridge_art, store, loaded=held.get("loaded"))
+        fresh = not eval_stage.fidelity_cached(fidelity_cfg(seed), bridge_art, store)
+        fid = eval_stage.run_fidelity(fidelity_cfg(seed), bridge_art, store, loaded=backbone() if fresh else None)
         fid = fid.manifest["metrics"]["fidelity"][0]
         return {
             "layer": layer,
@@ -83,15 +84,12 @@ def run(
         }
 
     def work(art: Artifact) -> None:  # on every rank: the bridges dealt over them; rank 0 sums up
-        rank = dist.distributed()[0]
         name = lambda job: f"layer {job[0]}, seed {job[1]}: bridge under protocol {cfg.protocol} and its fidelity"
-        inner = progress if rank == 0 else NullProgress()
-        dist.share(jobs, lambda job: run_one(job, inner), name, log=progress.log)
-        if rank != 0:
+        runs = dist.share(jobs, run_one, name, progress=progress)
+        if dist.distributed()[0] != 0:
             return
-        with dist.local():  # rank 0 alone: every bridge and fidelity a cache hit now
+        with dist.local():  # rank 0 alone
             variant_scores = normalize_variants(score_art, extract, store, progress)  # cheap next to the bridges
-            runs = [run_one(job, NullProgress()) for job in jobs]
         runs = pd.DataFrame(runs)
         table = per_layer(runs, scores)
         num_blocks = int(extract.manifest["metrics"]["num_blocks"])

@@ -16,6 +16,7 @@ import torch.multiprocessing as mp
 
 from dihal.artifacts.errors import DihalError
 from dihal.stages.runtime import dist
+from dihal.stages.runtime.progress import NullProgress
 
 
 def test_equal_units_are_dealt_round_robin_and_a_costly_one_does_not_queue():
@@ -45,19 +46,27 @@ def _rank(rank: int, size: int, port: int, out: str, fail: dict) -> None:
     """One rank: join a gloo group, share units 0..5, write what it did and what it raised."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(size))
     torch_dist.init_process_group("gloo", rank=rank, world_size=size, timeout=datetime.timedelta(seconds=60))
-    done, lines, raised = [], [], None
+    done, lines, raised, results, own_bars = [], [], None, None, []
 
-    def do(unit: int) -> None:
+    class Lines(NullProgress):
+        def log(self, message: str) -> None:
+            lines.append(message)
+
+    progress = Lines()
+
+    def do(unit: int, inner) -> int:
         if unit == fail.get("unit"):
             raise DihalError("boom") if fail["kind"] == "dihal" else ValueError("a bug")
         done.append(unit)
+        own_bars.append(inner is progress)
+        return unit * 10
 
     try:
-        dist.share(list(range(6)), do, lambda u: f"unit {u}", cost=lambda u: 1.0, log=lines.append)
+        results = dist.share(list(range(6)), do, lambda u: f"unit {u}", cost=lambda u: 1.0, progress=progress)
     except Exception as exc:
         raised = f"{type(exc).__name__}: {exc}"
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
-        json.dump({"done": done, "lines": lines, "raised": raised}, f)
+        json.dump({"done": done, "lines": lines, "raised": raised, "results": results, "bars": own_bars}, f)
     torch_dist.destroy_process_group()
 
 
@@ -77,6 +86,8 @@ def test_two_ranks_do_every_unit_once_and_name_each_with_its_rank(tmp_path):
     assert [r["done"] for r in ranks] == [[0, 2, 4], [1, 3, 5]]
     assert ranks[1]["lines"] == ["unit 1 (rank 1)", "unit 3 (rank 1)", "unit 5 (rank 1)"]
     assert [r["raised"] for r in ranks] == [None, None]
+    assert [r["results"] for r in ranks] == [[0, 10, 20, 30, 40, 50]] * 2  # every unit's, in order, on each rank
+    assert [r["bars"] for r in ranks] == [[True] * 3, [False] * 3]  # rank 0's bars only
 
 
 @pytest.mark.slow

@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from dihal.artifacts.errors import DihalError
 from dihal.stages.configs import DIST_TIMEOUT_ENV, DIST_TIMEOUT_MINUTES
+from dihal.stages.runtime.progress import NullProgress
 
 _LOCAL = {"depth": 0}
 
@@ -152,38 +153,43 @@ def deal(costs: list[float], size: int) -> list[int]:
     return owner
 
 
-def share(units: list, do, name, cost=None, log=None) -> None:
+def share(units: list, do, name, cost=None, progress=None) -> list:
     """Every unit done once, by the rank deal() gives it, as one process (local()): the units of a stage that
     splits its work into pieces any rank can do alone (each its own artifact, its randomness seeded from the
-    unit, never the rank). Then every rank learns whether a unit failed anywhere: a failure raises on every
-    rank, naming the unit and its rank, so none waits for a rank that has stopped. One process does every
-    unit in order and lets a failure through as it is. log(line) names each unit once, with its rank."""
+    unit, never the rank). do(unit, progress) gets rank 0's progress on rank 0 (one rank's bars on a terminal)
+    and a silent one elsewhere; progress.log names each unit once, with its rank, on every rank. Then every
+    rank learns whether a unit failed anywhere: a failure raises on every rank, naming the unit and its rank,
+    so none waits for a rank that has stopped. One process does every unit in order and lets a failure
+    through as it is. Returns what do returned for each unit, in the order of units, on every rank."""
     rank, size = distributed()
+    progress = progress or NullProgress()
+    inner = progress if rank == 0 else NullProgress()
     owners = deal([float(cost(u)) if cost else 1.0 for u in units], size)
-    failure = error = None
+    results, failure, error = {}, None, None
     with local():
-        for unit, owner in zip(units, owners):
+        for i, (unit, owner) in enumerate(zip(units, owners)):
             if owner != rank:
                 continue
-            if log is not None:
-                log(name(unit) + (f" (rank {rank})" if size > 1 else ""))
+            progress.log(name(unit) + (f" (rank {rank})" if size > 1 else ""))
             if size == 1:
-                do(unit)
+                results[i] = do(unit, inner)
                 continue
             try:
-                do(unit)
+                results[i] = do(unit, inner)
             except Exception as exc:  # told to every rank below, then raised here as it is
                 reason = str(exc) if isinstance(exc, DihalError) else f"{type(exc).__name__}: {exc}"
                 failure, error = f"{name(unit)} failed on rank {rank}: {reason}", exc
                 break
     if size > 1:
-        failures: list = [None] * size
-        dist.all_gather_object(failures, failure)
+        words: list = [None] * size
+        dist.all_gather_object(words, (failure, results))
         if error is not None and not isinstance(error, DihalError):
             raise error  # a bug: its traceback on its own rank, the line naming it on the others
-        first = next((f for f in failures if f), None)
+        first = next((f for f, _ in words if f), None)
         if first is not None:
             raise DihalError(first)
+        results = {i: r for _, got in words for i, r in got.items()}
+    return [results[i] for i in range(len(units))]
 
 
 def group() -> Group | None:
