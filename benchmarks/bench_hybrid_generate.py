@@ -42,27 +42,29 @@ def bridge_artifact(loaded):
     return bstage.run(cfg, extract, s)
 
 
-def main() -> None:
-    torch.manual_seed(0)
-    loaded = load_model("smollm2-135m", "cpu", "float32")
-    art = bridge_artifact(loaded)
-    bridge = Bridge.load(art)
+def timings(loaded, bridge, batches=BATCHES, new=NEW) -> list[dict]:
+    """New tokens per second of the hybrid loop and of the backbone's own generate, per batch, on the backbone's
+    device (a GPU's: its own generator, so the bridge's noise and the tokens' draws stay there)."""
+    from dihal.stages.runtime import clock
+
+    device = loaded.device
     suffix = gen.suffix_model(loaded.model, bridge.layer)
-    cfg = GenerateConfig(max_new_tokens=NEW, temperature=1.0, top_p=0.95)
+    cfg = GenerateConfig(max_new_tokens=new, temperature=1.0, top_p=0.95)
+    timed = lambda fn: best(lambda: (fn(), clock.now(device)))  # clock.now waits for a GPU's queued work
     rows = []
-    for batch in BATCHES:
-        prefix = torch.tensor([gen.prompt_ids(loaded.tokenizer, "")] * batch)
-        hybrid_s = best(
+    for batch in batches:
+        prefix = torch.tensor([gen.prompt_ids(loaded.tokenizer, "")] * batch, device=device)
+        hybrid_s = timed(
             lambda prefix=prefix: gen.generate_hybrid(
-                loaded, bridge, suffix, prefix, cfg, torch.Generator().manual_seed(0)
+                loaded, bridge, suffix, prefix, cfg, torch.Generator(gen.draw_device(device)).manual_seed(0)
             )
         )
-        backbone_s = best(
+        backbone_s = timed(
             lambda prefix=prefix: loaded.model.generate(
                 prefix,
                 attention_mask=torch.ones_like(prefix),
-                max_new_tokens=NEW,
-                min_new_tokens=NEW,
+                max_new_tokens=new,
+                min_new_tokens=new,
                 do_sample=True,
                 top_p=0.95,
                 temperature=1.0,
@@ -73,17 +75,26 @@ def main() -> None:
         rows.append(
             {
                 "batch": batch,
-                "hybrid_tokens_per_s": round(batch * NEW / hybrid_s, 1),
-                "backbone_generate_tokens_per_s": round(batch * NEW / backbone_s, 1),
+                "hybrid_tokens_per_s": round(batch * new / hybrid_s, 1),
+                "backbone_generate_tokens_per_s": round(batch * new / backbone_s, 1),
                 "hybrid_over_backbone_time": round(hybrid_s / backbone_s, 3),
             }
         )
         print(rows[-1], flush=True)
+    return rows
+
+
+def main() -> None:
+    torch.manual_seed(0)
+    loaded = load_model("smollm2-135m", "cpu", "float32")
+    art = bridge_artifact(loaded)
+    bridge = Bridge.load(art)
+    rows = timings(loaded, bridge)
     result = {
         "model": "smollm2-135m",
         "bridge": art.id,
         "layer": bridge.layer,
-        "sample_steps": cfg.sample_steps,
+        "sample_steps": GenerateConfig().sample_steps,
         "new_tokens": NEW,
         "decoding": "sampled, temperature 1, top-p 0.95",
         "rows": rows,

@@ -6,6 +6,8 @@ of layers 0 and --layer, then --steps steps of each part below, in this process,
     bridge, store    the paper protocol's bridge (184M parameters at D = 4096) reading h_l from the extract
                      (h_0 from the token ids on the device)
     prior            the paper protocol's prior over h_0
+    generation       the bridge's hybrid against the backbone's own generate, 16 new tokens at batch 1, 8, 32
+                     (benchmarks/bench_hybrid_generate.py's timings, issue 65 item 3)
 
 One line per part: tokens per second, the model FLOP utilisation against the device's bf16 dense peak
 (6 x parameters + attention's 12 x depth x T x width FLOPs a token; PEAK_BF16 by device name), the share of the
@@ -83,6 +85,7 @@ def profiled(name: str, run, cfg, extract, store, device: str, seq_len: int) -> 
         "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
         "parameters": m["parameters"],
         "device": device_name,
+        "artifact": art,
     }
     sort = "cuda_time_total" if cuda else "cpu_time_total"
     out["kernels"] = prof.key_averages().table(sort_by=sort, row_limit=15, max_name_column_width=60)
@@ -150,6 +153,28 @@ def main() -> None:
     print(f"device: {rows[0]['device']}; MFU against {peak_flops(a.device)[0] or 'no'} bf16 FLOP/s")
     for r in rows:
         print(f"\n== {r['part']}: the 15 costliest kernels over steps 10-19\n{r['kernels']}")
+    generation(model, rows[0]["artifact"], a)
+
+
+def generation(model: str, bridge_art, a) -> None:
+    """Issue 65 item 3 on the device: benchmarks/bench_hybrid_generate.py's timings (16 new tokens, batch 1, 8
+    and 32, sampled at temperature 1, top-p 0.95) of the hybrid of the bridge just trained against the random
+    backbone's own generate. With --layers blocks only, the bridge replaces --layer of them: its share of a
+    token's time is larger than under the whole 32-block model's."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from benchmarks.bench_hybrid_generate import timings
+    from dihal.stages.lm.models import load_model
+    from dihal.stages.parts.bridge import Bridge
+
+    print(f"\n== generation: the hybrid (bridge {bridge_art.id}, 8 Euler steps) against the backbone's generate")
+    loaded = load_model(str(model), a.device, a.dtype)
+    rows = timings(loaded, Bridge.load(bridge_art, a.device))
+    print(f"{'batch':>5} {'hybrid tok/s':>13} {'backbone tok/s':>15} {'time ratio':>11}")
+    for r in rows:
+        print(
+            f"{r['batch']:>5} {r['hybrid_tokens_per_s']:>13,.1f} {r['backbone_generate_tokens_per_s']:>15,.1f} "
+            f"{r['hybrid_over_backbone_time']:>11.3f}"
+        )
 
 
 if __name__ == "__main__":

@@ -105,6 +105,12 @@ def _dtype(module) -> torch.dtype:
     return next(module.parameters()).dtype
 
 
+def draw_device(device) -> str:
+    """Where a generation draws its bridge noise and its tokens: on a GPU its own generator (nothing goes
+    through the host), on the CPU the CPU stream every CPU generation was made with."""
+    return "cpu" if torch.device(device).type == "cpu" else str(device)
+
+
 def noise_key() -> dict:
     """What a stage that runs `dihal generate`'s default AR hybrid (compare's and confirm's rows) hashes of its
     bridge noise: nothing at 1, the scale of every generation made before --bridge-noise existed."""
@@ -116,6 +122,8 @@ def generate_key(cfg: GenerateConfig) -> dict:
     edited file is another generation, never the old one served), pydoc by its Python version, and a local
     --model (original-only) by its files."""
     config = {**cfg.hashed(), **weights_digests(model=cfg.model)}  # --model (original-only): a local one by its files
+    if draw_device(cfg.device) != "cpu":  # the device's own stream: other tokens than the CPU stream of ids before it
+        config["draws"] = "device"
     if cfg.prompts_from is not None:
         from dihal.stages.configs import DataConfig
         from dihal.stages.text.data import hashed_source
@@ -184,7 +192,7 @@ def generate_all(loaded: LoadedModel, bridge: Bridge | None, cfg: GenerateConfig
     suffix = suffix_model(loaded.model, bridge.layer) if bridge is not None else None
     rows = []
     for batch_index, (prompt, count) in enumerate(jobs(cfg)):
-        gen = draws.stream(cfg.seed, batch_index)
+        gen = draws.stream(cfg.seed, batch_index, draw_device(device))
         prefix = torch.tensor([prompt_ids(tok, prompt)] * count, device=device)
         start = clock.now(device)
         if bridge is not None:

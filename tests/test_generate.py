@@ -288,3 +288,20 @@ def test_dtype_auto_picks_bfloat16_only_where_the_gpu_has_it(monkeypatch):
         monkeypatch.setattr(models.torch.cuda, "get_device_capability", lambda device=None, c=capability: c)
         assert models.resolve_dtype("auto", "cuda") == expected  # V100 7.0 and T4 7.5 only emulate bfloat16
     assert models.resolve_dtype("auto", "cpu") == torch.float32
+
+
+def test_a_gpu_generation_draws_on_its_device_and_its_id_says_so():
+    """On a GPU the bridge's noise and every token's draw come from the device's own generator, so nothing of a
+    token goes through the host: another stream than the CPU's for the same seed, so such a generation's id
+    differs from one made before by more than the device. On the CPU the key and the stream are as before."""
+    from dihal.stages.configs import GenerateConfig
+
+    assert "draws" not in gen_stage.generate_key(GenerateConfig(device="cpu"))
+    assert gen_stage.generate_key(GenerateConfig(device="cuda"))["draws"] == "device"
+    assert [gen_stage.draw_device(d) for d in ("cpu", "cuda", "cuda:1")] == ["cpu", "cuda", "cuda:1"]
+    logits = torch.randn(3, 50)
+    ours = torch.Generator(gen_stage.draw_device("cpu")).manual_seed(7)
+    assert torch.equal(
+        gen_stage.decoding.sample(logits, 1.0, gen=ours),
+        torch.multinomial(logits.double().softmax(-1), 1, generator=torch.Generator().manual_seed(7))[:, 0],
+    )

@@ -37,10 +37,11 @@ SEED_STRIDE = 1_000_003  # a prime: the streams of seed s are s * SEED_STRIDE + 
 STEP_STRIDE = 4099  # a training step's items are streams step * STEP_STRIDE + j (at most 4099 items a step)
 
 
-def stream(seed: int, index: int = 0) -> torch.Generator:
-    """Stream `index` of a run's `seed` (CPU): what a prior's sample i, a recovery's sample i (index: its
-    salt + i) and a generation's batch draw from, so each depends on (seed, index) alone."""
-    return torch.Generator().manual_seed(int(seed) * SEED_STRIDE + int(index))
+def stream(seed: int, index: int = 0, device: torch.device | str = "cpu") -> torch.Generator:
+    """Stream `index` of a run's `seed`: what a prior's sample i, a recovery's sample i (index: its salt + i)
+    and a generation's batch draw from, so each depends on (seed, index) alone. On the CPU unless a device
+    is named (a GPU generation's: another stream than the CPU's for the same seed, recorded in its id)."""
+    return torch.Generator(device=device).manual_seed(int(seed) * SEED_STRIDE + int(index))
 
 
 def noise_block(seed: int, block: int) -> torch.Generator:

@@ -6,7 +6,9 @@
                     top-p, sampled in float64 (in float32 the tail of a 150k vocabulary rounds to
                     zero and the cumulative sum drifts, as MDLM and DUO found)
 
-The random draws come from a CPU torch.Generator, so a seed gives the same tokens on every device.
+The draws come from the generator the caller passes, on its device: a CPU one (on a CPU, the tokens
+every CPU artifact was made with), or on a GPU the device's own (`dihal generate`), so that a token's
+logits, probabilities and draw never leave the device.
 """
 
 from __future__ import annotations
@@ -28,8 +30,9 @@ def sample(logits: torch.Tensor, temperature: float, top_p: float = 1.0, top_k: 
         drop = probs.cumsum(-1) - probs > top_p  # keep the smallest prefix reaching top_p
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
-    probs = logits.softmax(-1).cpu()
-    return torch.multinomial(probs, 1, generator=gen)[:, 0].to(logits.device).reshape(shape)
+    probs = logits.softmax(-1)
+    where = gen.device if gen is not None else probs.device  # no copy where the generator is the logits'
+    return torch.multinomial(probs.to(where), 1, generator=gen)[:, 0].to(logits.device).reshape(shape)
 
 
 def describe(temperature: float | None, top_p: float, top_k: int = 0) -> dict:

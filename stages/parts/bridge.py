@@ -50,8 +50,9 @@ class Bridge:
         return CachedSampler(self, steps, batch)
 
     def noise(self, batch: int, length: int, generator: torch.Generator) -> torch.Tensor:
-        """Noise for the covered positions, drawn once per position."""
-        return torch.randn(batch, length - self.start, self.net.cfg.dim, generator=generator).to(self.device)
+        """Noise for the covered positions, drawn once per position, on the generator's device."""
+        shape = (batch, length - self.start, self.net.cfg.dim)
+        return torch.randn(shape, generator=generator, device=generator.device).to(self.device)
 
     @torch.no_grad()
     def sample_condition(self, c: torch.Tensor, steps: int, noise: torch.Tensor) -> torch.Tensor:
