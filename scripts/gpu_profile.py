@@ -115,6 +115,8 @@ def main() -> None:
     p.add_argument("--tokenizer", default=None)
     p.add_argument("--shrink", default="", help="make_random_model's shrinking flags, for a CPU rehearsal")
     p.add_argument("--recipe", default="", help="overrides of the paper protocol, for a CPU rehearsal")
+    p.add_argument("--gen-batches", default="1,8,32", help="the generation benchmark's batches")
+    p.add_argument("--gen-tokens", type=int, default=16, help="the generation benchmark's new tokens")
     a = p.parse_args()
     a.shrink, a.models, a.tokens, a.samples, a.paper_steps = a.shrink.split(), a.like, 0, 0, a.steps
     import torch
@@ -166,9 +168,12 @@ def generation(model: str, bridge_art, a) -> None:
     from dihal.stages.lm.models import load_model
     from dihal.stages.parts.bridge import Bridge
 
-    print(f"\n== generation: the hybrid (bridge {bridge_art.id}, 8 Euler steps) against the backbone's generate")
+    print(
+        f"\n== generation: the hybrid of bridge {bridge_art.id} against the backbone's generate, {a.gen_tokens} tokens"
+    )
     loaded = load_model(str(model), a.device, a.dtype)
-    rows = timings(loaded, Bridge.load(bridge_art, a.device))
+    batches = tuple(int(b) for b in a.gen_batches.split(","))
+    rows = timings(loaded, Bridge.load(bridge_art, a.device), batches, a.gen_tokens)
     print(f"{'batch':>5} {'hybrid tok/s':>13} {'backbone tok/s':>15} {'time ratio':>11}")
     for r in rows:
         print(

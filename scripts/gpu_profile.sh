@@ -14,6 +14,6 @@ ARGS=(--root "${DIHAL_ROOT:-runs/gpu-profile-${DEVICE:-cuda}}" --device "${DEVIC
 [ -n "$TOKENIZER" ] && ARGS+=(--tokenizer "$TOKENIZER")
 if [ "${DEVICE:-cuda}" = cpu ]; then  # the rehearsal: blocks of width 64, few sequences, steps and a small recipe
   ARGS+=(--sequences 48 --seq-len 16 --steps 20 --shrink "--hidden 64 --intermediate 128 --heads 4 --kv-heads 2"
-         --recipe "width=32 depth=1 heads=2 batch_size=8")
+         --recipe "width=32 depth=1 heads=2 batch_size=8" --gen-batches 1,8 --gen-tokens 4)
 fi
 exec python3 scripts/gpu_profile.py "${ARGS[@]}" "$@"
