@@ -88,9 +88,30 @@ def rows_for(store: ArtifactStore) -> list[tuple[str, str]]:
             rows.append((f"fidelity on {text_name(m.get('source', ''))}, {r['steps']} steps", fidelity_row(r)))
     samples = latest(store, "evaluate", "samples")
     if samples:
-        for r in samples.manifest["metrics"]["rows"]:
-            rows.append((f"{r['model']}: Gen.PPL, diversity", f"{r['gen_ppl_token']:.1f}, {r['diversity']:.3f}"))
+        got = samples.manifest["metrics"]["rows"]
+        for r in got:
+            shown = f"{r['gen_ppl_token']:.1f}, {r['diversity']:.3f}, {r['token_entropy']:.3f}"
+            rows.append((f"{r['model']}: Gen.PPL, diversity, entropy", shown))
+        by_model = {r["model"]: r for r in got}
+        if {"hybrid", "original"} <= set(by_model):
+            rows.append(("hybrid / original Gen.PPL at matched entropy", matched_ratio(**by_model)))
     return rows
+
+
+MATCHED = 0.02  # entropies within 2% of the original's are matched (issue 66, after arXiv 2604.02718)
+
+
+def matched_ratio(hybrid: dict, original: dict) -> str:
+    """The hybrid's Gen.PPL over the original's where their samples' token entropies (same decoding, same
+    temperature) agree within MATCHED of the original's; otherwise a ratio would compare a hotter text with a
+    colder one, and the row says so and where the reading at matched entropy is made."""
+    gap = abs(hybrid["token_entropy"] - original["token_entropy"]) / original["token_entropy"]
+    if gap > MATCHED:
+        return (
+            f"not matched: entropies {gap:.1%} apart (over {MATCHED:.0%}); scripts/hybrid_study.py reads the "
+            "curves at one entropy"
+        )
+    return f"{hybrid['gen_ppl_token'] / original['gen_ppl_token']:.2f}x (entropies {gap:.1%} apart)"
 
 
 def plots_for(store: ArtifactStore) -> list[str]:

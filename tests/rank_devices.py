@@ -6,6 +6,8 @@ this writes a CPU rank's device the same way, `cpu:<LOCAL_RANK>` (torch places `
 on the CPU), so the gloo tests exercise exactly what a GPU node runs.
 
     python -m tests.rank_devices ARGS...        (tests.kill_after applies the same patch)
+    python -m tests.rank_devices --each FILE    every command of FILE (a JSON list of argument lists) in this
+                                                one process, in order: one launch, not one per command
 """
 
 from __future__ import annotations
@@ -34,11 +36,35 @@ def patch() -> None:
     dist.join, models.resolve_device = join, resolve_device
 
 
+def each(path: str) -> None:
+    """Run each command of `path` as `dihal` would, stopping at the first that fails (with its exit code); rank
+    0 appends a line per command to path + 'l': its exit code and every artifact of the store after it."""
+    import json
+
+    import dihal.cli.main as cli
+    from dihal.artifacts.store import ArtifactStore
+
+    for args in json.loads(open(path).read()):
+        try:
+            code = cli.app(args, prog_name="dihal", standalone_mode=False)
+        except SystemExit as exc:
+            code = exc.code
+        if os.environ.get("RANK", "0") == "0":
+            arts = ArtifactStore(args[args.index("--root") + 1]).all()
+            with open(path + "l", "a") as out:
+                out.write(json.dumps({"code": code, "made": [[a.stage, a.id] for a in arts]}) + "\n")
+        if code:
+            sys.exit(code)
+
+
 def main() -> None:
     patch()
     import dihal.cli.main as cli
 
-    cli.app(sys.argv[1:], prog_name="dihal")
+    if sys.argv[1:2] == ["--each"]:
+        each(sys.argv[2])
+    else:
+        cli.app(sys.argv[1:], prog_name="dihal")
 
 
 if __name__ == "__main__":

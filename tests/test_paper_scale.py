@@ -333,7 +333,8 @@ STAGES = {
 @pytest.mark.slow
 def test_every_stage_under_torchrun_writes_one_artifact_with_one_id(tiny_dirs, tmp_path):
     """Every stage command on two ranks whose devices are cpu:0 and cpu:1 (as cuda:0 and cuda:1 on a GPU
-    node): each makes exactly one complete artifact, with the id one process gives it, whose config names
+    node), in order in one launch (scripts/reproduce_paper.sh's test launches each of its commands anew): each
+    makes exactly one complete artifact, with the id one process gives it, whose config names
     the device type only. A stage that splits its work (extract, the trainers) runs on both ranks; every
     other one on rank 0 while rank 1 waits for its artifact. Before: rank 1 hashed `cpu:1` into its own
     id, and score, evaluate, generate and compare died on the lock (issue 46)."""
@@ -363,11 +364,16 @@ def test_every_stage_under_torchrun_writes_one_artifact_with_one_id(tiny_dirs, t
             + ["--device", "cpu"],
         ),
     ]
-    for command, extra in commands:
-        before = {a.id for a in ArtifactStore(root).all()}
-        proc = torchrun(command, *extra, "--root", str(root))
-        assert proc.returncode == 0, (command, proc.stderr[-3000:])
-        made = [a for a in ArtifactStore(root).all() if a.id not in before and a.stage == STAGES.get(command, command)]
+    plan = tmp_path / "commands.json"  # one torchrun launch runs them in order (a launch costs a 2-core machine ~8 s)
+    plan.write_text(json.dumps([[command, *extra, "--root", str(root)] for command, extra in commands]))
+    proc = torchrun("--each", str(plan), timeout=600)
+    after = [json.loads(line) for line in (tmp_path / "commands.jsonl").read_text().splitlines()]
+    assert proc.returncode == 0 and len(after) == len(commands), proc.stderr[-3000:]
+    store, before = ArtifactStore(root), set()
+    for (command, extra), now in zip(commands, after):
+        assert now["code"] == 0, command
+        made = [store.load(s, i) for s, i in now["made"] if i not in before and s == STAGES.get(command, command)]
+        before |= {i for _, i in now["made"]}
         assert len(made) == 1 and made[0].complete, f"{command}: {[(a.stage, a.id, a.status) for a in made]}"
         assert ":" not in str(made[0].config.get("device")), made[0].config  # the type, never cpu:1
         one = invoke(command, *extra, "--root", str(single))  # the same command in one process (this one): the same id

@@ -96,9 +96,24 @@ def test_the_main_job_runs_the_chain_and_ends_with_one_summary(tiny_dirs, tmp_pa
     # the paper's path: S alone (dihal's r2_token comes with SELECT=r2_token or PROXIES=all)
     assert "| l* by S, the paper's (argmax S) |" in summary and "r2_token" not in summary
     assert "| fidelity on held-out text (validation split), 8 steps |" in summary
-    assert "| hybrid: Gen.PPL, diversity |" in summary and "| original: Gen.PPL, diversity |" in summary
+    assert (
+        "| hybrid: Gen.PPL, diversity, entropy |" in summary and "| original: Gen.PPL, diversity, entropy |" in summary
+    )
+    assert "| hybrid / original Gen.PPL at matched entropy |" in summary
     plots = [line.split("`")[1] for line in summary.splitlines() if line.startswith("plot:")]
     assert len(plots) == 2 and all(os.path.exists(p) for p in plots)
+
+
+def test_the_summary_gives_the_gen_ppl_ratio_only_at_matched_entropy():
+    """issue 66 item 4: the main job's ratio is read where the two models' token entropies agree within 2% of
+    the original's; a hotter hybrid's ratio is refused, not printed."""
+    from tests.conftest import load_script
+
+    summarize = load_script("summarize")
+    hybrid, original = {"gen_ppl_token": 90.0, "token_entropy": 3.60}, {"gen_ppl_token": 45.0, "token_entropy": 3.55}
+    assert summarize.matched_ratio(hybrid, original) == "2.00x (entropies 1.4% apart)"
+    hotter = summarize.matched_ratio({**hybrid, "token_entropy": 3.70}, original)
+    assert hotter.startswith("not matched: entropies 4.2% apart (over 2%)")
 
 
 @pytest.mark.slow
