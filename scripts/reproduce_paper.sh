@@ -44,7 +44,7 @@ while read -r -u 3 MODEL LAYERS LIKE; do
   $DIHAL score --extract "$EXTRACT" --tokens "$TOKENS" --device "$DEVICE" $DRY
   SCORE=$(latest score)
   if dry; then LSTAR=3; else
-    LSTAR=$(dihal score --extract "$EXTRACT" --tokens "$TOKENS" --device "$DEVICE" --json | python3 -c "import json,sys; print(json.load(sys.stdin)['l_star'])")
+    LSTAR=$(python3 -c "import json,sys; print(json.load(open(sys.argv[1]))['metrics']['l_star'])" "$DIHAL_ROOT/score/$SCORE/manifest.json")
   fi
   $DIHAL sweep --layers "$LAYERS" --protocol paper $RECIPE --extract "$EXTRACT" --score "$SCORE" \
     --eval-limit "$EVAL_LIMIT" $DEV
