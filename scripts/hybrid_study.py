@@ -36,11 +36,12 @@ from dihal.artifacts import hidden_states as hs
 from dihal.artifacts.store import ArtifactStore
 from dihal.stages.configs import GenerateConfig
 from dihal.stages.diffusion import draws
+from dihal.stages.evaluate import gen_ppl as per_token_gen_ppl
 from dihal.stages.generate import generate_hybrid, generate_original
 from dihal.stages.lineage import backbone_for
 from dihal.stages.lm.capture import hidden_states
 from dihal.stages.lm.hybrid import lm_logits, suffix_hidden, suffix_model
-from dihal.stages.lm.tokens import start_token
+from dihal.stages.lm.tokens import start_token, truncate
 from dihal.stages.parts.bridge import Bridge
 from dihal.stages.text.text_metrics import token_entropy
 
@@ -142,23 +143,21 @@ def sample(
 
 
 def entropy_of(ids: torch.Tensor, stops) -> float:
-    from dihal.stages.lm.tokens import truncate
-
     return token_entropy([truncate(row, stops) for row in ids[:, 1:].tolist()])
 
 
 def gen_ppl(loaded, ids: torch.Tensor, stops) -> float:
-    model, total, count, nll = loaded.model, 0.0, 0, []
+    """Gen.PPL per token under the original (evaluate's formula) of each sample's new tokens up to a stop, read
+    on the ids as written rather than on their decoded and re-tokenised text."""
+    model, nll = loaded.model, []
     with torch.no_grad():
         for s, e in batches(len(ids), 8):
             hidden = model.model(input_ids=ids[s:e], use_cache=False).last_hidden_state
             lp = F.log_softmax(lm_logits(model, hidden), -1)
             nll.append(-lp[:, :-1].gather(-1, ids[s:e, 1:, None])[..., 0])
     nll = torch.cat(nll)
-    for b, row in enumerate(ids[:, 1:].tolist()):
-        k = next((k for k, t in enumerate(row) if t in stops), len(row))
-        total, count = total + float(nll[b, :k].sum()), count + k
-    return math.exp(total / max(count, 1))
+    kept = [len(truncate(row, stops)) for row in ids[:, 1:].tolist()]
+    return per_token_gen_ppl([(float(nll[b, :k].sum()), k) for b, k in enumerate(kept)])["gen_ppl_token"]
 
 
 def matched_entropy(orig: list[dict], hyb: list[dict]) -> tuple[float, str]:
