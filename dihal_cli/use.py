@@ -7,6 +7,7 @@ stage and print what it made. The stage (and torch) is imported inside the comma
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import typer
@@ -65,7 +66,11 @@ def generate(
     top_p: float = o.opt(GenerateConfig, "top_p"),
     sample_steps: int = o.opt(GenerateConfig, "sample_steps", help="Bridge Euler steps per position."),
     bridge_noise: float = o.opt(GenerateConfig, "bridge_noise", help="Scale of the bridge's noise (0: its mean path)."),
-    batch_size: int = o.opt(GenerateConfig, "batch_size"),
+    batch_size: str = typer.Option(
+        "auto",
+        "--batch-size",
+        help="Samples per batch; auto: 8 on the CPU, on a GPU the most the card's memory holds (in the id).",
+    ),
     baseline: str = o.opt(
         GenerateConfig,
         "baseline",
@@ -84,7 +89,10 @@ def generate(
     """Hybrid generation: bridge -> upper blocks -> LM head (METHOD §3)."""
     prompts = read_prompts(prompt, prompts_file)
     device, dtype = o.device_and_dtype(device, dtype, dry_run)
-    cfg = o.build(GenerateConfig, o.given(ctx), prompts=prompts, cache=not no_cache, device=device, dtype=dtype)
+    batch = o.count_or_auto(batch_size, "--batch-size")  # auto: the config's default, on a GPU sized below
+    values = {k: v for k, v in o.given(ctx).items() if k != "batch_size" or batch is not None}
+    values["batch_size"] = batch or o.default(GenerateConfig, "batch_size")
+    cfg = o.build(GenerateConfig, values, prompts=prompts, cache=not no_cache, device=device, dtype=dtype)
     if dry_run:
         return dry("generate", cfg)
     from dihal.stages import generate as stage
@@ -116,9 +124,13 @@ def generate(
         from dihal.stages.lm.models import load_model
 
         load = lambda: load_model(model, device, dtype, None, trust_remote_code)
+        if batch is None:
+            cfg = replace(cfg, batch_size=stage.auto_batch(cfg, None))
         art = stage.run(cfg, None, store, load, force=force, progress=make_progress())
     else:
         bridge_art = store.resolve(bridge or "latest", "bridge")
+        if batch is None:
+            cfg = replace(cfg, batch_size=stage.auto_batch(cfg, bridge_art))
         load = lambda: backbone_for(bridge_art, device, dtype, trust_remote_code)
         art = stage.run(cfg, bridge_art, store, load, force=force, progress=make_progress())
     if mode == "ar":

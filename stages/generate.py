@@ -258,6 +258,94 @@ def run(
     return store.run_stage(job, force=force, progress=progress, group=dist.group())
 
 
+# -- --batch-size auto: the batch chosen by the memory it needs ------------------------------------------------
+CPU_BATCH = GenerateConfig.batch_size  # auto on the CPU and for --mode parallel: the batch of every generation
+#                                        before auto existed, so their ids hold
+MEMORY_SHARE = 0.8  # of the card's total memory, after the weights; the rest is CUDA's, the allocator's and slack
+
+
+def shape_of(config) -> dict:
+    """What the memory rule reads of a backbone's config (a transformers config or its builtin's recorded shape)."""
+    get = lambda k, d=None: getattr(config, k, None) or d
+    heads = get("num_attention_heads")
+    return {
+        "layers": get("num_hidden_layers"),
+        "width": get("hidden_size"),
+        "heads": heads,
+        "kv_heads": get("num_key_value_heads", heads),
+        "head_dim": get("head_dim", get("hidden_size") // heads),
+        "intermediate": get("intermediate_size"),
+        "vocab": get("vocab_size"),
+        "tied": bool(get("tie_word_embeddings", False)),
+    }
+
+
+def weight_bytes(shape: dict, dtype_bytes: int) -> int:
+    """The backbone's weights (embedding, attention and gated MLP per block; norms left out)."""
+    d, hd = shape["width"], shape["head_dim"]
+    block = d * hd * (shape["heads"] + 2 * shape["kv_heads"]) + shape["heads"] * hd * d + 3 * d * shape["intermediate"]
+    table = shape["vocab"] * d * (1 if shape["tied"] else 2)
+    return (table + shape["layers"] * block) * dtype_bytes
+
+
+def sample_bytes(shape: dict, layer: int, bridge: dict | None, prompt: int, new: int, dtype_bytes: int) -> dict:
+    """What one more sample of a batch holds at its peak, by part (bytes). layer: the blocks below it do not
+    run (0 for the original); bridge: bridge.json's fields and `steps` (None for the original).
+        kv            the KV cache of the blocks that run, at every position fed (the last token never is)
+        bridge_cache  the denoiser's key/value cache, one per Euler step, at every covered position (float32)
+        noise         the bridge's noise for every covered position (float32)
+        decoding      a token's float64 temporaries over the vocabulary (stages/lm/decoding.py: about 8 arrays)
+        prefill       the prompt's logits (float32) and one block's attention scores and MLP activations"""
+    fed = prompt + new - 1
+    parts = {"kv": 2 * (shape["layers"] - layer) * shape["kv_heads"] * shape["head_dim"] * fed * dtype_bytes}
+    if bridge is not None:
+        den, covered = bridge["denoiser"], fed - bridge["start"]
+        parts["bridge_cache"] = bridge["steps"] * den["depth"] * 2 * den["width"] * covered * 4
+        parts["noise"] = (prompt + new - bridge["start"]) * den["dim"] * 4
+    parts["decoding"] = 8 * shape["vocab"] * 8
+    parts["prefill"] = prompt * shape["vocab"] * 4 + (
+        shape["heads"] * prompt * prompt * 4 + 3 * prompt * shape["intermediate"] * dtype_bytes
+    )
+    return parts
+
+
+def batch_by_memory(cfg: GenerateConfig, need: int, weights: int, total: int) -> int:
+    """The largest batch (at most --num-samples) whose samples, at `need` bytes each, fit MEMORY_SHARE of the
+    card's `total` bytes beside the `weights`; one line with the sizes where not even one does."""
+    room = MEMORY_SHARE * total - weights
+    if room < need:
+        gib = lambda b: f"{b / 2**30:.1f} GiB"
+        raise DihalError(
+            f"one sample of {cfg.max_new_tokens} new tokens needs {gib(need)} beside the weights' {gib(weights)}, "
+            f"more than {MEMORY_SHARE:.0%} of the device's {gib(total)}; use a smaller --max-new-tokens or --dtype"
+        )
+    return int(min(cfg.num_samples, room // need))
+
+
+def auto_batch(cfg: GenerateConfig, bridge_art: Artifact | None, total: int | None = None) -> int:
+    """--batch-size auto: CPU_BATCH on the CPU and for --mode parallel; on a GPU the largest batch its memory
+    holds (batch_by_memory, over the card's total memory, so one card gives one batch and one id), for the
+    hybrid and, with --baseline original, the original too. total: the card's bytes (default: asked of it)."""
+    if cfg.mode != "ar" or draw_device(cfg.device) == "cpu":
+        return CPU_BATCH
+    from dihal.stages.extract import model_config
+    from dihal.stages.lineage import origin
+
+    spec = cfg.model if bridge_art is None else origin(bridge_art).model
+    shape = shape_of(model_config(spec)[0])
+    dtype_bytes = torch.empty((), dtype=getattr(torch, cfg.dtype)).element_size()
+    # the start token and the prompt, before any tokenizer is loaded: at most a token a byte (byte fallback)
+    prompt = 1 + (cfg.prompt_tokens if cfg.prompts_from else max(len(p.encode()) for p in cfg.prompts or ("",)))
+    need = 0
+    if bridge_art is not None:
+        meta = {**json.loads(bridge_art.file("bridge.json").read_text()), "steps": cfg.sample_steps}
+        need = sum(sample_bytes(shape, meta["layer"], meta, prompt, cfg.max_new_tokens, dtype_bytes).values())
+    if bridge_art is None or cfg.baseline == "original":
+        need = max(need, sum(sample_bytes(shape, 0, None, prompt, cfg.max_new_tokens, dtype_bytes).values()))
+    total = total if total is not None else torch.cuda.get_device_properties(torch.device(cfg.device)).total_memory
+    return batch_by_memory(cfg, need, weight_bytes(shape, dtype_bytes), total)
+
+
 def timing(rows: list[dict]) -> dict[str, float]:
     """Mean cost and length of one model's samples."""
     mean = lambda key: sum(r[key] for r in rows) / len(rows)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -150,8 +151,11 @@ def test_generate_cli_then_evaluate_samples(tiny_trained_bridge, monkeypatch):
         "--device",
         "cpu",
         "--force",
+        "--batch-size",
+        "8",  # what --batch-size auto (the first run's) is on the CPU: the same computation, the same id
     )
     assert again.exit_code == 0
+    assert store.resolve("latest", "generate").id == gen_art.id
     rows2 = [json.loads(l) for l in store.resolve("latest", "generate").file("samples.jsonl").read_text().splitlines()]
     assert [r["token_ids"] for r in rows2] == [r["token_ids"] for r in rows]
     ev = invoke("evaluate", "--samples", gen_art.id, "--json", "--device", "cpu")
@@ -234,6 +238,9 @@ def test_generate_bad_input(tiny_trained_bridge, tmp_path, monkeypatch):
         res = invoke("generate", "--bridge", art.id, "--top-p", bad)
         assert res.exit_code == 2 and "--top-p must be in (0, 1]" in res.output
         assert len(res.output.strip().splitlines()) == 1
+    for bad, needle in (("0", "--batch-size must be at least 1 (or auto)"), ("many", "cannot read --batch-size")):
+        res = invoke("generate", "--bridge", art.id, "--batch-size", bad)
+        assert res.exit_code == 2 and needle in res.output and len(res.output.strip().splitlines()) == 1
 
 
 def test_heads_of_fidelity_and_gen_ppl_compute_in_float32_whatever_the_dtype(tiny_dirs):
@@ -305,3 +312,56 @@ def test_a_gpu_generation_draws_on_its_device_and_its_id_says_so():
         gen_stage.decoding.sample(logits, 1.0, gen=ours),
         torch.multinomial(logits.double().softmax(-1), 1, generator=torch.Generator().manual_seed(7))[:, 0],
     )
+
+
+def test_the_memory_rule_counts_the_caches_a_generation_holds_and_sizes_the_batch(tiny_trained_bridge, tiny_dirs):
+    """--batch-size auto on a GPU: the bytes the rule counts for the KV cache of the blocks that run and the
+    denoiser's caches are those the hybrid's and the original's generation hold at their end (read off the
+    caches themselves), its weights are the model's matrices, and the batch is the most that fit MEMORY_SHARE
+    of the card; a card too small for one sample is one line with the sizes."""
+    from dihal.stages.configs import GenerateConfig
+    from dihal.stages.lm.models import load_model
+    from dihal.stages.parts.bridge import Bridge
+
+    store, art = tiny_trained_bridge
+    loaded = load_model(str(tiny_dirs["llama"]), "cpu", "float32")
+    bridge, layer = Bridge.load(art), 2
+    suffix = gen_stage.suffix_model(loaded.model, layer)
+    prefix = torch.tensor([gen_stage.prompt_ids(loaded.tokenizer, "The")] * 3)
+    cfg = GenerateConfig(max_new_tokens=8, sample_steps=4)
+    held = {"kv": [], "samplers": []}
+
+    class Recorded(gen_stage.DynamicCache):
+        def __init__(self, *a, **k):
+            super().__init__(*a, **k)
+            held["kv"].append(self)
+
+    real_sampler = bridge.cached_sampler
+    bridge.cached_sampler = lambda *a: held["samplers"].append(real_sampler(*a)) or held["samplers"][-1]
+    gen_stage.DynamicCache, before = Recorded, gen_stage.DynamicCache
+    try:
+        gen_stage.generate_hybrid(loaded, bridge, suffix, prefix, cfg, torch.Generator().manual_seed(0))
+        gen_stage.generate_original(loaded, prefix, cfg, torch.Generator().manual_seed(0))
+    finally:
+        gen_stage.DynamicCache = before
+    kv_bytes = [sum(x.keys.nbytes + x.values.nbytes for x in c.layers if x.keys is not None) for c in held["kv"]]
+    bridge_bytes = sum(c["k"].nbytes + c["v"].nbytes for step in held["samplers"][0].caches for c in step)
+    shape = gen_stage.shape_of(loaded.model.config)
+    meta = {**json.loads(art.file("bridge.json").read_text()), "steps": 4}
+    hybrid = gen_stage.sample_bytes(shape, layer, meta, prefix.shape[1], 8, 4)
+    original = gen_stage.sample_bytes(shape, 0, None, prefix.shape[1], 8, 4)
+    assert kv_bytes == [3 * hybrid["kv"], 3 * original["kv"]] and bridge_bytes == 3 * hybrid["bridge_cache"]
+    matrices = sum(p.numel() for p in loaded.model.parameters() if p.dim() == 2)
+    assert gen_stage.weight_bytes(shape, 4) == 4 * matrices
+
+    # before any tokenizer loads, the rule counts the prompt as a token a byte, after the start token: 1 + 3
+    assert prefix.shape[1] <= 4
+    at_most = [sum(gen_stage.sample_bytes(shape, l, m, 4, 8, 4).values()) for l, m in ((layer, meta), (0, None))]
+    need, weights = max(at_most), gen_stage.weight_bytes(shape, 4)
+    card = lambda batch: int((weights + (batch + 0.5) * need) / gen_stage.MEMORY_SHARE)
+    gpu = GenerateConfig(max_new_tokens=8, sample_steps=4, num_samples=64, device="cuda", prompts=("The",))
+    assert gen_stage.auto_batch(replace(gpu, baseline="original"), art, total=card(5)) == 5
+    assert gen_stage.auto_batch(replace(gpu, baseline="original"), art, total=card(500)) == 64  # --num-samples
+    assert gen_stage.auto_batch(replace(gpu, device="cpu"), art, total=card(5)) == gen_stage.CPU_BATCH
+    with pytest.raises(gen_stage.DihalError, match=r"one sample of 8 new tokens needs .* GiB beside the weights'"):
+        gen_stage.auto_batch(gpu, art, total=int(weights / gen_stage.MEMORY_SHARE))
