@@ -163,6 +163,8 @@ def generation(model: str, bridge_art, a) -> None:
     and 32, sampled at temperature 1, top-p 0.95) of the hybrid of the bridge just trained against the random
     backbone's own generate. With --layers blocks only, the bridge replaces --layer of them: its share of a
     token's time is larger than under the whole 32-block model's."""
+    import torch
+
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from benchmarks.bench_hybrid_generate import timings
     from dihal.stages.lm.models import load_model
@@ -179,6 +181,27 @@ def generation(model: str, bridge_art, a) -> None:
         print(
             f"{r['batch']:>5} {r['hybrid_tokens_per_s']:>13,.1f} {r['backbone_generate_tokens_per_s']:>15,.1f} "
             f"{r['hybrid_over_backbone_time']:>11.3f}"
+        )
+    if torch.device(a.device).type == "cuda":  # --batch-size auto on this card, and what that batch really holds
+        from dihal.stages import generate as gen
+        from dihal.stages.configs import GenerateConfig
+        from dihal.stages.lm.tokens import start_token
+
+        cfg = GenerateConfig(max_new_tokens=a.gen_tokens, num_samples=4096, device=a.device, dtype=a.dtype)
+        batch, total = gen.auto_batch(cfg, bridge_art), torch.cuda.get_device_properties(a.device).total_memory
+        bridge = Bridge.load(bridge_art, a.device)
+        prefix = torch.tensor([[start_token(loaded.tokenizer)[0]]] * batch, device=a.device)
+        torch.cuda.reset_peak_memory_stats(a.device)
+        try:
+            suffix = gen.suffix_model(loaded.model, bridge.layer)
+            gen.generate_hybrid(loaded, bridge, suffix, prefix, cfg, gen.draws.stream(0, 0, a.device))
+        except torch.OutOfMemoryError:
+            print(f"--batch-size auto: {batch} samples ran out of memory: the rule counts too little")
+            return
+        peak = torch.cuda.max_memory_allocated(a.device)
+        print(
+            f"--batch-size auto: {batch} samples of {a.gen_tokens} tokens, peak {peak / 2**30:.1f} GiB allocated "
+            f"of the card's {total / 2**30:.1f} GiB (the rule's budget {gen.MEMORY_SHARE:.0%})"
         )
 
 
