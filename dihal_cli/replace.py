@@ -83,6 +83,9 @@ def train_bridge(
     prediction: str = o.opt(BridgeConfig, "prediction", help="x0 or velocity."),
     skip_init: str = o.opt(BridgeConfig, "skip_init", help="ridge or zero."),
     positions: str = o.opt(BridgeConfig, "positions", help="learned (ends at --seq-len) or rotary (runs past it)."),
+    states: str = o.opt(
+        BridgeConfig, "states", help="h_l read from the extract (store) or computed by the backbone's blocks (model)."
+    ),
     condition_noise: str = typer.Option(o.condition_default(BridgeConfig), "--condition-noise", help=CONDITION_HELP),
     prior: str | None = typer.Option(None, "--prior", help="With prior:T, the layer-0 prior (dihal train-prior)."),
     device: str = o.Device,
@@ -98,10 +101,10 @@ def train_bridge(
 ) -> None:
     """Train the conditional flow-matching bridge h_0 -> h_layer (METHOD §2)."""
     device, dtype = o.device_and_dtype(device, dtype, dry_run)
-    fixed = dict(layer=layer, prediction=prediction, skip_init=skip_init, positions=positions)
+    fixed = dict(layer=layer, prediction=prediction, skip_init=skip_init, positions=positions, states=states)
     fixed |= condition(condition_noise)
     cfg = BridgeConfig.for_run(protocol, recipe, seed=seed, device=device, dtype=dtype, **fixed)
-    ecfg = extract_config(o.given(ctx), device, dtype, f"0,{layer}")
+    ecfg = extract_config(o.given(ctx), device, dtype, "0" if states == "model" else f"0,{layer}")
     own = OwnTextConfig(own_text=own_text, own_samples=o.count_or_auto(own_samples, "--own-samples"), own_seed=own_seed)
     if own.own_text and extract:
         raise DihalError("--own-text makes the extract; leave out --extract (or give an extract of generate:<ID>)")

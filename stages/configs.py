@@ -289,10 +289,14 @@ class BridgeConfig(PartRecipe):
     # the denoiser's positions: "rotary" (runs past --seq-len; the default by METHOD §2's rule,
     # measured: scripts/long_context.sh) or "learned" (ends at --seq-len; every bridge before issue 47)
     positions: str = added("rotary", old="learned")
+    # where h_l comes from: "store" (read from the extract) or "model" (the backbone's first `layer` blocks run on
+    # the training device on the token ids of the same sequences, issue 64: no layer but 0 read from the store)
+    states: str = added("store")
 
     def check(self) -> None:
         super().check()
         require(self.layer >= 1, "--layer must be at least 1 (layer 0 is the condition itself)")
+        one_of(self, "states", ("store", "model"))
         one_of(self, "prediction", PREDICTIONS)
         require(self.objective == "flow", "only --objective flow (rectified flow) is implemented")
         check_condition(self)

@@ -26,6 +26,8 @@ from dihal.stages.configs import BridgeConfig
 from dihal.stages.diffusion import feed, flow, trainer
 from dihal.stages.diffusion.denoiser import Denoiser, DenoiserConfig
 from dihal.stages.diffusion.normalizer import Normalizer
+from dihal.stages.lineage import backbone_for
+from dihal.stages.lm.capture import hidden_states
 from dihal.stages.parts.decoder import frozen_table
 from dihal.stages.runtime import plotting
 from dihal.stages.runtime.dist import distributed
@@ -43,24 +45,52 @@ def covered_start(group) -> int:
     return 1 if first.size and (first == first[0]).all() else 0
 
 
+class ModelStates:
+    """--states model: layer l's states of token ids from the backbone's first l blocks, run on the training device
+    in the training precision (stages/lm/capture.py stops the forward after block l: nothing above it runs), as
+    float32. What the extract would have stored for the same sequences, without its rounding to float16."""
+
+    def __init__(self, model, layer: int):
+        blocks = len(model.model.layers)
+        if layer > blocks:
+            raise DihalError(
+                f"--states model runs the backbone's first {layer} blocks, but it has {blocks}; "
+                f"use --layer {blocks} or fewer"
+            )
+        self.model, self.layer, self.width = model, layer, model.config.hidden_size
+        self.device = next(model.parameters()).device
+
+    def __call__(self, ids) -> torch.Tensor:
+        ids = torch.as_tensor(ids).to(self.device).long()
+        return hidden_states(self.model, ids, [self.layer])[self.layer].float()
+
+
 # -- training ------------------------------------------------------------------------------------
 class BridgeTask:
     """The bridge as a task of the shared training loop (stages/diffusion/trainer.py): reads h_l and the token
     ids of training sequences from the Zarr store, never the whole split; h_0 = table[ids] on the device."""
 
-    def __init__(self, group, cfg: BridgeConfig, norm: Normalizer, start: int, table: torch.Tensor, prior=None):
+    def __init__(
+        self, group, cfg: BridgeConfig, norm: Normalizer, start: int, table: torch.Tensor, prior=None, states=None
+    ):
         """table: the backbone's (V, D) layer-0 state of every token (stages/parts/decoder.frozen_table), on the
         training device; prior: a trained stages.parts.prior.Prior whose estimates corrupt c (--condition-noise
-        prior:T)."""
+        prior:T); states: ModelStates (--states model), else h_l is read from the store."""
         self.group, self.cfg, self.norm, self.start, self.prior = group, cfg, norm, start, prior
-        self.table = table
+        self.table, self.states = table, states
         self.on_device = norm.to(cfg.device)  # the loss normalizes where it trains
-        self.scale = hs.layer_scales(group)[cfg.layer]
+        self.scale = hs.layer_scales(group)[cfg.layer] if states is None else 1.0
         val = trainer.take_split(
             self, group, cfg.val_sequences, start, fix="--val-fraction > 0 and more --max-sequences"
         )
         self.c_val = norm.c(self.h0(hs.token_ids(group, val))[:, start:].cpu())
-        self.y_val = norm.y(_read(group, cfg.layer, val, start))
+        self.y_val = norm.y(self.target(val))
+
+    def target(self, seqs: np.ndarray) -> torch.Tensor:
+        """h_l of sequences `seqs` at positions start.. on the host, float32: read, or computed (--states model)."""
+        if self.states is None:
+            return _read(self.group, self.cfg.layer, seqs, self.start)
+        return self.states(hs.token_ids(self.group, seqs))[:, self.start :].cpu()
 
     def h0(self, ids) -> torch.Tensor:
         """(B, T) token ids (a host array or a tensor) -> (B, T, D) float32 layer-0 states on the table's device."""
@@ -68,6 +98,8 @@ class BridgeTask:
 
     def read(self, positions: np.ndarray, alloc=None) -> dict[str, np.ndarray]:
         seqs, whole = self.train_seqs[positions], self.start == 0  # position 0 only where the bridge models it
+        if self.states is not None:  # --states model: the token ids are all a step reads
+            return {"ids": hs.token_ids(self.group, seqs)}
         target = feed.stored(self.group, self.cfg.layer, seqs, "y", whole, alloc)
         return {"ids": hs.token_ids(self.group, seqs), **target}
 
@@ -75,7 +107,10 @@ class BridgeTask:
         norm = self.on_device
         raw = self.h0(batch["ids"])
         c = norm.c(raw[:, self.start :])
-        y = norm.y(feed.as_float(batch, "y", device, self.scale)[:, self.start :])
+        if self.states is None:
+            y = norm.y(feed.as_float(batch, "y", device, self.scale)[:, self.start :])
+        else:
+            y = norm.y(self.states(batch["ids"])[:, self.start :])
         t = draws.rand()
         eps = draws.randn(*y.shape[1:])
         if self.prior is not None:  # positions 1..T' only: the prior does not model position 0
@@ -117,7 +152,7 @@ def ridge_skip(net: Denoiser, task: BridgeTask, rows: int = 16384, seed: int = 0
     n_seqs = min(task.n_train, -(-rows // task.tokens_per_item))
     seqs = np.sort(task.train_seqs[torch.randperm(task.n_train, generator=gen)[:n_seqs].numpy()])
     c = task.norm.c(task.h0(hs.token_ids(task.group, seqs))[:, task.start :].cpu()).reshape(-1, net.cfg.dim)
-    y = task.norm.y(_read(task.group, task.cfg.layer, seqs, task.start)).reshape(-1, net.cfg.dim)
+    y = task.norm.y(task.target(seqs)).reshape(-1, net.cfg.dim)
     pick = torch.randperm(c.shape[0], generator=gen)[:rows]
     cc = torch.cat([c[pick].double(), torch.ones(len(pick), 1, dtype=torch.float64)], dim=1)
     gram = cc.T @ cc + 1e-3 * len(pick) * torch.eye(cc.shape[1], dtype=torch.float64)
@@ -128,15 +163,22 @@ def ridge_skip(net: Denoiser, task: BridgeTask, rows: int = 16384, seed: int = 0
 
 
 def train(
-    cfg: BridgeConfig, group, art: Artifact, progress: Progress, table: torch.Tensor, prior_art: Artifact | None = None
+    cfg: BridgeConfig,
+    group,
+    art: Artifact,
+    progress: Progress,
+    table: torch.Tensor,
+    prior_art: Artifact | None = None,
+    states: ModelStates | None = None,
 ) -> dict:
-    """Train (or resume) into art; returns final metrics. table: the backbone's layer-0 state of every token."""
+    """Train (or resume) into art; returns final metrics. table: the backbone's layer-0 state of every token;
+    states: --states model's ModelStates."""
     rank, _ = distributed()
     start = covered_start(group)
     train_seqs = hs.split_indices(group, "train")
     check_layer0(group, table, train_seqs)
-    norm = Normalizer.fit(group, 0, cfg.layer, train_seqs, start, table=table)
-    task = BridgeTask(group, cfg, norm, start, table, condition_prior(prior_art, cfg))
+    norm = Normalizer.fit(group, 0, cfg.layer, train_seqs, start, table=table, states=states)
+    task = BridgeTask(group, cfg, norm, start, table, condition_prior(prior_art, cfg), states)
     den_cfg = DenoiserConfig(
         dim=norm.mu_y.shape[0],
         width=cfg.width,
@@ -202,9 +244,16 @@ def run(
     """Under torchrun every rank trains its shard; rank 0 owns the artifact and writes it.
     prior: the layer-0 prior of --condition-noise prior:T."""
     progress = progress or NullProgress()
-    group = hs.open_with_layers(extract, (0, cfg.layer))
+    group = hs.open_with_layers(extract, (0,) if cfg.states == "model" else (0, cfg.layer))
     config, parents = config_dict(cfg), {"extract": extract.id, **check_condition_prior(cfg, extract, prior)}
-    train_fn = lambda art, report: train(cfg, group, art, report, layer0_table(extract, cfg), prior)
+
+    def train_fn(art, report):
+        if cfg.states == "store":
+            return train(cfg, group, art, report, layer0_table(extract, cfg), prior)
+        loaded = backbone_for(extract, cfg.device, cfg.precision)
+        states = ModelStates(loaded.model, cfg.layer)
+        return train(cfg, group, art, report, frozen_table(extract, cfg, loaded), prior, states)
+
     return trainer.write_trained(
         store, STAGE, CACHE_VERSION, config, parents, extract, cfg, train_fn, force=force, progress=progress
     )

@@ -173,3 +173,59 @@ def test_the_bridge_reads_one_layer_and_conditions_on_the_backbones_embedding(
     real_table = train_bridge.frozen_table
     res = invoke("train-bridge", *args, "--seed", "5")
     assert res.exit_code == 2 and "layer 0 of this extract is not the backbone's embedding" in res.output, res.output
+
+
+@pytest.mark.slow
+def test_states_computed_by_the_backbone_train_the_store_paths_bridge(tiny_dirs, root, monkeypatch):
+    """Issue 64 item 2: --states model takes h_l from the backbone's first l blocks on the training device, over
+    the same sequences in the same order, reading no layer but 0 (an extract of layer 0 alone will do): on a
+    float32 store its loss curve and validation loss are the store path's to float rounding, under another id.
+    A layer the backbone does not have is one line."""
+    import json
+
+    from dihal.stages.lm.capture import hidden_states
+
+    common = ["--model", str(tiny_dirs["llama"]), "--max-sequences", "40", "--seq-len", "16", "--device", "cpu"]
+    extract = ["extract", *common, "--val-fraction", "0.2", "--store-dtype", "float32"]
+    assert invoke(*extract, "--layers", "0,2").exit_code == 0
+    store = ArtifactStore(root)
+    full = store.resolve("latest", "extract")
+    assert invoke(*extract, "--layers", "0").exit_code == 0
+    only0 = store.resolve("latest", "extract")
+    layers, real = [], feed.stored
+    monkeypatch.setattr(
+        feed, "stored", lambda group, layer, *a, **k: layers.append(layer) or real(group, layer, *a, **k)
+    )
+    train = ["train-bridge", "--layer", "2", *TINY, "--train-steps", "12", "--eval-every", "6"]
+    res = invoke(*train, "--extract", full.id)
+    assert res.exit_code == 0, res.output
+    stored = store.resolve("latest", "bridge")
+    assert set(layers) == {2}
+    layers.clear()
+    res = invoke(*train, "--extract", only0.id, "--states", "model")
+    assert res.exit_code == 0, res.output
+    computed = store.resolve("latest", "bridge")
+    assert layers == [] and computed.id != stored.id and computed.config["states"] == "model"
+    assert "states" not in stored.config  # the store path's id is every bridge's before the option
+    # what the blocks compute is what the extract stored, here to the bit (same float32 forward, rows alone)
+    group = hs.open_group(full)
+    from dihal.stages.lm.models import load_model
+
+    model = load_model(str(tiny_dirs["llama"]), "cpu", "float32").model
+    ids = torch.from_numpy(np.asarray(group["input_ids"][:5]).astype(np.int64))
+    assert torch.allclose(hidden_states(model, ids, [2])[2], torch.from_numpy(hs.read_sequences(group, 2, range(5))))
+    curve = lambda art: [
+        (r["step"], r.get("train_loss"), r.get("val_loss"))
+        for r in map(json.loads, art.file("metrics.jsonl").read_text().splitlines())
+    ]
+    a, b = curve(stored), curve(computed)
+    assert [s for s, *_ in a] == [s for s, *_ in b] and len(a) == 12 and sum(v is not None for *_, v in a) == 2
+    for (_, ta, va), (_, tb, vb) in zip(a, b):
+        assert (ta is None) == (tb is None) and (va is None) == (vb is None)
+        assert ta is None or ta == pytest.approx(tb, rel=1e-5)
+        assert va is None or va == pytest.approx(vb, rel=1e-5)
+    res = invoke(
+        "train-bridge", "--layer", "9", *TINY, "--train-steps", "2", "--extract", only0.id, "--states", "model"
+    )
+    assert res.exit_code == 2 and "--states model runs the backbone's first 9 blocks, but it has" in res.output
+    assert len(res.output.strip().splitlines()) == 1

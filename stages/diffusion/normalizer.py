@@ -17,6 +17,8 @@ import torch
 from dihal.artifacts import hidden_states as hs
 from dihal.artifacts.errors import DihalError
 
+STATES_ROWS = 64  # sequences per forward pass of the backbone when its states are computed (--states model)
+
 
 class RunningMoments:
     """Mean and unbiased variance per dimension over rows added in blocks."""
@@ -80,14 +82,22 @@ class Normalizer:
         start: int = 1,
         block_bytes: int = 64 << 20,
         table: torch.Tensor | None = None,
+        states=None,
     ) -> Normalizer:
         """One pass over the sequences `seqs` (sorted), reading contiguous runs of at most
         block_bytes per layer. table: the condition is h_0 = table[token id] (the backbone's embedding of each
-        token alone), whose moments come from the tokens' counts (table_moments), no layer read for it."""
-        width = group[f"layers/{target_layer}"].shape[2]
+        token alone), whose moments come from the tokens' counts (table_moments), no layer read for it.
+        states: the target computed, not read (--states model): states(ids) maps (B, T) token ids to (B, T, D)
+        float32 states and states.width is D; run over the sequences in order, STATES_ROWS at a time, with table."""
+        if states is None:
+            width = group[f"layers/{target_layer}"].shape[2]
+            runs = hs.contiguous_runs(group, target_layer, seqs, block_bytes)
+            blocks = ((hs.read_block(group, target_layer, r[0], r[-1] + 1), r) for r in runs)
+        else:
+            width, ids = states.width, hs.token_ids(group, seqs)
+            blocks = ((states(ids[s : s + STATES_ROWS]).cpu().numpy(), None) for s in range(0, len(seqs), STATES_ROWS))
         y, c, pos0 = RunningMoments(width), RunningMoments(width), np.zeros(width)
-        for run in hs.contiguous_runs(group, target_layer, seqs, block_bytes):
-            target = hs.read_block(group, target_layer, run[0], run[-1] + 1)
+        for target, run in blocks:
             y.add(target[:, start:])
             if table is None:
                 c.add(hs.read_block(group, cond_layer, run[0], run[-1] + 1)[:, start:])
