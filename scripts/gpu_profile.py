@@ -5,6 +5,8 @@ of layers 0 and --layer, then --steps steps of each part below, in this process,
 
     bridge, store    the paper protocol's bridge (184M parameters at D = 4096) reading h_l from the extract
                      (h_0 from the token ids on the device)
+    bridge, model    the same bridge, h_l computed by the backbone's first --layer blocks on the device
+                     (`--states model`, issue 64 item 2): no layer read but the token ids
     prior            the paper protocol's prior over h_0
     generation       the bridge's hybrid against the backbone's own generate, 16 new tokens at batch 1, 8, 32
                      (benchmarks/bench_hybrid_generate.py's timings, issue 65 item 3)
@@ -12,8 +14,7 @@ of layers 0 and --layer, then --steps steps of each part below, in this process,
 One line per part: tokens per second, the model FLOP utilisation against the device's bf16 dense peak
 (6 x parameters + attention's 12 x depth x T x width FLOPs a token; PEAK_BF16 by device name), the share of the
 run spent waiting for data (the Loader's wait, stages/diffusion/trainer.py), the peak memory; then the
-profiler's 15 costliest kernels. The parts' states computed by the backbone on the device (`--states model`,
-issue 64 item 2) are not a source yet: its line says so.
+profiler's 15 costliest kernels.
 
     on the GPU machine:   bash scripts/gpu_profile.sh            (carry .whl and .gpu, as gpu_smoke.sh)
     rehearsal on a CPU:   DEVICE=cpu bash scripts/gpu_profile.sh (small blocks; no MFU)
@@ -143,15 +144,17 @@ def main() -> None:
     recipe = dict(kv.split("=") for kv in a.recipe.split())
     recipe = {k: int(v) for k, v in recipe.items()}
     common = dict(steps=a.steps, eval_every=a.steps, device=a.device, precision=precision, **recipe)
+    bridge = lambda states: BridgeConfig.from_protocol("paper", layer=a.layer, states=states, **common)
     parts = [
-        ("bridge, store", train_bridge.run, BridgeConfig.from_protocol("paper", layer=a.layer, **common)),
+        ("bridge, store", train_bridge.run, bridge("store")),
+        ("bridge, model", train_bridge.run, bridge("model")),
         ("prior", train_prior.run, PriorConfig.from_protocol("paper", layer=0, **common)),
     ]
     rows = [profiled(name, run, cfg, extract, store, a.device, a.seq_len) for name, run, cfg in parts]
     print(f"\n{'part':<16} {'parameters':>12} {'tokens/s':>11} {'MFU':>7} {'data wait':>10} {'peak GiB':>9}")
     for r in rows:
         print(line(r))
-    print(f"{'bridge, model':<16} not a source yet: --states model is issue 64 item 2")
+    print("MFU counts the bridge's FLOPs alone: 'bridge, model' also runs the backbone's first --layer blocks")
     print(f"device: {rows[0]['device']}; MFU against {peak_flops(a.device)[0] or 'no'} bf16 FLOP/s")
     for r in rows:
         print(f"\n== {r['part']}: the 15 costliest kernels over steps 10-19\n{r['kernels']}")

@@ -716,19 +716,18 @@ def test_a_gpu_rank_loads_its_weights_straight_onto_its_own_device(tiny_dirs, mo
 @pytest.mark.slow
 def test_the_gpu_profile_rehearses_on_the_cpu(tmp_path):
     """scripts/gpu_profile.sh as the next GPU session runs it, on the CPU (issue 64 item 5): a random Llama-shaped
-    model, its extract, then the paper bridge and prior trained under the profiler; one line each with its
-    throughput and data wait, and each part's table of kernels; then the hybrid's generation against the
-    backbone's (issue 65 item 3), one line per batch."""
+    model, its extract, then the paper bridge (from the store and from states the backbone computes) and prior
+    trained under the profiler; one line each with its throughput and data wait, and each part's table of
+    kernels; then the hybrid's generation against the backbone's (issue 65 item 3), one line per batch."""
     import re
 
     env = {**os.environ, "DEVICE": "cpu", "DTYPE": "float32", "DIHAL_ROOT": str(tmp_path / "runs")}
     proc = subprocess.run(["bash", "scripts/gpu_profile.sh"], cwd=ROOT, env=env, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    for part in ("bridge, store", "prior"):
+    for part in ("bridge, store", "bridge, model", "prior"):
         row = re.search(rf"^{re.escape(part)} +([\d,]+) +([\d,]+) +n/a +([\d.]+)% +n/a$", proc.stdout, re.M)
         assert row and int(row[2].replace(",", "")) > 0 and 0 <= float(row[3]) <= 100, proc.stdout[-3000:]
         assert f"== {part}: the 15 costliest kernels" in proc.stdout
-    assert "not a source yet: --states model" in proc.stdout
     for batch in (1, 8):
         row = re.search(rf"^ +{batch} +([\d,.]+) +([\d,.]+) +([\d.]+)$", proc.stdout, re.M)
         assert row and float(row[1].replace(",", "")) > 0 and float(row[3]) > 0, proc.stdout[-3000:]
