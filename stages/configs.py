@@ -160,6 +160,13 @@ def added(default, *, old=MISSING, when=None):
 
 
 # -- training ---------------------------------------------------------------------------------------
+def optimizer_key(device: str) -> dict:
+    """What a trained part's id, and that of a stage that trains parts (sweep, confirm, compare), hashes of its
+    optimizer: on a GPU the fused AdamW (stages/diffusion/trainer.optimizer), which rounds otherwise than the
+    per-tensor AdamW every part was trained with before it (so their ids are not reused for it); nothing on a CPU."""
+    return {"optimizer": "adamw, fused"} if device == "cuda" else {}
+
+
 @dataclass(frozen=True, kw_only=True)
 class Recipe(Config):
     """The training loop's settings, shared by every trained part (the loop's own config)."""
@@ -179,6 +186,9 @@ class Recipe(Config):
     device: str = "cpu"
     precision: str = "float32"  # bfloat16: forward under bf16 autocast (CUDA or CPU)
     shuffle_window: int = 512  # sequences shuffled together in an epoch's order; bounds a read
+
+    def hashed(self) -> dict:
+        return {**super().hashed(), **optimizer_key(self.device)}
 
     def check(self) -> None:
         require(self.steps is not None or self.epochs is not None, "give --train-steps or --epochs")

@@ -132,8 +132,9 @@ def with_samples(ecfg: ExtractConfig, cfg: OwnTextConfig, samples: str) -> Extra
 
 
 def planned(cfg: OwnTextConfig, ecfg: ExtractConfig) -> ExtractConfig:
-    """The extract that run() will return, without running anything (for --dry-run)."""
-    return with_samples(ecfg, cfg, samples_id(cfg, ecfg))
+    """The extract that run() will return, without running anything (for --dry-run); ecfg itself without
+    --own-text (no samples' id is computed, so nothing of the model is read or its digest remembered)."""
+    return with_samples(ecfg, cfg, samples_id(cfg, ecfg)) if cfg.own_text else ecfg
 
 
 def run(

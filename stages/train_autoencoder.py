@@ -206,7 +206,7 @@ def run(
     """loaded: the backbone, when the caller holds it (stages/train_decoder.py frozen_table)."""
     progress = progress or NullProgress()
     group = hs.open_with_layers(extract, (0,))
-    config, parents = asdict(cfg), {"extract": extract.id}
+    config, parents = cfg.hashed(), {"extract": extract.id}
     train_fn = lambda art, report: train(cfg, group, art, frozen_table(extract, cfg, loaded), report)
     return trainer.write_trained(
         store, STAGE, CACHE_VERSION, config, parents, extract, cfg, train_fn, force=force, progress=progress

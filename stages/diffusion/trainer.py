@@ -264,6 +264,13 @@ def train(task: Task, net: nn.Module, cfg: LoopConfig, directory: Path, progress
     return fit.finish()
 
 
+def optimizer(net: nn.Module, cfg: LoopConfig, device: torch.device) -> torch.optim.AdamW:
+    """AdamW; on a GPU its fused kernel (one launch for every parameter; other rounding than the CPU's
+    per-tensor loop, so a GPU config hashes it: configs.Recipe.hashed)."""
+    fused = torch.device(device).type == "cuda" or None
+    return torch.optim.AdamW(net.parameters(), lr=cfg.lr, betas=(0.9, 0.99), weight_decay=cfg.weight_decay, fused=fused)
+
+
 class Fit:
     """One run of the loop: `step` trains one global batch, `record` logs, validates and checkpoints it
     (rank 0), `save` and `resume` are the checkpoint's two sides, `finish` writes the weights."""
@@ -282,9 +289,7 @@ class Fit:
                         f"using {value}"
                     )
         self.net = net.to(self.device)
-        self.optimizer = torch.optim.AdamW(
-            self.net.parameters(), lr=cfg.lr, betas=(0.9, 0.99), weight_decay=cfg.weight_decay
-        )
+        self.optimizer = optimizer(self.net, cfg, self.device)
         self.ema = EMA(self.net, cfg.ema)
         self.metrics_path = directory / "metrics.jsonl"
         self.first_step, self.log = self.resume()
