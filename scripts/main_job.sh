@@ -3,7 +3,7 @@
 # pydoc corpus), sized for a laptop: extract -> score -> train-bridge at l* -> evaluate -> generate ->
 # evaluate, then one summary table. The extended checks (score draws, robust proxies, fidelity
 # elsewhere, the sweep, claim 4) are in scripts/reproduce_cpu.sh.
-#   MODEL=gemma3-270m, SEQUENCES, BRIDGE_STEPS, SELECT, DEVICE, DTYPE and DIHAL_ROOT change what it runs.
+#   MODEL=gemma3-270m, SEQUENCES, BRIDGE_STEPS, OWN_TEXT, SELECT, DEVICE, DTYPE and DIHAL_ROOT change what it runs.
 set -euo pipefail
 export DIHAL_STRICT_CACHE=${DIHAL_STRICT_CACHE:-1}  # a cached artifact made by other code is recomputed (issue 45)
 cd "$(dirname "$0")/.."
@@ -29,11 +29,20 @@ dihal score --extract "$EXTRACT" --select "$SELECT" --proxies "$PROXIES"   # the
 SCORE=$(dihal runs latest score)
 LSTAR=$(python3 -c "import json,sys; print(json.load(open(sys.argv[1]))['metrics']['l_star'])" "$DIHAL_ROOT/score/$SCORE/manifest.json")
 
+# the bridge's text: half pydoc, half the backbone's own unprompted samples (--own-text 0.5; 0: pydoc alone), chosen
+# by the rule of docs/results/hybrid_generation.md: the hybrid writing on its own feeds the bridge the text the
+# backbone writes, not pydoc. With a share, train-bridge writes the samples and extracts layers 0 and l* of the mix.
+OWN_TEXT=${OWN_TEXT:-0.5}
 step 3 "train the bridge that replaces the embeddings and blocks 1..$LSTAR ($STEPS steps)"
-dihal train-bridge --layer "$LSTAR" --extract "$EXTRACT" --train-steps "$STEPS" $DEV
+if [ "$OWN_TEXT" = 0 ]; then
+  dihal train-bridge --layer "$LSTAR" --extract "$EXTRACT" --train-steps "$STEPS" $DEV
+else
+  dihal train-bridge --layer "$LSTAR" --model "$MODEL" --dataset pydoc --max-sequences "$SEQUENCES" \
+    --own-text "$OWN_TEXT" --train-steps "$STEPS" $DEV
+fi
 BRIDGE=$(dihal runs latest bridge)
 
-step 4 "bridge fidelity on held-out pydoc, teacher forced"
+step 4 "bridge fidelity on its held-out text, teacher forced"
 dihal evaluate --bridge "$BRIDGE" --sample-steps 8 $DEV
 
 step 5 "generate with the hybrid and with the original backbone"
