@@ -256,6 +256,38 @@ def estimate(a: argparse.Namespace) -> list[tuple[str, float, float, float, floa
     return rows
 
 
+def sources(a: argparse.Namespace, layer: int = 3) -> list[tuple[str, float, float, str]]:
+    """(source of a bridge's h_l, disk GiB, minutes of one bridge on one GPU, what the disk holds) for each source
+    of a bridge at `layer` (the paper's l* on Llama-3.1-8B): the store (an extract of every layer) and the
+    backbone computing it (`train-bridge --states model`: its first `layer` blocks run over the training
+    sequences twice, the normaliser's pass and the epoch, at the forward rate scaled by the blocks it runs)."""
+    s = shapes(a)
+    d, layers = s["width"], s["blocks"] + 1
+    n_train = int(a.sequences * (1 - a.val_fraction))
+    batch = PAPER["batch_size"]
+    bridge_tokens = math.ceil(n_train / batch) * batch * (a.seq_len - 1)
+    all_layers = estimate_bytes(a.sequences, a.seq_len, d, ["float16"] * layers, a.batch, a.pool, a.val_fraction)
+    layer0 = estimate_bytes(a.sequences, a.seq_len, d, ["float16"], a.batch, 0, a.val_fraction)
+    score = estimate_bytes(a.score_sequences, a.seq_len, d, ["float16"] * layers, a.batch, a.pool, a.val_fraction)
+    read = 2 * n_train * a.seq_len * d * 2 / GIB
+    forward = 2 * n_train * a.seq_len * layer / s["blocks"] / a.forward_tps
+    return [
+        (
+            "store",
+            all_layers / GIB,
+            max(bridge_tokens / a.bridge_tps, read / a.disk_gibps) / 60,
+            f"every layer of {a.sequences:,} sequences",
+        ),
+        (
+            "model (--states model)",
+            (layer0 + score) / GIB,
+            (bridge_tokens / a.bridge_tps + forward) / 60,
+            f"layer 0 of {a.sequences:,} sequences, and every layer of {a.score_sequences:,} for the score "
+            "(assumed enough: its pool and ridge rows; not measured against the full extract's S)",
+        ),
+    ]
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--like", choices=sorted(LIKE), default=None, help="one model's shapes (default: both 8B)")
@@ -264,6 +296,7 @@ def main() -> None:
     p.add_argument("--params", type=float, default=None)
     for name, value in dict(
         sequences=20000,
+        score_sequences=1024,
         seq_len=128,
         val_fraction=0.1,
         batch=32,
@@ -311,6 +344,13 @@ def main() -> None:
                 + "; ".join(f"{g} GPUs: {m / totals[1]:.2f} of one GPU's time" for g, m in totals.items() if g != 1)
             )
         a.gpus = ",".join(map(str, counts))
+        print(f"\n{'bridge at 3, h_l read from':<30}{'disk GiB':>9}{'minutes':>8}  on the disk")
+        for source, disk, minutes, held in sources(a):
+            print(f"{source:<30}{disk:>9.1f}{minutes:>8.0f}  {held}")
+        print(
+            "  --states model is train-bridge's only: sweep, train-prior and compare's parts still read h_l from an "
+            "extract that holds it"
+        )
     print(
         f"\nrates, each with where it was measured:\n"
         f"  bridge training {a.bridge_tps:,.0f} tok/s per GPU: one H200 (2026-12-04), host-bound, with the loader "

@@ -780,3 +780,30 @@ def test_the_estimate_on_eight_gpus_deals_compares_units_and_is_a_fifth_of_one_g
     ratio = float(out.split("8 GPUs: ")[1].split(" of one GPU's time")[0])
     assert ratio == pytest.approx(total(eight) / total(one), abs=0.01) and ratio <= 0.2
     assert "measured" in out and "assumed" in out  # every rate says where it comes from
+
+
+@pytest.mark.slow
+def test_the_estimate_prints_each_sources_disk_and_the_computed_states_fit_a_gpu_nodes():
+    """issue 64 item 2: a bridge's h_l from the store needs every layer of the 20,000 sequences on disk; computed
+    by the backbone (--states model) it needs layer 0 of them and, for the score, every layer of 1,024: by hand,
+    float16 at Llama-3.1-8B's width over its 33 layers, within 64 GiB."""
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "scripts/estimate.py", "--like", "llama-3.1-8b", "--gpus", "1"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    disk = {
+        name: float(line[30:39])
+        for line in out.splitlines()
+        for name in ("store", "model (--states model)")
+        if line.startswith(name + " ")
+    }
+    # one sequence of one layer, GiB: 128 float16 states, and its position 0 kept apart in float32
+    row, pool = (128 * 4096 * 2 + 4096 * 4) / 2**30, 16384 * 4096 * 2 * 33 / 2**30
+    assert disk["store"] == pytest.approx(20000 * 33 * row + pool, rel=0.02)
+    by_hand = 20000 * row + 1024 * 33 * row + pool  # layer 0, and the score's every layer and pool
+    assert disk["model (--states model)"] == pytest.approx(by_hand, rel=0.03) and disk["model (--states model)"] <= 64
