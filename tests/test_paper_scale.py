@@ -738,17 +738,10 @@ def test_the_estimate_counts_a_bridges_reads_once_and_one_layer_of_them():
     """issue 64 item 6: the measured training rate already includes reads from the page cache and the loader
     reads ahead, so a bridge's time is the slower of its compute and its disk reads, never their sum; and it
     reads layer l alone (h_0 comes from the token ids), twice: the normaliser's pass and the epoch."""
-    import sys
 
     n_train, tokens = int(20000 * 0.9), 282 * 64 * 127  # the defaults: 20,000 sequences of 128, batch 64
     for disk in (0.01, 1000.0):
-        out = subprocess.run(
-            [sys.executable, "scripts/estimate.py", "--like", "llama-3.1-8b", "--disk-gibps", str(disk)],
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout
+        out = _estimate("--disk-gibps", str(disk))
         row = next(line for line in out.splitlines() if line.startswith("train-bridge (one layer)"))
         read_s = 2 * n_train * 128 * 4096 * 2 / 2**30 / disk
         assert float(row.split()[6]) == round(max(tokens / 14500, read_s) / 60), (disk, row)
@@ -760,15 +753,8 @@ def test_the_estimate_on_eight_gpus_deals_compares_units_and_is_a_fifth_of_one_g
     part-epochs (27 parts at budget 1, 27 at budget 5) are dealt by dist.deal: the busiest GPU trains 21 of
     them (the fewest possible: 162 / 8 rounds up to 21 with whole epochs), and its 168 generations split
     evenly, an eighth each; the protocol takes at most a fifth of one GPU's time."""
-    import sys
 
-    out = subprocess.run(
-        [sys.executable, "scripts/estimate.py", "--like", "llama-3.1-8b", "--gpus", "1,8"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout
+    out = _estimate("--gpus", "1,8")
     one, eight = out.split("8 GPUs of one node")[0], out.split("8 GPUs of one node")[1]
     compare_1 = next(x for x in one.splitlines() if x.startswith("compare"))
     compare_8 = next(x for x in eight.splitlines() if x.startswith("compare"))
@@ -787,15 +773,8 @@ def test_the_estimate_prints_each_sources_disk_and_the_computed_states_fit_a_gpu
     """issue 64 item 2: a bridge's h_l from the store needs every layer of the 20,000 sequences on disk; computed
     by the backbone (--states model) it needs layer 0 of them and, for the score, every layer of 1,024: by hand,
     float16 at Llama-3.1-8B's width over its 33 layers, within 64 GiB."""
-    import sys
 
-    out = subprocess.run(
-        [sys.executable, "scripts/estimate.py", "--like", "llama-3.1-8b", "--gpus", "1"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout
+    out = _estimate("--gpus", "1")
     disk = {
         name: float(line[30:39])
         for line in out.splitlines()
@@ -807,3 +786,11 @@ def test_the_estimate_prints_each_sources_disk_and_the_computed_states_fit_a_gpu
     assert disk["store"] == pytest.approx(20000 * 33 * row + pool, rel=0.02)
     by_hand = 20000 * row + 1024 * 33 * row + pool  # layer 0, and the score's every layer and pool
     assert disk["model (--states model)"] == pytest.approx(by_hand, rel=0.03) and disk["model (--states model)"] <= 64
+
+
+def _estimate(*args: str) -> str:
+    """scripts/estimate.py's output for Llama-3.1-8B's shape."""
+    import sys
+
+    cmd = [sys.executable, "scripts/estimate.py", "--like", "llama-3.1-8b", *args]
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=True).stdout
