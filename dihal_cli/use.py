@@ -90,8 +90,7 @@ def generate(
     prompts = read_prompts(prompt, prompts_file)
     device, dtype = o.device_and_dtype(device, dtype, dry_run)
     batch = o.count_or_auto(batch_size, "--batch-size")  # auto: the config's default, on a GPU sized below
-    values = {k: v for k, v in o.given(ctx).items() if k != "batch_size" or batch is not None}
-    values["batch_size"] = batch or o.default(GenerateConfig, "batch_size")
+    values = {**o.given(ctx), "batch_size": batch or o.default(GenerateConfig, "batch_size")}
     cfg = o.build(GenerateConfig, values, prompts=prompts, cache=not no_cache, device=device, dtype=dtype)
     if dry_run:
         return dry("generate", cfg)
