@@ -15,9 +15,17 @@ import typer
 from dihal.artifacts.store import ArtifactStore
 from dihal.cli import options as o
 from dihal.cli.locate import extract_config, extract_parent
+from dihal.cli.options import default
 from dihal.cli.tables import compare_tables, confirm_tables
 from dihal.cli.ui import console, dry, make_progress, report
-from dihal.stages.configs import CompareConfig, ConfirmConfig, ScoreConfig, check_evaluator, parse_condition
+from dihal.stages.configs import (
+    BridgeConfig,
+    CompareConfig,
+    ConfirmConfig,
+    ScoreConfig,
+    check_evaluator,
+    parse_condition,
+)
 from dihal.stages.registry import ROW_KEYS
 
 
@@ -138,6 +146,7 @@ def confirm(
     num_samples: int = o.opt(ConfirmConfig, "num_samples", help="AR hybrid samples per layer and seed."),
     evaluator: str | None = o.opt(ConfirmConfig, "evaluator", help="Second evaluator (default: the other builtin)."),
     batch_size: int = o.opt(ConfirmConfig, "batch_size", help="Samples per generation batch."),
+    states: str = o.opt(BridgeConfig, "states", help="Every bridge's h_l: store (read) or model (computed)."),
     device: str = o.Device,
     dtype: str = o.Dtype,
     force: bool = o.Force,
@@ -153,7 +162,7 @@ def confirm(
         o.given(ctx),
         at=o.comma_list(at),
         seeds=o.seeds(seeds),
-        overrides=recipe,
+        overrides=recipe + ((("states", states),) if states != default(BridgeConfig, "states") else ()),
         device=device,
         dtype=dtype,
     )

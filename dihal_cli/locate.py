@@ -149,6 +149,7 @@ def sweep(
     eval_limit: int = o.opt(SweepConfig, "eval_limit"),
     seeds: str = o.opt(SweepConfig, "seeds", help="A bridge per layer and seed, e.g. 0,1,2."),
     skip_init: str = o.opt(BridgeConfig, "skip_init", help="Every bridge's skip A: ridge or zero."),
+    states: str = o.opt(BridgeConfig, "states", help="Every bridge's h_l: store (read) or model (computed)."),
     device: str = o.Device,
     dtype: str = o.Dtype,
     seed: int = typer.Option(0, "--seed", help="Seed of the data split and the score's positions."),
@@ -167,10 +168,13 @@ def sweep(
     if layers is None:  # every candidate of this model: 1..L-1
         layers = f"1-{stage.num_blocks(store.resolve(extract, 'extract') if extract else model, trust_remote_code) - 1}"
     layer_list = tuple(ex.parse_layers(layers, None))
-    overrides = recipe + ((("skip_init", skip_init),) if skip_init != default(BridgeConfig, "skip_init") else ())
+    changed = {"skip_init": skip_init, "states": states}
+    overrides = recipe + tuple((k, v) for k, v in changed.items() if v != default(BridgeConfig, k))
     resolved = dict(device=device, dtype=dtype)
     cfg = o.build(SweepConfig, o.given(ctx), layers=layer_list, overrides=overrides, seeds=o.seeds(seeds), **resolved)
-    ecfg = extract_config(o.given(ctx), device, dtype, "all")  # S z-scores over every candidate, whichever are swept
+    # S z-scores over every candidate, whichever are swept; bridges that compute h_l from a given score's extract
+    # of the same backbone need only the token ids (layer 0) of their own
+    ecfg = extract_config(o.given(ctx), device, dtype, "0" if states == "model" and score else "all")
     scfg = o.build(ScoreConfig, o.given(ctx), device=device)
     if extract is None:
         ex.check_planned(ecfg.data, tokens=None if score else scfg.tokens, why="every bridge's validation loss")

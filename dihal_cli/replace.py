@@ -149,6 +149,9 @@ def train_prior(
         PriorConfig, "data", help="extract (stored h_0), corpus (its tokens, embedded) or corpus:SPEC (a dataset)."
     ),
     latents: str | None = typer.Option(None, "--latents", help="Model this autoencoder's latents (LD4LG-style)."),
+    states: str = o.opt(
+        PriorConfig, "states", help="h_l read from the extract (store) or computed by the backbone's blocks (model)."
+    ),
     protocol: str = o.protocol_opt(PriorConfig),
     extract: str = ExtractRef,
     device: str = o.Device,
@@ -161,7 +164,7 @@ def train_prior(
 ) -> None:
     """Sequence diffusion prior over normalized states, positions 1..T-1 (METHOD §5)."""
     fixed = dict(layer=layer, self_condition=self_condition, latent=latents is not None, time_shift=time_shift)
-    fixed.update(token_ce=token_ce, token_ce_max_t=token_ce_max_t, data=data)
+    fixed.update(token_ce=token_ce, token_ce_max_t=token_ce_max_t, data=data, states=states)
     if (
         art := train_from_extract(
             ctx, PriorConfig, "train-prior", recipe, reads={"latents": ("autoencoder", latents)}, **fixed

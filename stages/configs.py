@@ -334,10 +334,19 @@ class PriorConfig(PartRecipe):
     # extract: the extract's stored h_0; corpus: its token ids, embedded by the backbone's table (no state read);
     # corpus:SPEC: the train split of another dataset (a builtin, local files or a hub id), tokenized here
     data: str = added("extract")
+    # where h_l (l >= 1) comes from: "store" (read from the extract) or "model" (the backbone's first `layer` blocks
+    # on the training device, on the token ids of the same sequences: BridgeConfig.states, issue 64)
+    states: str = added("store")
 
     def check(self) -> None:
         super().check()
         require(self.layer >= 0, f"--layer must be >= 0 (0: the embeddings), got {self.layer}")
+        one_of(self, "states", ("store", "model"))
+        require(
+            self.states == "store" or (self.layer >= 1 and not self.latent and self.data == "extract"),
+            "--states model computes layer l >= 1 from the tokens (DiHAL-direct's prior); give --layer l, "
+            "or leave --states out for layer 0, --latents and --data corpus",
+        )
         require(not self.latent or self.layer == 0, "--latents models an autoencoder's latents; leave out --layer")
         check_prior_recipe(self.time_shift, self.token_ce, self.data, token_ce_max_t=self.token_ce_max_t)
         if self.reads_tokens:

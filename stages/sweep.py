@@ -27,6 +27,7 @@ from dihal.stages import registry
 from dihal.stages import score as score_stage
 from dihal.stages import train_bridge as bridge_stage
 from dihal.stages.configs import NORMALIZATIONS, ScoreConfig, SweepConfig, optimizer_key
+from dihal.stages.lineage import same_model
 from dihal.stages.runtime import bootstrap, dist, plotting
 from dihal.stages.runtime.progress import NullProgress, Progress
 
@@ -50,11 +51,7 @@ def run(
     config["bridge_version"] = bridge_stage.CACHE_VERSION  # its bridges' computation: a new one is another sweep
     config |= optimizer_key(cfg.device)
     parents = {"extract": extract.id, "score": score_art.id}
-    if score_art.manifest.get("parents", {}).get("extract") != extract.id:
-        raise DihalError(
-            f"score {score_art.id} was made from extract {score_art.manifest.get('parents', {}).get('extract')}, "
-            f"not {extract.id}; pass a --score of this extract or leave --score out to score it now"
-        )
+    scored = scored_extract(cfg, score_art, extract, store)
     scores = score_stage.load_table(score_art).set_index("layer")
     missing = [layer for layer in cfg.layers if layer not in scores.index]
     if missing:
@@ -90,7 +87,7 @@ def run(
         if dist.distributed()[0] != 0:
             return
         with dist.local():  # rank 0 alone
-            variant_scores = normalize_variants(score_art, extract, store, progress)  # cheap next to the bridges
+            variant_scores = normalize_variants(score_art, scored, store, progress)  # cheap next to the bridges
         runs = pd.DataFrame(runs)
         table = per_layer(runs, scores)
         num_blocks = int(extract.manifest["metrics"]["num_blocks"])
@@ -111,6 +108,23 @@ def run(
     seed = min(cfg.seeds)  # torchrun: every rank does its units (layer, seed) of dist.deal; rank 0 sums up
     job = Job(STAGE, CACHE_VERSION, config, parents, work, seed=seed, device=cfg.device, extra=extra, every_rank=True)
     return store.run_stage(job, force=force, progress=progress, group=dist.group())
+
+
+def scored_extract(cfg: SweepConfig, score_art: Artifact, extract: Artifact, store: ArtifactStore) -> Artifact:
+    """The extract the score read: the sweep's own, or, where its bridges compute their states (--states model),
+    any extract of the same backbone (every layer of a few sequences for the score, the token ids of many for the
+    bridges: issue 64's disk plan)."""
+    made_from = score_art.manifest.get("parents", {}).get("extract")
+    if made_from == extract.id:
+        return extract
+    computed = dict(cfg.overrides).get("states") == "model"
+    scored = store.resolve(made_from, "extract") if computed and made_from else None
+    if scored is None or not same_model(scored.manifest.get("model"), extract.manifest.get("model")):
+        raise DihalError(
+            f"score {score_art.id} was made from extract {made_from}, not {extract.id}; pass a --score of this "
+            "extract (with --states model, of an extract of the same backbone) or leave --score out to score it now"
+        )
+    return scored
 
 
 def per_layer(runs: pd.DataFrame, scores: pd.DataFrame) -> pd.DataFrame:

@@ -27,7 +27,7 @@ from dihal.stages.diffusion import feed, flow, trainer
 from dihal.stages.diffusion.denoiser import Denoiser, DenoiserConfig
 from dihal.stages.diffusion.normalizer import Normalizer
 from dihal.stages.lineage import backbone_for
-from dihal.stages.lm.capture import hidden_states
+from dihal.stages.lm.capture import ModelStates
 from dihal.stages.parts.decoder import frozen_table
 from dihal.stages.runtime import plotting
 from dihal.stages.runtime.dist import distributed
@@ -43,26 +43,6 @@ def covered_start(group) -> int:
     """1 when every sequence starts with the same token (the start token): position 0 is then a constant."""
     first = np.asarray(group["input_ids"][:, 0])
     return 1 if first.size and (first == first[0]).all() else 0
-
-
-class ModelStates:
-    """--states model: layer l's states of token ids from the backbone's first l blocks, run on the training device
-    in the training precision (stages/lm/capture.py stops the forward after block l: nothing above it runs), as
-    float32. What the extract would have stored for the same sequences, without its rounding to float16."""
-
-    def __init__(self, model, layer: int):
-        blocks = len(model.model.layers)
-        if layer > blocks:
-            raise DihalError(
-                f"--states model runs the backbone's first {layer} blocks, but it has {blocks}; "
-                f"use --layer {blocks} or fewer"
-            )
-        self.model, self.layer, self.width = model, layer, model.config.hidden_size
-        self.device = next(model.parameters()).device
-
-    def __call__(self, ids) -> torch.Tensor:
-        ids = torch.as_tensor(ids).to(self.device).long()
-        return hidden_states(self.model, ids, [self.layer])[self.layer].float()
 
 
 # -- training ------------------------------------------------------------------------------------

@@ -22,6 +22,8 @@ Rectified flow, x0-parameterization, MSE over positions 1..T-1, trained by the s
   backbone's own scaling (stages/lm/vocab.py embedding_table), so no state is read or written per token;
   `--data corpus:SPEC` trains on another dataset's train split, tokenized here at the extract's length. The
   extract still gives the normalization, the validation sequences and the model.
+- `--states model` (DiHAL-direct, l >= 1): h_l is computed from the token ids by the backbone's first l blocks on
+  the training device (stages/lm/capture.py ModelStates), as train-bridge's: only the extract's token ids are read.
 - clamping (Diffusion-LM) is a sampling option (stages/parts/prior.py `Prior.sample(clamp_to=E)`): each step's x0
   estimate, de-normalized, is replaced by its cosine-nearest row of the raw embedding table E,
   rescaled to the estimate's norm.
@@ -44,6 +46,7 @@ from dihal.stages.diffusion import feed, flow, trainer
 from dihal.stages.diffusion.denoiser import Denoiser, DenoiserConfig
 from dihal.stages.diffusion.normalizer import Normalizer
 from dihal.stages.lineage import backbone_for
+from dihal.stages.lm.capture import ModelStates
 from dihal.stages.lm.vocab import embedding_table
 from dihal.stages.parts.autoencoder import latents_of
 from dihal.stages.parts.prior import space
@@ -89,12 +92,14 @@ class Tokens:
 
 
 class PriorTask:
-    def __init__(self, group, cfg: PriorConfig, norm: Normalizer, tokens: Tokens | None = None, corpus=None):
+    def __init__(
+        self, group, cfg: PriorConfig, norm: Normalizer, tokens: Tokens | None = None, corpus=None, states=None
+    ):
         """tokens: the token side (--data corpus, --token-ce); corpus: (N, T) ids of another dataset's train
-        split (--data corpus:SPEC), which the training sequences are then."""
-        self.group, self.cfg, self.tokens, self.moved = group, cfg, tokens, {}
+        split (--data corpus:SPEC), which the training sequences are then; states: ModelStates (--states model)."""
+        self.group, self.cfg, self.tokens, self.moved, self.states = group, cfg, tokens, {}, states
         self.mu, self.sigma = space(norm, cfg.layer)
-        if cfg.data == "extract":
+        if cfg.data == "extract" and states is None:
             self.scale = hs.layer_scales(group)[cfg.layer]
         val = trainer.take_split(self, group, cfg.val_sequences)
         if corpus is not None:
@@ -102,6 +107,8 @@ class PriorTask:
         self.y_val = self.normalize(self._states(val, validation=True))
 
     def _states(self, seqs: np.ndarray, validation: bool = False) -> np.ndarray:
+        if self.states is not None:
+            return self.states(hs.token_ids(self.group, seqs)).cpu().numpy()
         if self.cfg.data == "extract":
             return hs.read_sequences(self.group, self.cfg.layer, seqs)
         if validation and self.cfg.data != "corpus":  # the extract's own validation tokens, embedded
@@ -125,6 +132,8 @@ class PriorTask:
 
     def read(self, positions: np.ndarray, alloc=None) -> dict[str, np.ndarray]:
         seqs = self.train_seqs[positions]
+        if self.states is not None:  # --states model: the token ids are all a step reads
+            return {"ids": hs.token_ids(self.group, seqs)}
         if self.cfg.data == "extract":  # as stored: made float32 on the device (stages/diffusion/feed.py)
             out = feed.stored(self.group, self.cfg.layer, seqs, "y", False, alloc)
         else:
@@ -134,7 +143,10 @@ class PriorTask:
         return out
 
     def loss(self, net, batch, draws, device) -> torch.Tensor:
-        y = self.normalize(feed.as_float(batch, "y", device, self.scale))
+        if self.states is None:
+            y = self.normalize(feed.as_float(batch, "y", device, self.scale))
+        else:
+            y = self.normalize(self.states(batch["ids"]))
         t = flow.shift_time(draws.rand(), self.cfg.time_shift)
         eps = draws.randn(*y.shape[1:])
         x_t = flow.noisy(y, eps, t)
@@ -239,6 +251,12 @@ def train(
         stored = {split: latents_of(latents_art, split) for split in ("train", "validation")}
         norm = latent_normalizer(stored["train"])
         task = LatentPriorTask(group, cfg, stored, norm)
+    elif cfg.states == "model":  # h_l from the backbone's blocks; the unused condition moments from its table
+        loaded = backbone_for(extract, cfg.device, cfg.precision)
+        states = ModelStates(loaded.model, cfg.layer)
+        table = embedding_table(loaded.model)
+        norm = Normalizer.fit(group, 0, cfg.layer, hs.split_indices(group, "train"), 1, table=table, states=states)
+        task = PriorTask(group, cfg, norm, states=states)
     else:
         norm = Normalizer.fit(group, 0, max(cfg.layer, 0), hs.split_indices(group, "train"), 1)
         tokens, about = token_data(cfg, extract, group, progress)
@@ -287,7 +305,7 @@ def run(
 ) -> Artifact:
     """latents: the autoencoder artifact whose latents a --latents prior models."""
     progress = progress or NullProgress()
-    group = hs.open_with_layers(extract, (0, cfg.layer))
+    group = hs.open_with_layers(extract, (0,) if cfg.states == "model" else (0, cfg.layer))
     if cfg.latent != (latents is not None):
         raise DihalError("a prior over latents needs --latents ID (a `dihal train-autoencoder` artifact), and only it")
     if latents is not None and latents.manifest.get("parents", {}).get("extract") != extract.id:

@@ -175,14 +175,29 @@ def test_the_bridge_reads_one_layer_and_conditions_on_the_backbones_embedding(
     assert res.exit_code == 2 and "layer 0 of this extract is not the backbone's embedding" in res.output, res.output
 
 
+def same_curve(a_art, b_art, steps: int) -> None:
+    """Two trained parts' metrics.jsonl: the same steps, and every train and validation loss equal to 1e-5."""
+    import json
+
+    curve = lambda art: [
+        (r["step"], r.get("train_loss"), r.get("val_loss"))
+        for r in map(json.loads, art.file("metrics.jsonl").read_text().splitlines())
+    ]
+    a, b = curve(a_art), curve(b_art)
+    assert [s for s, *_ in a] == [s for s, *_ in b] and len(a) == steps and sum(v is not None for *_, v in a) == 2
+    for (_, ta, va), (_, tb, vb) in zip(a, b):
+        assert (ta is None) == (tb is None) and (va is None) == (vb is None)
+        assert ta is None or ta == pytest.approx(tb, rel=1e-5)
+        assert va is None or va == pytest.approx(vb, rel=1e-5)
+
+
 @pytest.mark.slow
 def test_states_computed_by_the_backbone_train_the_store_paths_bridge(tiny_dirs, root, monkeypatch):
     """Issue 64 item 2: --states model takes h_l from the backbone's first l blocks on the training device, over
     the same sequences in the same order, reading no layer but 0 (an extract of layer 0 alone will do): on a
-    float32 store its loss curve and validation loss are the store path's to float rounding, under another id.
-    A layer the backbone does not have is one line."""
-    import json
-
+    float32 store its loss curve and validation loss are the store path's to float rounding, under another id;
+    so are DiHAL-direct's prior's over h_l (train-prior --states model). A layer the backbone does not have is
+    one line."""
     from dihal.stages.lm.capture import hidden_states
 
     common = ["--model", str(tiny_dirs["llama"]), "--max-sequences", "40", "--seq-len", "16", "--device", "cpu"]
@@ -214,16 +229,22 @@ def test_states_computed_by_the_backbone_train_the_store_paths_bridge(tiny_dirs,
     model = load_model(str(tiny_dirs["llama"]), "cpu", "float32").model
     ids = torch.from_numpy(np.asarray(group["input_ids"][:5]).astype(np.int64))
     assert torch.allclose(hidden_states(model, ids, [2])[2], torch.from_numpy(hs.read_sequences(group, 2, range(5))))
-    curve = lambda art: [
-        (r["step"], r.get("train_loss"), r.get("val_loss"))
-        for r in map(json.loads, art.file("metrics.jsonl").read_text().splitlines())
-    ]
-    a, b = curve(stored), curve(computed)
-    assert [s for s, *_ in a] == [s for s, *_ in b] and len(a) == 12 and sum(v is not None for *_, v in a) == 2
-    for (_, ta, va), (_, tb, vb) in zip(a, b):
-        assert (ta is None) == (tb is None) and (va is None) == (vb is None)
-        assert ta is None or ta == pytest.approx(tb, rel=1e-5)
-        assert va is None or va == pytest.approx(vb, rel=1e-5)
+    same_curve(stored, computed, 12)
+    # DiHAL-direct's prior over h_2 (train-prior --states model): the same curve from the same blocks
+    layers.clear()
+    prior = ["train-prior", "--layer", "2", *TINY, "--train-steps", "12", "--eval-every", "6"]
+    res = invoke(*prior, "--extract", full.id)
+    assert res.exit_code == 0, res.output
+    stored = store.resolve("latest", "prior")
+    assert set(layers) == {2} and "states" not in stored.config
+    layers.clear()
+    res = invoke(*prior, "--extract", only0.id, "--states", "model")
+    assert res.exit_code == 0, res.output
+    computed = store.resolve("latest", "prior")
+    assert layers == [] and computed.id != stored.id and computed.config["states"] == "model"
+    same_curve(stored, computed, 12)
+    res = invoke("train-prior", "--layer", "0", *TINY, "--extract", only0.id, "--states", "model")
+    assert res.exit_code == 2 and "--states model computes layer l >= 1" in res.output
     res = invoke(
         "train-bridge", "--layer", "9", *TINY, "--train-steps", "2", "--extract", only0.id, "--states", "model"
     )
@@ -244,3 +265,42 @@ def test_a_gpu_step_takes_fused_adamw_and_a_gpu_parts_id_says_so():
         assert trainer.optimizer(net, gpu, torch.device("cuda:1")).defaults["fused"] is True
         assert not trainer.optimizer(net, cpu, torch.device("cpu")).defaults["fused"]
     assert optimizer_key("cpu") == {}
+
+
+@pytest.mark.slow
+def test_a_sweep_of_computed_states_reads_the_score_of_a_small_extract_and_trains_the_store_paths_bridges(
+    tiny_dirs, root
+):
+    """Issue 64 items 2 and 6: the paper protocol's disk plan. The score reads every layer of a small extract;
+    the sweep's bridges (--states model) read only the token ids of their own extract, of the same backbone, and
+    each layer's bridge and fidelity equal the store path's on an all-layer float32 extract of the same sequences.
+    Without --states model a score of another extract stays refused, in one line."""
+    import pandas as pd
+
+    common = ["--model", str(tiny_dirs["llama"]), "--seq-len", "16", "--device", "cpu", "--val-fraction", "0.2"]
+    extract = ["extract", *common, "--store-dtype", "float32"]
+    store = ArtifactStore(root)
+    assert invoke(*extract, "--max-sequences", "40", "--layers", "all").exit_code == 0
+    full = store.resolve("latest", "extract")
+    assert invoke(*extract, "--max-sequences", "40", "--layers", "0").exit_code == 0
+    only0 = store.resolve("latest", "extract")
+    assert invoke(*extract, "--max-sequences", "24", "--layers", "all").exit_code == 0
+    small = store.resolve("latest", "extract")
+    assert invoke("score", "--extract", small.id, "--tokens", "100").exit_code == 0
+    score = store.resolve("latest", "score")
+    sweep = ["sweep", "--layers", "1,2", *TINY, "--train-steps", "6", "--eval-limit", "4", "--device", "cpu"]
+    res = invoke(*sweep, "--extract", full.id, "--score", score.id)
+    assert res.exit_code == 2 and "was made from extract" in res.output and len(res.output.strip().splitlines()) == 1
+    res = invoke(*sweep, "--extract", full.id, "--tokens", "100")
+    assert res.exit_code == 0, res.output
+    stored = store.resolve("latest", "sweep")
+    res = invoke(*sweep, "--extract", only0.id, "--score", score.id, "--states", "model")
+    assert res.exit_code == 0, res.output
+    computed = store.resolve("latest", "sweep")
+    assert computed.id != stored.id and computed.manifest["parents"] == {"extract": only0.id, "score": score.id}
+    assert computed.config["overrides"]["states"] == "model" and "states" not in stored.config["overrides"]
+    a, b = (pd.read_csv(art.file("sweep_runs.csv")).set_index("layer") for art in (stored, computed))
+    for column in ("val_loss", "ppl_ratio", "kl"):
+        np.testing.assert_allclose(b[column], a[column], rtol=1e-5)
+    for bridge in b["bridge"]:
+        assert store.load("bridge", bridge).config["states"] == "model"

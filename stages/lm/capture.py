@@ -13,6 +13,8 @@ from collections.abc import Iterator
 
 import torch
 
+from dihal.artifacts.errors import DihalError
+
 
 class _StopForward(Exception):
     pass
@@ -76,3 +78,24 @@ def run_capture(
 def hidden_states(model: torch.nn.Module, input_ids: torch.Tensor, layers: list[int]) -> dict[int, torch.Tensor]:
     with torch.no_grad(), capture_layers(model, layers) as captured:
         return run_capture(model, captured, input_ids)
+
+
+class ModelStates:
+    """--states model (train-bridge, train-prior, sweep, confirm): layer l's states of token ids from the
+    backbone's first l blocks, run on the training device in the training precision (the forward stops after
+    block l: nothing above it runs), as float32. What the extract would have stored for the same sequences,
+    without its rounding to float16."""
+
+    def __init__(self, model, layer: int):
+        blocks = len(model.model.layers)
+        if layer > blocks:
+            raise DihalError(
+                f"--states model runs the backbone's first {layer} blocks, but it has {blocks}; "
+                f"use --layer {blocks} or fewer"
+            )
+        self.model, self.layer, self.width = model, layer, model.config.hidden_size
+        self.device = next(model.parameters()).device
+
+    def __call__(self, ids) -> torch.Tensor:
+        ids = torch.as_tensor(ids).to(self.device).long()
+        return hidden_states(self.model, ids, [self.layer])[self.layer].float()
