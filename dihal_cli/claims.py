@@ -77,6 +77,7 @@ def compare(
     seq_len: int = o.SeqLen,
     store_dtype: str = o.StoreDtype,
     batch_size: int = o.opt(CompareConfig, "batch_size", help="Samples per batch."),
+    states: str = o.opt(CompareConfig, "states", help="h_l of the parts over it: store (read) or model (computed)."),
     device: str = o.Device,
     dtype: str = o.Dtype,
     force: bool = o.Force,
@@ -105,7 +106,9 @@ def compare(
     )
     if evaluator is not None and not extract:  # before the extract; with --extract, compare.check reads its model
         check_evaluator(evaluator, model)
-    ecfg = extract_config({**o.given(ctx), "seed": 0}, device, dtype, "all")  # the comparison's own extract: seed 0
+    # the comparison's own extract (seed 0): every layer, or the token ids alone where a given score's extract
+    # holds the layers and the parts compute their h_l (--states model)
+    ecfg = extract_config({**o.given(ctx), "seed": 0}, device, dtype, "0" if states == "model" and score else "all")
     scfg = ScoreConfig(tokens=tokens, select=select, device=device)
     if not extract:
         from dihal.stages.extract import check_planned

@@ -49,7 +49,7 @@ from dihal.stages.configs import (
     check_evaluator,
     optimizer_key,
 )
-from dihal.stages.lineage import origin
+from dihal.stages.lineage import origin, scored_extract
 from dihal.stages.lm import tokens
 from dihal.stages.lm.models import weights_digests
 from dihal.stages.runtime import dist, plotting
@@ -139,6 +139,8 @@ def part_configs(cfg: CompareConfig, seed: int, l_star: int, worst: int, k: int 
     def build(spec) -> tuple:  # every kind of part alike: its stage, its config under the one protocol
         own = {k: v for k, v in overrides.items() if not (spec.fixed_depth and k == "depth")}
         fields = spec.fields(layers, condition, prior)
+        if cfg.states == "model" and fields.get("layer", 0) >= 1 and not fields.get("latent"):
+            fields["states"] = "model"  # the parts over h_l compute it; those over h_0 and the latents read theirs
         part_cfg = registry.resolve(spec.config).for_run(cfg.protocol, own, **fields, **common)
         return spec, registry.resolve(spec.run), part_cfg
 
@@ -377,14 +379,18 @@ class Plan:
     primary: str  # the primary evaluator
 
 
-def check(cfg: CompareConfig, extract: Artifact, score_art: Artifact) -> Plan:
+def check(cfg: CompareConfig, extract: Artifact, score_art: Artifact, store: ArtifactStore) -> Plan:
     """Every way the comparison's inputs disagree, one line each, before any model loads."""
-    if score_art.manifest.get("parents", {}).get("extract") != extract.id:
-        raise DihalError(f"score {score_art.id} was not made from extract {extract.id}; pass its own --score")
+    scored_extract(score_art, extract, store, computed=cfg.states == "model")
     if "dihal-oracle" in cfg.rows + cfg.controls and cfg.oracle is None:
         raise DihalError("the dihal-oracle row needs --oracle LAYER (a sweep's oracle layer)")
     l_star, worst = layers_from_score(score_art, cfg)
     needed = {0, l_star, worst} | ({cfg.oracle} if cfg.oracle else set())
+    if cfg.states == "model":  # every h_l >= 1 is computed by the backbone's blocks
+        deepest, blocks = max(needed), int(extract.manifest["metrics"]["num_blocks"])
+        if deepest > blocks:
+            raise DihalError(f"--states model runs the backbone's first {deepest} blocks, but it has {blocks}")
+        needed = {0}
     hs.open_with_layers(extract, needed, ": compare needs layers 0, l*, argmin S (and the oracle)")
     backbone = extract.config["model"]
     primary = eval_stage.second_evaluator(cfg.evaluator, backbone)
@@ -578,7 +584,7 @@ def run(
 ) -> Artifact:
     """check -> collect -> analyse -> write. load_model(spec) -> LoadedModel, called only when there is work."""
     progress = progress or NullProgress()
-    plan = check(cfg, extract, score_art)
+    plan = check(cfg, extract, score_art, store)
     config = compare_key(cfg, plan)
     parents = {"extract": extract.id, "score": score_art.id}
     extra = {"model": extract.manifest.get("model")}

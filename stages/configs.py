@@ -847,9 +847,12 @@ class CompareConfig(Config):
     prior_token_ce: float = added(0.0)
     prior_token_ce_max_t: float = added(1.0)
     prior_data: str = added("extract")
+    # where the parts over h_l (l >= 1: the bridges, DiHAL-direct's prior) get it: BridgeConfig.states (issue 64)
+    states: str = added("store")
 
     def check(self) -> None:
         distinct_seeds(self.seeds)
+        one_of(self, "states", ("store", "model"))
         check_prior_recipe(
             self.prior_time_shift, self.prior_token_ce, self.prior_data, "--prior-", self.prior_token_ce_max_t
         )

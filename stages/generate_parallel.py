@@ -114,7 +114,7 @@ def prior_samples(cfg: GenerateConfig, prior, prior_art: Artifact, table) -> tup
 
 
 def sources(
-    cfg: GenerateConfig, prior, prior_art: Artifact, store: ArtifactStore, table
+    cfg: GenerateConfig, prior, prior_art: Artifact, store: ArtifactStore, table, loaded=None
 ) -> tuple[torch.Tensor, float | None, bool]:
     """(N, T', D) normalized states the recovery reads: the prior's samples, its initial noise (the
     null prior: zero denoising steps) or the held-out real states it models (the oracle prior); with
@@ -122,7 +122,7 @@ def sources(
     if cfg.source == "oracle" and prior.latent:
         return oracle_latents(prior, prior_art, store, cfg.num_samples).to(cfg.device), None, False
     if cfg.source == "oracle":
-        return oracle_states(prior, prior_art, store, cfg.num_samples).to(cfg.device), None, False
+        return oracle_states(prior, prior_art, store, cfg.num_samples, loaded).to(cfg.device), None, False
     if cfg.source == "null":
         return prior.sample(cfg.num_samples, 0, cfg.seed, cfg.batch_size, table() if cfg.clamp else None), None, False
     return prior_samples(cfg, prior, prior_art, table)
@@ -161,16 +161,23 @@ def oracle_latents(prior, prior_art: Artifact, store: ArtifactStore, n: int) -> 
     return (val[:n].to(prior.mu.device) - prior.mu) / prior.sigma
 
 
-def oracle_states(prior, prior_art: Artifact, store: ArtifactStore, n: int) -> torch.Tensor:
-    """The first n validation sequences of the prior's extract, at its layer, in its normalization."""
+def oracle_states(prior, prior_art: Artifact, store: ArtifactStore, n: int, loaded=None) -> torch.Tensor:
+    """The first n validation sequences of the prior's extract, at its layer, in its normalization: read, or
+    computed by the backbone's first l blocks where the prior computed its own (--states model)."""
     import numpy as np
 
     from dihal.artifacts import hidden_states as hs
+    from dihal.stages.diffusion.normalizer import STATES_ROWS
+    from dihal.stages.lm.capture import ModelStates
 
     extract = store.load("extract", prior_art.manifest["parents"]["extract"])
     group = hs.open_group(extract)
-    val = hs.split_indices(group, "validation")
-    raw = torch.from_numpy(hs.read_sequences(group, prior.layer, val[:n])[:, 1:].astype(np.float32))
+    val = hs.split_indices(group, "validation")[:n]
+    if prior_art.config.get("states") == "model":
+        states, ids = ModelStates(loaded.model, prior.layer), hs.token_ids(group, val)
+        raw = torch.cat([states(ids[s : s + STATES_ROWS])[:, 1:].cpu() for s in range(0, len(val), STATES_ROWS)])
+        return (raw.to(prior.mu.device) - prior.mu) / prior.sigma
+    raw = torch.from_numpy(hs.read_sequences(group, prior.layer, val)[:, 1:].astype(np.float32))
     return (raw.to(prior.mu.device) - prior.mu) / prior.sigma
 
 
@@ -211,7 +218,7 @@ def run_parallel(
 
         progress.start("generate", cfg.num_samples, "sample")
         start = clock.now(cfg.device)
-        e, integrated, reused = sources(cfg, prior, prior_art, store, table)
+        e, integrated, reused = sources(cfg, prior, prior_art, store, table, loaded)
         prior_seconds, start = integrated or clock.now(cfg.device) - start, clock.now(cfg.device)  # reused: its cost
         e_digest = hashlib.sha256(e.detach().cpu().numpy().tobytes()).hexdigest()[:16]
         recovery = resolve(RECOVERIES[cfg.recovery].fn)(loaded, prior, recovery_art, cfg, table)

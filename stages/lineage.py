@@ -65,3 +65,19 @@ def check_weights(art: Artifact) -> Origin:
             "the extract read them); restore it, or extract and train anew from the model as it is now"
         )
     return o
+
+
+def scored_extract(score_art: Artifact, extract: Artifact, store, computed: bool) -> Artifact:
+    """The extract a score read: `extract` itself, or, where the parts compute their states (--states model:
+    computed), any extract of the same backbone (every layer of a few sequences for the score, the token ids of
+    many for the parts: issue 64's disk plan). Anything else is one line."""
+    made_from = score_art.manifest.get("parents", {}).get("extract")
+    if made_from == extract.id:
+        return extract
+    scored = store.resolve(made_from, "extract") if computed and made_from else None
+    if scored is None or not same_model(scored.manifest.get("model"), extract.manifest.get("model")):
+        raise DihalError(
+            f"score {score_art.id} was made from extract {made_from}, not {extract.id}; pass a --score of this "
+            "extract (with --states model, of an extract of the same backbone) or leave --score out to score it now"
+        )
+    return scored

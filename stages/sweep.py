@@ -27,7 +27,7 @@ from dihal.stages import registry
 from dihal.stages import score as score_stage
 from dihal.stages import train_bridge as bridge_stage
 from dihal.stages.configs import NORMALIZATIONS, ScoreConfig, SweepConfig, optimizer_key
-from dihal.stages.lineage import same_model
+from dihal.stages.lineage import scored_extract
 from dihal.stages.runtime import bootstrap, dist, plotting
 from dihal.stages.runtime.progress import NullProgress, Progress
 
@@ -51,7 +51,7 @@ def run(
     config["bridge_version"] = bridge_stage.CACHE_VERSION  # its bridges' computation: a new one is another sweep
     config |= optimizer_key(cfg.device)
     parents = {"extract": extract.id, "score": score_art.id}
-    scored = scored_extract(cfg, score_art, extract, store)
+    scored = scored_extract(score_art, extract, store, computed=dict(cfg.overrides).get("states") == "model")
     scores = score_stage.load_table(score_art).set_index("layer")
     missing = [layer for layer in cfg.layers if layer not in scores.index]
     if missing:
@@ -108,23 +108,6 @@ def run(
     seed = min(cfg.seeds)  # torchrun: every rank does its units (layer, seed) of dist.deal; rank 0 sums up
     job = Job(STAGE, CACHE_VERSION, config, parents, work, seed=seed, device=cfg.device, extra=extra, every_rank=True)
     return store.run_stage(job, force=force, progress=progress, group=dist.group())
-
-
-def scored_extract(cfg: SweepConfig, score_art: Artifact, extract: Artifact, store: ArtifactStore) -> Artifact:
-    """The extract the score read: the sweep's own, or, where its bridges compute their states (--states model),
-    any extract of the same backbone (every layer of a few sequences for the score, the token ids of many for the
-    bridges: issue 64's disk plan)."""
-    made_from = score_art.manifest.get("parents", {}).get("extract")
-    if made_from == extract.id:
-        return extract
-    computed = dict(cfg.overrides).get("states") == "model"
-    scored = store.resolve(made_from, "extract") if computed and made_from else None
-    if scored is None or not same_model(scored.manifest.get("model"), extract.manifest.get("model")):
-        raise DihalError(
-            f"score {score_art.id} was made from extract {made_from}, not {extract.id}; pass a --score of this "
-            "extract (with --states model, of an extract of the same backbone) or leave --score out to score it now"
-        )
-    return scored
 
 
 def per_layer(runs: pd.DataFrame, scores: pd.DataFrame) -> pd.DataFrame:

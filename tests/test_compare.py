@@ -1135,3 +1135,55 @@ def test_compare_on_two_ranks_writes_one_process_table_bit_for_bit_and_resumes_u
     c = _tables(tmp_path / "killed")
     for name in a:
         assert a[name].equals(c[name]), name
+
+
+@pytest.mark.slow
+def test_compare_with_computed_states_reads_token_ids_and_trains_the_store_paths_parts(tiny_dirs, root, monkeypatch):
+    """Issue 64 item 2: `compare --states model` runs on an extract of layer 0 with the score of another extract
+    of the same backbone; its parts over h_l (the bridges, DiHAL-direct's prior) compute it from the backbone's
+    blocks and equal the store path's on a float32 extract of all layers to float rounding, as does
+    DiHAL-direct's oracle control (held-out h_l computed, not read). Without --states model that score is
+    refused in one line."""
+    import pandas as pd
+
+    from dihal.stages.diffusion import feed
+
+    common = ["--model", str(tiny_dirs["llama"]), "--seq-len", "12", "--max-sequences", "48", "--device", "cpu"]
+    store = ArtifactStore(root)
+    ok(invoke("extract", *common, "--layers", "all", "--store-dtype", "float32"))
+    full = store.resolve("latest", "extract")
+    ok(invoke("extract", *common, "--layers", "0", "--store-dtype", "float32"))
+    only0 = store.resolve("latest", "extract")
+    ok(invoke("score", "--extract", full.id, "--tokens", "150"))
+    score = store.resolve("latest", "score")
+    args = [*COMPARE, "--evaluator", str(tiny_dirs["qwen3"]), "--score", score.id]
+    args[args.index("--seeds") + 1], args[args.index("--budgets") + 1] = "0", "1"
+    args[args.index("--temperatures") + 1] = "1"
+    args += ["--rows", "dihal,dihal-direct", "--controls", "dihal-direct"]
+    res = invoke(*args, "--extract", only0.id)
+    assert res.exit_code == 2 and "was made from extract" in res.output and len(res.output.strip().splitlines()) == 1
+    ok(invoke(*args, "--extract", full.id))
+    stored = store.resolve("latest", "compare")
+    layers, real = [], feed.stored
+    monkeypatch.setattr(
+        feed, "stored", lambda group, layer, *a, **k: layers.append(layer) or real(group, layer, *a, **k)
+    )
+    ok(invoke(*args, "--extract", only0.id, "--states", "model"))
+    computed = store.resolve("latest", "compare")
+    assert computed.id != stored.id and computed.config["states"] == "model" and "states" not in stored.config
+    assert set(layers) <= {0}  # the priors over h_0 read it; nothing reads h_l
+    a, b = (pd.read_csv(art.file("parts.csv")) for art in (stored, computed))
+    assert a["part"].tolist() == b["part"].tolist()
+    over_hl = b["part"].str.contains("bridge|prior over h_")
+    assert over_hl.sum() >= 3  # the l* bridge (noisy c), the AR reference bridge, DiHAL-direct's prior
+    np.testing.assert_allclose(b["val_loss"], a["val_loss"], rtol=1e-5)
+    for part in b[over_hl]["id"]:
+        assert store.resolve(part).config["states"] == "model"
+    lines = lambda art: pd.read_csv(art.file("compare.csv")).set_index(["row", "source"])
+    oracle = [i for i in lines(computed).index if i[1] == "oracle prior"]
+    assert oracle and all("DiHAL-direct" in row for row, _ in oracle)
+    np.testing.assert_allclose(
+        lines(computed).loc[oracle, "gen_ppl_token_evaluator"],
+        lines(stored).loc[oracle, "gen_ppl_token_evaluator"],
+        rtol=1e-4,
+    )
