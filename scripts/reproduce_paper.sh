@@ -23,6 +23,10 @@ NUM_SAMPLES=${NUM_SAMPLES:-1000}; GEN_BATCH=${GEN_BATCH:-50}; MAX_NEW=${MAX_NEW:
 SEEDS=${SEEDS:-0,1,2}; BUDGETS=${BUDGETS:-1,5}; COMPARE_SAMPLES=${COMPARE_SAMPLES:-256}; PRIOR_STEPS=${PRIOR_STEPS:-50}
 COMPARE_BATCH=${COMPARE_BATCH:-64}; TEMPERATURES=${TEMPERATURES:-0,0.7,1.0}; CONTROLS=${CONTROLS:-sed,codar,dihal,dihal-direct}
 RECIPE=${RECIPE:-}                          # recipe flags on top of --protocol paper (a CPU rehearsal shrinks it)
+# where the bridges' and DiHAL-direct's h_l come from: model (the backbone's first l blocks on the device; the
+# score reads every layer of SCORE_SEQUENCES sequences, the rest only layer 0: within a node's disk, issue 64)
+# or store (every layer of every sequence extracted: 659 GiB for Llama-3.1-8B, scripts/estimate.py)
+STATES=${STATES:-model}; SCORE_SEQUENCES=${SCORE_SEQUENCES:-1024}
 # model, candidate layers, its shapes for the estimate printed first (scripts/make_random_model.py's configs),
 # one a line
 MODELS=${MODELS:-"meta-llama/Llama-3.1-8B-Instruct 1-31 llama-3.1-8b
@@ -38,16 +42,24 @@ while read -r -u 3 MODEL LAYERS LIKE; do
   echo "== $MODEL"
   python3 scripts/estimate.py --model "$MODEL" --like "$LIKE" --sequences "$SEQUENCES" --seq-len "$SEQ_LEN" \
     --seeds "$SEEDS" --budgets "$BUDGETS" --compare-samples "$COMPARE_SAMPLES"
-  $DIHAL extract --model "$MODEL" --dataset "$DATASET" --text-field text \
-    --layers all --max-sequences "$SEQUENCES" --seq-len "$SEQ_LEN" --batch-size "$BATCH" $DEV
+  extract() { $DIHAL extract --model "$MODEL" --dataset "$DATASET" --text-field text --seq-len "$SEQ_LEN" \
+    --batch-size "$BATCH" $DEV "$@"; }
+  if [ "$STATES" = model ]; then  # every layer of a few sequences for the score, the token ids of all for training
+    extract --layers all --max-sequences "$SCORE_SEQUENCES"
+    SCORED=$(latest extract)
+    extract --layers 0 --max-sequences "$SEQUENCES"
+  else
+    extract --layers all --max-sequences "$SEQUENCES"
+    SCORED=$(latest extract)
+  fi
   EXTRACT=$(latest extract)
-  $DIHAL score --extract "$EXTRACT" --tokens "$TOKENS" --device "$DEVICE" $DRY
+  $DIHAL score --extract "$SCORED" --tokens "$TOKENS" --device "$DEVICE" $DRY
   SCORE=$(latest score)
   if dry; then LSTAR=3; else
     LSTAR=$(python3 -c "import json,sys; print(json.load(open(sys.argv[1]))['metrics']['l_star'])" "$DIHAL_ROOT/score/$SCORE/manifest.json")
   fi
   $DIHAL sweep --layers "$LAYERS" --protocol paper $RECIPE --extract "$EXTRACT" --score "$SCORE" \
-    --eval-limit "$EVAL_LIMIT" $DEV
+    --states "$STATES" --eval-limit "$EVAL_LIMIT" $DEV
   SWEEP=$(latest sweep)
   if dry; then BRIDGE=latest; else  # the sweep's bridge at l* (its first seed), read through the store's checks
     BRIDGE=$(python3 -c "import sys, dihal, pandas as pd; r = pd.read_csv(dihal.open_store().load(sys.argv[1], 'sweep').file('sweep_runs.csv')); print(r[r.layer == int(sys.argv[2])].sort_values('seed').bridge.iloc[0])" "$SWEEP" "$LSTAR")
@@ -63,6 +75,6 @@ while read -r -u 3 MODEL LAYERS LIKE; do
   $DIHAL compare --extract "$EXTRACT" --score "$SCORE" --protocol paper $RECIPE --seeds "$SEEDS" \
     --num-samples "$COMPARE_SAMPLES" --prior-steps "$PRIOR_STEPS" --sample-steps "$SAMPLE_STEPS" \
     --condition-noise prior:0.5 --temperatures "$TEMPERATURES" --top-p 1.0 --budgets "$BUDGETS" \
-    --controls "$CONTROLS" --evaluator "${OTHER:-$MODEL}" --batch-size "$COMPARE_BATCH" $DEV
+    --controls "$CONTROLS" --evaluator "${OTHER:-$MODEL}" --batch-size "$COMPARE_BATCH" --states "$STATES" $DEV
   dry || python3 scripts/summarize.py "$DIHAL_ROOT" "$DIHAL_ROOT/summary.md"
 done 3<<< "$MODELS"

@@ -116,6 +116,7 @@ class PriorTask:
         return self.tokens.embed(seqs)
 
     scale = 1.0  # of the stored layer the training reads (hidden_states.layer_scales); 1 for other data
+    states = None  # --states model's ModelStates: h_l computed, not read
 
     def normalize(self, raw: np.ndarray | torch.Tensor) -> torch.Tensor:
         """Float32 states (B, T, D), a host array or the step's tensor on the device: positions 1..T-1 normalized

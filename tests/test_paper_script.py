@@ -21,6 +21,7 @@ pytestmark = pytest.mark.slow
 SHAPES = {"llama-3.1-8b": True, "qwen3-8b": False}  # shape -> its tokenizer has a BOS
 SIZES = {
     "SEQUENCES": "64",
+    "SCORE_SEQUENCES": "32",  # STATES=model (the default): every layer of these for the score, layer 0 of all
     "SEQ_LEN": "16",
     "BATCH": "8",
     "TOKENS": "200",
