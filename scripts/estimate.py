@@ -30,6 +30,7 @@ from dihal.stages.score import Embeddings  # noqa: E402
 
 GIB = 2**30
 PAPER = PROTOCOLS["paper"]
+L_STAR = 3  # the paper's l* on Llama-3.1-8B: where a bridge's h_l is computed from, in the estimate
 
 
 def shapes(a: argparse.Namespace) -> dict:
@@ -99,6 +100,16 @@ def compare_parts(seeds: int, budgets: list[int]) -> tuple[int, float]:
     return parts, parts * seeds * sum(budgets)
 
 
+def compare_layers(blocks: int) -> list[int]:
+    """The layers of the script's comparison's parts over h_l (bridges, DiHAL-direct's prior) per seed and budget,
+    at the paper's l* (L_STAR) and argmin S taken as the deepest candidate (the costliest to compute)."""
+    from dihal.stages.compare import part_configs
+
+    cfg = CompareConfig(protocol="paper", states="model")
+    configs = part_configs(cfg, 0, L_STAR, blocks - 1).values()
+    return [c.layer for _, _, c in configs if getattr(c, "states", "store") == "model"]
+
+
 def compare_generations() -> int:
     """Generations per seed and budget of the script's comparison (stages/compare.py generations): every row's
     at each of its temperatures, the controls', and the AR references'."""
@@ -121,16 +132,26 @@ def estimate(a: argparse.Namespace) -> list[tuple[str, float, float, float, floa
     head32 = v * d * 4 / GIB  # the float32 LM head of fidelity and Gen.PPL
     n_train = int(a.sequences * (1 - a.val_fraction))
     w, depth, batch = PAPER["width"], PAPER["depth"], PAPER["batch_size"]
-    extract_bytes = estimate_bytes(a.sequences, a.seq_len, d, ["float16"] * layers, a.batch, a.pool, a.val_fraction)
+    computed = a.states == "model"  # h_l from the backbone's first l blocks (reproduce_paper.sh's default)
+    # seconds of the first `layer` blocks over the training sequences, `passes` times, on one GPU
+    forward = lambda layer, passes: passes * n_train * a.seq_len * layer / s["blocks"] / a.forward_tps
     captured = layers * a.batch * a.seq_len * d * 2 / GIB  # every layer of one batch, held until copied out
+    if computed:  # every layer of score_sequences for the score, layer 0 (no block runs) of every sequence
+        scored = estimate_bytes(a.score_sequences, a.seq_len, d, ["float16"] * layers, a.batch, a.pool, a.val_fraction)
+        layer0 = estimate_bytes(a.sequences, a.seq_len, d, ["float16"], a.batch, 0, a.val_fraction)
+        extract_bytes, passed = scored + layer0, a.score_sequences * a.seq_len
+        held = f"{layers} layers x {passed:,} tokens and layer 0 x {tokens:,}, float16"
+    else:
+        extract_bytes = estimate_bytes(a.sequences, a.seq_len, d, ["float16"] * layers, a.batch, a.pool, a.val_fraction)
+        passed, held = tokens, f"{layers} layers x {tokens:,} tokens, float16"
     rows = [
         (
             "extract",
             extract_bytes / GIB,
             captured * 4 + 2,
             weights + captured + 4 * a.batch * a.seq_len * s["inter"] * 2 / GIB,
-            max(tokens / (a.forward_tps * n), extract_bytes / GIB / a.disk_gibps) / 60,  # ranks split documents
-            f"{layers} layers x {tokens:,} tokens, float16",
+            max(passed / (a.forward_tps * n), extract_bytes / GIB / a.disk_gibps) / 60,  # ranks split documents
+            held,
         ),
         (
             "score",
@@ -144,40 +165,53 @@ def estimate(a: argparse.Namespace) -> list[tuple[str, float, float, float, floa
     den = denoiser_parameters(w, d, depth)
     steps = math.ceil(n_train / batch)
     bridge_tokens = steps * batch * (a.seq_len - 1)
-    # the normalizer's pass and one epoch of layer l alone (h_0 comes from the token ids, issue 64)
-    read = 2 * n_train * a.seq_len * d * 2 / GIB
+    # the normalizer's pass and one epoch of layer l alone (h_0 comes from the token ids, issue 64); none computed
+    read = 0.0 if computed else 2 * n_train * a.seq_len * d * 2 / GIB
     bridge_gpu = training_gib(den, batch, a.seq_len - 1, w, depth, d)
     # the measured rate already includes reads from the page cache, and the Loader reads the next block while the
     # current one trains: the slower of the two bounds, never their sum (issue 64 item 6)
     # under DDP on n GPUs the compute splits; every rank still reads the whole window (issue 64: not yet sharded)
-    ddp_minutes = max(bridge_tokens / (a.bridge_tps * n), read / a.disk_gibps) / 60
+    # computed states: each rank runs the first l blocks over its own rows, twice (the normaliser's pass, the epoch)
+    ddp_minutes = (
+        max(bridge_tokens / (a.bridge_tps * n), read / a.disk_gibps) + forward(L_STAR, 2) * computed / n
+    ) / 60
     one_gpu = bridge_tokens / a.bridge_tps / 60  # a unit trained by one GPU alone (sweep, confirm, compare)
     ram = a.window * a.seq_len * d * 2 * 2 / GIB + 16384 * d * 8 * 2 / GIB + 2
+    # disk of trained parts: a complete one keeps its weights and their EMA (float32: 8 bytes a parameter); one in
+    # training also its resume state (weights, EMA and AdamW's two moments: 16), one per GPU at a time
+    kept = lambda params, count, gpus: (count * params * 8 + min(gpus, count) * params * 16) / GIB
     rows.append(
         (
             "train-bridge (one layer)",
-            den * 4 * 4 / GIB,
+            kept(den, 1, 1),
             ram,
             bridge_gpu,
             ddp_minutes,
-            f"{den / 1e6:.0f}M-parameter denoiser, {steps} steps (1 epoch)",
+            f"{den / 1e6:.0f}M-parameter denoiser, {steps} steps (1 epoch)"
+            + (f", h_{L_STAR} computed" if computed else ""),
         )
     )
+    swept = range(1, s["blocks"])  # a bridge per layer, dealt whole to the GPUs by dist.deal
+    costs = [one_gpu + forward(layer, 2) * computed / 60 for layer in swept]
+    owners = deal(costs, n)
     rows.append(
         (
-            f"sweep ({s['blocks'] - 1} bridges)",
-            (s["blocks"] - 1) * den * 16 / GIB,
+            f"sweep ({len(swept)} bridges)",
+            kept(den, len(swept), n),
             ram,
             bridge_gpu,
-            max(math.ceil((s["blocks"] - 1) / n) * one_gpu, (s["blocks"] - 1) * read / a.disk_gibps / 60),
-            "bridges dealt over the GPUs, one each at a time; the disk shared",
+            max(
+                max(sum(c for c, o in zip(costs, owners) if o == r) for r in range(n)),
+                len(swept) * read / a.disk_gibps / 60,
+            ),
+            "bridges dealt over the GPUs, one each at a time" + ("; h_l computed" if computed else "; the disk shared"),
         )
     )
     prior = denoiser_parameters(w, d, depth, skip=False)
     rows.append(
         (
             "train-prior",
-            prior * 16 / GIB,
+            kept(prior, 1, 1),
             ram,
             training_gib(prior, batch, a.seq_len - 1, w, depth, d),
             ddp_minutes,
@@ -191,7 +225,7 @@ def estimate(a: argparse.Namespace) -> list[tuple[str, float, float, float, floa
     rows.append(
         (
             "train-decoder / -autoencoder",
-            decoder * 16 / GIB,
+            kept(decoder, 1, 1),
             ram + table,
             decoder_gpu,
             ddp_minutes,
@@ -232,6 +266,7 @@ def estimate(a: argparse.Namespace) -> list[tuple[str, float, float, float, floa
     budgets = [int(b) for b in a.budgets.split(",")]
     seeds = len(a.seeds.split(","))
     parts, epochs = compare_parts(seeds, budgets)
+    over_hl = compare_layers(s["blocks"])  # the layers of its parts over h_l (l*, argmin S)
     gens = compare_generations()
     samples = seeds * len(budgets) * gens * a.compare_samples
     sampling = samples * a.prior_steps * (a.seq_len - 1) / (3 * a.bridge_tps)  # a forward is a third of a step
@@ -239,17 +274,21 @@ def estimate(a: argparse.Namespace) -> list[tuple[str, float, float, float, floa
     # compare's units over n GPUs by its own rule (stages/runtime/dist.py deal): each part's training (cost: its
     # budget) on one GPU alone, then each generation with its scoring; the three layers its parts read (0, l*,
     # argmin S) stay in the page cache after their first read, so the disk does not bound it
+    # a part over h_l computes it (--states model) before its first epoch and in each of its k
     costs = [float(k) for k in budgets for _ in range(seeds * parts)]
+    costs = [
+        k * one_gpu + forward(layer, 1 + k) * computed / 60 for k in budgets for _ in range(seeds) for layer in over_hl
+    ] + [k * one_gpu for k in budgets for _ in range(seeds * (parts - len(over_hl)))]
     owners = deal(costs, n)
     longest = max(sum(c for c, o in zip(costs, owners) if o == r) for r in range(n))
     units = seeds * len(budgets) * gens
     rows.append(
         (
             "compare",
-            parts * seeds * len(budgets) * den * 16 / GIB,  # every part of every seed and budget, as a bridge
+            kept(den, parts * seeds * len(budgets), n),  # every part of every seed and budget, as a bridge
             ram + table,
             2 * (weights + head32) + decoder_gpu - weights,
-            longest * one_gpu + math.ceil(units / n) / units * (sampling + scoring) / 60,
+            longest + math.ceil(units / n) / units * (sampling + scoring) / 60,
             f"{parts} parts x {seeds} seeds x budgets {a.budgets} = {epochs} epochs; {samples:,} samples scored twice",
         )
     )
@@ -319,6 +358,12 @@ def main() -> None:
         p.add_argument("--" + name.replace("_", "-"), type=type(value), default=value)
     p.add_argument("--model", default="", help="a name for the header")
     p.add_argument("--gpus", default="1,8", help="GPU counts of one node to estimate, comma list (torchrun)")
+    p.add_argument(
+        "--states",
+        choices=("model", "store"),
+        default="model",
+        help="h_l computed by the backbone (reproduce_paper.sh's STATES, its default) or read from an extract",
+    )
     a = p.parse_args()
     counts = [int(g) for g in a.gpus.split(",")]
     for like in [a.like] if (a.like or a.blocks) else sorted(LIKE):
@@ -331,13 +376,17 @@ def main() -> None:
                 f"\nestimate for {a.model or like or 'the model'}: {s['blocks']} blocks, width {s['width']}, "
                 f"vocab {s['vocab']:,}, {s['params'] / 1e9:.2f}B parameters; paper protocol, "
                 + ("one GPU" if gpus == 1 else f"{gpus} GPUs of one node under torchrun")
+                + f"; h_l {'computed (--states model)' if a.states == 'model' else 'read from the store'}"
             )
             print(f"{'stage':<30}{'disk GiB':>9}{'RAM GiB':>8}{'GPU GiB':>8}{'minutes':>8}  note")
             rows = estimate(a)
             for stage, disk, ram, gpu, minutes, note in rows:
                 print(f"{stage:<30}{disk:>9.1f}{ram:>8.1f}{gpu:>8.1f}{minutes:>8.0f}  {note}")
             totals[gpus] = sum(r[4] for r in rows) - rows[2][4]
-            print(f"{'total (the sweep counted once)':<30}{'':>25}{totals[gpus]:>8.0f}")
+            # on the node's disk at the end: the extracts, the sweep's bridges and the comparison's parts (the
+            # lone train-bridge / -prior / -decoder rows are parts the sweep and the comparison make)
+            disk = sum(r[1] for r in rows if not r[0].startswith("train-"))
+            print(f"{'total (the sweep counted once)':<30}{disk:>9.1f}{'':>16}{totals[gpus]:>8.0f}")
         if 1 in totals and len(totals) > 1:
             print(
                 "\n"
@@ -347,10 +396,6 @@ def main() -> None:
         print(f"\n{'bridge at 3, h_l read from':<30}{'disk GiB':>9}{'minutes':>8}  on the disk")
         for source, disk, minutes, held in sources(a):
             print(f"{source:<30}{disk:>9.1f}{minutes:>8.0f}  {held}")
-        print(
-            "  --states model is train-bridge's only: sweep, train-prior and compare's parts still read h_l from an "
-            "extract that holds it"
-        )
     print(
         f"\nrates, each with where it was measured:\n"
         f"  bridge training {a.bridge_tps:,.0f} tok/s per GPU: one H200 (2026-12-04), host-bound, with the loader "
