@@ -47,7 +47,7 @@ from dihal.stages.configs import (
     DataConfig,
     GenerateConfig,
     check_evaluator,
-    optimizer_key,
+    gpu_key,
 )
 from dihal.stages.lineage import origin, scored_extract
 from dihal.stages.lm import tokens
@@ -563,7 +563,7 @@ def compare_key(cfg: CompareConfig, plan) -> dict:
     config.update(weights_digests(evaluator=plan.primary))
     parts = (train_bridge, train_prior, train_decoder, train_autoencoder)  # what its parts compute, by version
     config["part_versions"] = {m.STAGE: m.CACHE_VERSION for m in parts}
-    config |= optimizer_key(cfg.device)
+    config |= gpu_key(cfg.device)
     config.update(gen_stage.noise_key())  # its AR rows' bridge noise, where it is not the 1 of every id before it
     if cfg.prior_data.startswith("corpus:"):
         name, extra = hashed_source(DataConfig(dataset=cfg.prior_data.removeprefix("corpus:")))

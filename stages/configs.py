@@ -160,11 +160,12 @@ def added(default, *, old=MISSING, when=None):
 
 
 # -- training ---------------------------------------------------------------------------------------
-def optimizer_key(device: str) -> dict:
-    """What a trained part's id, and that of a stage that trains parts (sweep, confirm, compare), hashes of its
-    optimizer: on a GPU the fused AdamW (stages/diffusion/trainer.optimizer), which rounds otherwise than the
-    per-tensor AdamW every part was trained with before it (so their ids are not reused for it); nothing on a CPU."""
-    return {"optimizer": "adamw, fused"} if device == "cuda" else {}
+def gpu_key(device: str) -> dict:
+    """What a trained part's id, and that of a stage that trains parts (sweep, confirm, compare), hashes of how a
+    GPU trains it otherwise than a CPU: the fused AdamW (stages/diffusion/trainer.optimizer), which rounds otherwise
+    than the per-tensor AdamW every part was trained with before it, and the validation noise drawn on the device
+    (stages/diffusion/flow.validation_loss: another stream, so another validation loss). Nothing on a CPU."""
+    return {"optimizer": "adamw, fused", "validation_noise": "device"} if device == "cuda" else {}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -188,7 +189,7 @@ class Recipe(Config):
     shuffle_window: int = 512  # sequences shuffled together in an epoch's order; bounds a read
 
     def hashed(self) -> dict:
-        return {**super().hashed(), **optimizer_key(self.device)}
+        return {**super().hashed(), **gpu_key(self.device)}
 
     def check(self) -> None:
         require(self.steps is not None or self.epochs is not None, "give --train-steps or --epochs")

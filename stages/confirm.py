@@ -21,7 +21,7 @@ from dihal.artifacts.store import Artifact, ArtifactStore, Job
 from dihal.stages import evaluate as eval_stage
 from dihal.stages import generate as gen_stage
 from dihal.stages import train_bridge as bridge_stage
-from dihal.stages.configs import CONFIRM_NAMED, ConfirmConfig, optimizer_key
+from dihal.stages.configs import CONFIRM_NAMED, ConfirmConfig, gpu_key
 from dihal.stages.lineage import check_weights, origin
 from dihal.stages.lm.models import weights_digests
 from dihal.stages.runtime import dist
@@ -63,7 +63,7 @@ def run(
         "evaluator": eval_stage.second_evaluator(cfg.evaluator, backbone),
         "generate_version": gen_stage.CACHE_VERSION,  # its generations are unprompted hybrid ones
         "bridge_version": bridge_stage.CACHE_VERSION,  # and its bridges' computation
-        **optimizer_key(cfg.device),
+        **gpu_key(cfg.device),
         **gen_stage.noise_key(),  # and their bridge noise, where it is not the 1 of every id before it
     }
     config.update(weights_digests(evaluator=config["evaluator"]))  # a local evaluator by its files

@@ -26,7 +26,7 @@ from dihal.stages import evaluate as eval_stage
 from dihal.stages import registry
 from dihal.stages import score as score_stage
 from dihal.stages import train_bridge as bridge_stage
-from dihal.stages.configs import NORMALIZATIONS, ScoreConfig, SweepConfig, optimizer_key
+from dihal.stages.configs import NORMALIZATIONS, ScoreConfig, SweepConfig, gpu_key
 from dihal.stages.lineage import scored_extract
 from dihal.stages.runtime import bootstrap, dist, plotting
 from dihal.stages.runtime.progress import NullProgress, Progress
@@ -49,7 +49,7 @@ def run(
     progress = progress or NullProgress()
     config = {**asdict(cfg), "overrides": dict(cfg.overrides)}
     config["bridge_version"] = bridge_stage.CACHE_VERSION  # its bridges' computation: a new one is another sweep
-    config |= optimizer_key(cfg.device)
+    config |= gpu_key(cfg.device)
     parents = {"extract": extract.id, "score": score_art.id}
     scored = scored_extract(score_art, extract, store, computed=dict(cfg.overrides).get("states") == "model")
     scores = score_stage.load_table(score_art).set_index("layer")

@@ -256,15 +256,16 @@ def test_a_gpu_step_takes_fused_adamw_and_a_gpu_parts_id_says_so():
     """Issue 64 item 4: on a GPU the optimizer is AdamW's fused kernel, which rounds otherwise than the CPU's
     per-tensor AdamW, so a GPU-trained part's id (and a sweep's, confirm's or comparison's, which train parts)
     hashes it; on the CPU the optimizer and every id are as before."""
-    from dihal.stages.configs import BridgeConfig, PriorConfig, optimizer_key
+    from dihal.stages.configs import BridgeConfig, PriorConfig, gpu_key
 
     net = torch.nn.Linear(3, 3)
     for cls, extra in ((BridgeConfig, {"layer": 2}), (PriorConfig, {})):
         gpu, cpu = cls.from_protocol(None, device="cuda", **extra), cls.from_protocol(None, **extra)
         assert gpu.hashed()["optimizer"] == "adamw, fused" and "optimizer" not in cpu.hashed()
+        assert gpu.hashed()["validation_noise"] == "device" and "validation_noise" not in cpu.hashed()
         assert trainer.optimizer(net, gpu, torch.device("cuda:1")).defaults["fused"] is True
         assert not trainer.optimizer(net, cpu, torch.device("cpu")).defaults["fused"]
-    assert optimizer_key("cpu") == {}
+    assert gpu_key("cpu") == {}
 
 
 @pytest.mark.slow

@@ -268,6 +268,7 @@ def test_artifact_ids_do_not_move():
     )
     gpu = bridge2.hashed()  # a GPU bridge steps with fused AdamW (issue 64), which it hashes: a new id, the rest
     assert gpu.pop("optimizer") == "adamw, fused"  # as the landed main hashed it
+    assert gpu.pop("validation_noise") == "device"  # GPU validation noise drawn on the device (issue 64)
     assert schema2_id("bridge", gpu, PARENT) == "d1ba952ccba3"
     assert (
         schema2_id(

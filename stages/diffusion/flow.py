@@ -94,17 +94,22 @@ def validation_loss(
     """Every trained part's validation number: the x0 mean squared error of y (N, T, D) over the fixed grid
     VALIDATION_TIMES, the noise drawn from VALIDATION_SEED; net(x_t, t, c) with a condition c (the bridge),
     net(x_t, t) without one (the prior, no self-conditioning input)."""
-    gen = torch.Generator().manual_seed(VALIDATION_SEED)
     device = next(net.parameters()).device
-    total, count = 0.0, 0
-    for t_value in VALIDATION_TIMES:
-        eps_all = torch.randn(y.shape, generator=gen)
+    on_device = device.type == "cuda"  # the noise drawn where it is used, one stream per time (configs.gpu_key)
+    gen = torch.Generator().manual_seed(VALIDATION_SEED)
+    total, count = torch.zeros((), dtype=torch.float64, device=device), 0  # read once, at the end
+    for i, t_value in enumerate(VALIDATION_TIMES):
+        if on_device:
+            gen = torch.Generator(device=device).manual_seed(VALIDATION_SEED + i)
+        else:  # the CPU's stream, every CPU artifact's validation loss
+            eps_all = torch.randn(y.shape, generator=gen)
         for s in range(0, y.shape[0], batch):
-            yb, eb = y[s : s + batch].to(device), eps_all[s : s + batch].to(device)
+            yb = y[s : s + batch].to(device)
+            eb = torch.randn(yb.shape, generator=gen, device=device) if on_device else eps_all[s : s + batch]
             t = torch.full((yb.shape[0],), t_value, device=device)
             x_t = noisy(yb, eb, t)
             out = net(x_t, t) if c is None else net(x_t, t, c[s : s + batch].to(device))
             y_hat = clean_estimate(out.float(), x_t, t, prediction)
-            total += float(((y_hat - yb) ** 2).sum())
+            total += ((y_hat - yb) ** 2).sum().double()
             count += yb.numel()
-    return total / count
+    return float(total) / count
