@@ -100,6 +100,7 @@ RECIPE = {
     "heads": ("--heads", int, "Attention heads."),
     "eval_every": ("--eval-every", int, "Steps between validations."),
     "checkpoint_every": ("--checkpoint-every", int, "Steps between checkpoints."),
+    "compile": ("--compile", bool, "Train the step under torch.compile (its own id: other rounding)."),
 }
 
 

@@ -187,6 +187,8 @@ class Recipe(Config):
     device: str = "cpu"
     precision: str = "float32"  # bfloat16: forward under bf16 autocast (CUDA or CPU)
     shuffle_window: int = 512  # sequences shuffled together in an epoch's order; bounds a read
+    # the training step's network under torch.compile (issue 64): its kernels round otherwise than eager ones
+    compile: bool = added(False)
 
     def hashed(self) -> dict:
         return {**super().hashed(), **gpu_key(self.device)}

@@ -300,6 +300,8 @@ class Fit:
             if self.first_step:
                 progress.log(f"resuming {name} training at step {self.first_step} of {self.total}")
         self.model = nn.parallel.DistributedDataParallel(net, broadcast_buffers=False) if self.world > 1 else net
+        if cfg.compile:  # the step's forward and backward compiled (the EMA, validation and weights use net itself)
+            self.model = torch.compile(self.model)
         self.loader = Loader(task, self.schedule, self.rank, self.world, self.first_step, self.device)
         if self.rank == 0:
             progress.start(name, self.total - self.first_step, "step")
