@@ -5,13 +5,15 @@ of layers 0 and --layer, then --steps steps of each part below, in this process,
 
     bridge, store    the paper protocol's bridge (184M parameters at D = 4096) reading h_l from the extract
                      (h_0 from the token ids on the device)
+    bridge, compiled the store's bridge under --compile (torch.compile; on a GPU, or with --compiled)
     bridge, model    the same bridge, h_l computed by the backbone's first --layer blocks on the device
                      (`--states model`, issue 64 item 2): no layer read but the token ids
     prior            the paper protocol's prior over h_0
     generation       the bridge's hybrid against the backbone's own generate, 16 new tokens at batch 1, 8, 32
                      (benchmarks/bench_hybrid_generate.py's timings, issue 65 item 3)
 
-One line per part: tokens per second, the model FLOP utilisation against the device's bf16 dense peak
+One line per part: tokens per second past the first 10 steps (warm-up, and --compile's compiling), the model
+FLOP utilisation against the device's bf16 dense peak
 (6 x parameters + attention's 12 x depth x T x width FLOPs a token; PEAK_BF16 by device name), the share of the
 run spent waiting for data (the Loader's wait, stages/diffusion/trainer.py), the peak memory; then the
 profiler's 15 costliest kernels.
@@ -48,6 +50,9 @@ def flops_per_token(metrics: dict, cfg, seq_len: int) -> float:
     return 6 * metrics["parameters"] + 12 * cfg.depth * seq_len * cfg.width
 
 
+STEADY = 9  # tokens per second are counted from the end of this step (warm-up and compiling before it) to the last
+
+
 def profiled(name: str, run, cfg, extract, store, device: str, seq_len: int) -> dict:
     """Train one part with the profiler over steps 10-19 (after 5 of warm-up); its line's figures."""
     import torch
@@ -61,10 +66,15 @@ def profiled(name: str, run, cfg, extract, store, device: str, seq_len: int) -> 
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     with profile(activities=activities, schedule=schedule(wait=5, warmup=5, active=10)) as prof:
+        marks = {}  # the clock at the end of step STEADY and of the last step: the rate past warm-up and compiling
 
         def step(fit, s):
             row = real(fit, s)
             prof.step()
+            if s == STEADY or s + 1 == fit.total:
+                if cuda:
+                    torch.cuda.synchronize()  # twice a run: the steady rate's two ends
+                marks[s] = time.perf_counter()
             return row
 
         trainer.Fit.step = step
@@ -75,9 +85,11 @@ def profiled(name: str, run, cfg, extract, store, device: str, seq_len: int) -> 
         finally:
             trainer.Fit.step = real
     m = art.manifest["metrics"]
-    rate = m["train_tokens_per_s"]
+    first, last = min(marks), max(marks)
+    whole = m["train_tokens_per_s"]
+    rate = m["tokens_seen"] / m["steps"] * (last - first) / (marks[last] - marks[first]) if last > first else whole
     peak, device_name = peak_flops(device)
-    train_seconds = m["tokens_seen"] / rate if m.get("tokens_seen") else seconds
+    train_seconds = m["tokens_seen"] / whole if m.get("tokens_seen") else seconds
     out = {
         "part": name,
         "tokens_per_s": rate,
@@ -118,6 +130,7 @@ def main() -> None:
     p.add_argument("--recipe", default="", help="overrides of the paper protocol, for a CPU rehearsal")
     p.add_argument("--gen-batches", default="1,8,32", help="the generation benchmark's batches")
     p.add_argument("--gen-tokens", type=int, default=16, help="the generation benchmark's new tokens")
+    p.add_argument("--compiled", action="store_true", help="also the store's bridge under --compile (on a GPU always)")
     a = p.parse_args()
     a.shrink, a.models, a.tokens, a.samples, a.paper_steps = a.shrink.split(), a.like, 0, 0, a.steps
     import torch
@@ -144,12 +157,14 @@ def main() -> None:
     recipe = dict(kv.split("=") for kv in a.recipe.split())
     recipe = {k: int(v) for k, v in recipe.items()}
     common = dict(steps=a.steps, eval_every=a.steps, device=a.device, precision=precision, **recipe)
-    bridge = lambda states: BridgeConfig.from_protocol("paper", layer=a.layer, states=states, **common)
+    bridge = lambda states, **k: BridgeConfig.from_protocol("paper", layer=a.layer, states=states, **common, **k)
     parts = [
         ("bridge, store", train_bridge.run, bridge("store")),
         ("bridge, model", train_bridge.run, bridge("model")),
         ("prior", train_prior.run, PriorConfig.from_protocol("paper", layer=0, **common)),
     ]
+    if a.compiled or a.device == "cuda":  # --compile's effect: the first part's steps under torch.compile
+        parts.insert(1, ("bridge, compiled", train_bridge.run, bridge("store", compile=True)))
     rows = [profiled(name, run, cfg, extract, store, a.device, a.seq_len) for name, run, cfg in parts]
     print(f"\n{'part':<16} {'parameters':>12} {'tokens/s':>11} {'MFU':>7} {'data wait':>10} {'peak GiB':>9}")
     for r in rows:
