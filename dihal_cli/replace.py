@@ -220,6 +220,9 @@ def train_autoencoder(
     ctx: typer.Context,
     latents: int = o.opt(AutoencoderConfig, "latents", help="K latent vectors per sequence."),
     latent_dim: int = o.opt(AutoencoderConfig, "latent_dim", help="Width d of each latent."),
+    states: str = o.opt(
+        AutoencoderConfig, "states", help="h_L read from the extract (store) or computed by every block (model)."
+    ),
     protocol: str = o.protocol_opt(AutoencoderConfig),
     extract: str = ExtractRef,
     device: str = o.Device,
@@ -231,7 +234,7 @@ def train_autoencoder(
     recipe: tuple = (),
 ) -> None:
     """LD4LG-style: resampler over the frozen backbone's last layer, decoded by CoDAR's decoder (METHOD §5)."""
-    fixed = dict(latents=latents, latent_dim=latent_dim)
+    fixed = dict(latents=latents, latent_dim=latent_dim, states=states)
     if (art := train_from_extract(ctx, AutoencoderConfig, "train-autoencoder", recipe, **fixed)) is None:
         return
     m = art.manifest["metrics"]

@@ -101,13 +101,14 @@ def compare_parts(seeds: int, budgets: list[int]) -> tuple[int, float]:
 
 
 def compare_layers(blocks: int) -> list[int]:
-    """The layers of the script's comparison's parts over h_l (bridges, DiHAL-direct's prior) per seed and budget,
-    at the paper's l* (L_STAR) and argmin S taken as the deepest candidate (the costliest to compute)."""
+    """The layers of the script's comparison's parts over h_l (bridges, DiHAL-direct's prior, the autoencoder's
+    last layer) per seed and budget, at the paper's l* (L_STAR) and argmin S taken as the deepest candidate."""
     from dihal.stages.compare import part_configs
 
     cfg = CompareConfig(protocol="paper", states="model")
     configs = part_configs(cfg, 0, L_STAR, blocks - 1).values()
-    return [c.layer for _, _, c in configs if getattr(c, "states", "store") == "model"]
+    # the autoencoder's h_L is every block's output
+    return [getattr(c, "layer", blocks) for _, _, c in configs if getattr(c, "states", "store") == "model"]
 
 
 def compare_generations() -> int:

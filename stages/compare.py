@@ -139,8 +139,9 @@ def part_configs(cfg: CompareConfig, seed: int, l_star: int, worst: int, k: int 
     def build(spec) -> tuple:  # every kind of part alike: its stage, its config under the one protocol
         own = {k: v for k, v in overrides.items() if not (spec.fixed_depth and k == "depth")}
         fields = spec.fields(layers, condition, prior)
-        if cfg.states == "model" and fields.get("layer", 0) >= 1 and not fields.get("latent"):
-            fields["states"] = "model"  # the parts over h_l compute it; those over h_0 and the latents read theirs
+        over_hl = fields.get("layer", 0) >= 1 and not fields.get("latent") or spec.stage == "autoencoder"
+        if cfg.states == "model" and over_hl:  # the parts over h_l (the autoencoder's h_L) compute it; those
+            fields["states"] = "model"  # over h_0 and the latents read theirs
         part_cfg = registry.resolve(spec.config).for_run(cfg.protocol, own, **fields, **common)
         return spec, registry.resolve(spec.run), part_cfg
 

@@ -405,10 +405,13 @@ class AutoencoderConfig(PartRecipe):
     protocol: str = "compare-cpu"
     latents: int = 8
     latent_dim: int = 64
+    # where h_L comes from: "store" (the extract's last layer) or "model" (every block of the backbone, issue 64)
+    states: str = added("store")
 
     def check(self) -> None:
         super().check()
         at_least(self, 1, "latents", "latent_dim")
+        one_of(self, "states", ("store", "model"))
 
 
 # -- locate ---------------------------------------------------------------------------------------------

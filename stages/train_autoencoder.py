@@ -2,9 +2,9 @@
 
 LD4LG compresses a frozen encoder's states into a few latent vectors with a Perceiver resampler,
 runs diffusion over those latents and decodes with the frozen decoder. BART and T5 are not
-available offline, so here the frozen encoder is the backbone itself (its last stored layer at
-positions 1..T-1, read from the extract) and the decoder is the CoDAR decoder on the backbone's
-frozen embedding table, cross-attending to the latents:
+available offline, so here the frozen encoder is the backbone itself (its deepest stored layer at positions
+1..T-1, read from the extract, or its last layer computed by all its blocks under --states model) and the
+decoder is the CoDAR decoder on the backbone's frozen embedding table, cross-attending to the latents:
 
     z   = Resampler(h_L)            K learned queries cross-attend to W h_L + positions (2 blocks),
                                     then a projection to K x d latents (defaults 8 x 64)
@@ -28,11 +28,14 @@ from torch import nn
 
 from dihal.artifacts import files
 from dihal.artifacts import hidden_states as hs
+from dihal.artifacts.errors import DihalError
 from dihal.artifacts.store import Artifact, ArtifactStore
 from dihal.stages.configs import DECODER_DEPTH, AutoencoderConfig
 from dihal.stages.diffusion import feed, trainer
 from dihal.stages.diffusion.cross_decoder import VAL_BATCH, Attention, CrossDecoder, DecoderConfig, teacher_forced
 from dihal.stages.diffusion.normalizer import Normalizer
+from dihal.stages.lineage import backbone_for
+from dihal.stages.lm.capture import ModelStates
 from dihal.stages.parts.decoder import frozen_table
 from dihal.stages.runtime import plotting
 from dihal.stages.runtime.dist import distributed
@@ -104,18 +107,26 @@ class AutoencoderNet(nn.Module):
 class AutoencoderTask:
     """(h_L at positions 1..T-1, tokens) of training sequences; loss: token cross-entropy."""
 
-    def __init__(self, group, cfg: AutoencoderConfig, layer: int, norm: Normalizer):
-        self.group, self.cfg, self.layer, self.norm = group, cfg, layer, norm
-        self.on_device, self.scale = norm.to(cfg.device), hs.layer_scales(group)[layer]
+    def __init__(self, group, cfg: AutoencoderConfig, layer: int, norm: Normalizer, computed=None):
+        """computed: ModelStates of the last layer (--states model), else h_L is read from the extract."""
+        self.group, self.cfg, self.layer, self.norm, self.computed = group, cfg, layer, norm, computed
+        self.on_device = norm.to(cfg.device)
+        self.scale = hs.layer_scales(group)[layer] if computed is None else 1.0
         val = trainer.take_split(self, group, cfg.val_sequences)
         self.val = self.read_seqs(val)
 
     def read_seqs(self, seqs: np.ndarray, ids_only: bool = False):
         ids = np.asarray(self.group["input_ids"].oindex[seqs])
-        return ids if ids_only else {"h": hs.read_sequences(self.group, self.layer, seqs), "ids": ids}
+        if ids_only:
+            return ids
+        if self.computed is not None:
+            return {"h": self.computed(ids).cpu().numpy(), "ids": ids}
+        return {"h": hs.read_sequences(self.group, self.layer, seqs), "ids": ids}
 
     def read(self, positions: np.ndarray, alloc=None) -> dict[str, np.ndarray]:
         seqs = self.train_seqs[positions]  # h_L as stored, made float32 on the device (stages/diffusion/feed.py)
+        if self.computed is not None:  # --states model: the token ids are all a step reads
+            return {"ids": self.read_seqs(seqs, ids_only=True)}
         states = feed.stored(self.group, self.layer, seqs, "h", False, alloc)
         return {**states, "ids": self.read_seqs(seqs, ids_only=True)}
 
@@ -124,7 +135,8 @@ class AutoencoderTask:
 
     def loss(self, net, batch, draws, device) -> torch.Tensor:
         ids = torch.as_tensor(batch["ids"]).to(device).long()
-        logits = net(ids[:, :-1], self.on_device.y(feed.as_float(batch, "h", device, self.scale)[:, 1:])).float()
+        h = feed.as_float(batch, "h", device, self.scale) if self.computed is None else self.computed(ids)
+        logits = net(ids[:, :-1], self.on_device.y(h[:, 1:])).float()
         return F.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none").mean(dim=1).sum()
 
     @torch.no_grad()
@@ -149,16 +161,28 @@ def encode(net: AutoencoderNet, task: AutoencoderTask, seqs: np.ndarray, batch: 
     device = next(net.parameters()).device
     out = []
     for s in range(0, len(seqs), batch):
-        raw = hs.read_sequences(task.group, task.layer, seqs[s : s + batch])
+        raw = task.read_seqs(seqs[s : s + batch])["h"]
         out.append(net.resampler(task.states(raw).to(device)).float().cpu())
     return torch.cat(out)
 
 
-def train(cfg: AutoencoderConfig, group, art: Artifact, table: torch.Tensor, progress: Progress) -> dict:
+def train(cfg: AutoencoderConfig, group, art: Artifact, table: torch.Tensor, progress: Progress, model=None) -> dict:
+    """model: the backbone, whose blocks compute h_L (--states model)."""
     rank, _ = distributed()
-    layer = max(hs.stored_layers(group))
-    norm = Normalizer.fit(group, 0, layer, hs.split_indices(group, "train"), 1)
-    task = AutoencoderTask(group, cfg, layer, norm)
+    train_seqs = hs.split_indices(group, "train")
+    if model is not None:  # h_L computed by every block; the condition's moments from the table, as a bridge's
+        layer = int(group.attrs["num_blocks"])
+        computed = ModelStates(model, layer)
+        norm = Normalizer.fit(group, 0, layer, train_seqs, 1, table=table, states=computed)
+    else:  # the deepest layer the extract stores (the last, for an extract of every layer)
+        layer = max(hs.stored_layers(group))
+        if layer == 0:
+            raise DihalError(
+                "the autoencoder encodes the deepest stored layer, and this extract holds layer 0 alone (the "
+                "token embeddings); extract every layer (--layers all) or give --states model"
+            )
+        computed, norm = None, Normalizer.fit(group, 0, layer, train_seqs, 1)
+    task = AutoencoderTask(group, cfg, layer, norm, computed)
     length = group["input_ids"].shape[1] - 1
     torch.manual_seed(cfg.seed)
     net = AutoencoderNet(cfg, int(norm.mu_y.shape[0]), length, norm.c(table.float().cpu()))
@@ -207,7 +231,13 @@ def run(
     progress = progress or NullProgress()
     group = hs.open_with_layers(extract, (0,))
     config, parents = cfg.hashed(), {"extract": extract.id}
-    train_fn = lambda art, report: train(cfg, group, art, frozen_table(extract, cfg, loaded), report)
+
+    def train_fn(art, report):
+        if cfg.states == "store":
+            return train(cfg, group, art, frozen_table(extract, cfg, loaded), report)
+        loaded_ = loaded or backbone_for(extract, cfg.device, cfg.precision)
+        return train(cfg, group, art, frozen_table(extract, cfg, loaded_), report, loaded_.model)
+
     return trainer.write_trained(
         store, STAGE, CACHE_VERSION, config, parents, extract, cfg, train_fn, force=force, progress=progress
     )

@@ -322,3 +322,36 @@ def test_a_compiled_step_trains_the_eager_bridge_to_rounding_under_its_own_id(ti
     compiled = store.resolve("latest", "bridge")
     assert compiled.id != eager.id and compiled.config["compile"] is True and "compile" not in eager.config
     same_curve(eager, compiled, 12, rel=1e-4)
+
+
+@pytest.mark.slow
+def test_the_autoencoder_encodes_the_last_layer_read_or_computed_alike_and_refuses_a_shallower_one(tiny_dirs, root):
+    """Issue 64 item 2 for the LD4LG-style row: its frozen encoder is the backbone's last layer. Read from an
+    all-layer float32 extract or computed by every block from an extract of layer 0 (--states model, as
+    compare --states model trains it), the loss curve and the reconstruction are the same to rounding. An
+    extract of layer 0 alone is refused in one line: before, the autoencoder silently encoded the deepest stored
+    layer, layer 0 of a --states model comparison's extract (seen: compare --states model trained it so)."""
+    common = ["--model", str(tiny_dirs["llama"]), "--max-sequences", "40", "--seq-len", "16", "--device", "cpu"]
+    extract = ["extract", *common, "--val-fraction", "0.2", "--store-dtype", "float32"]
+    store = ArtifactStore(root)
+    assert invoke(*extract, "--layers", "all").exit_code == 0
+    full = store.resolve("latest", "extract")
+    assert invoke(*extract, "--layers", "0").exit_code == 0
+    only0 = store.resolve("latest", "extract")
+    train = ["train-autoencoder", "--train-steps", "12", "--eval-every", "6", "--width", "16", "--batch-size", "4"]
+    res = invoke(*train, "--extract", only0.id)
+    assert res.exit_code == 2 and "holds layer 0 alone" in res.output, res.output
+    assert len(res.output.strip().splitlines()) == 1
+    res = invoke(*train, "--extract", full.id)
+    assert res.exit_code == 0, res.output
+    stored = store.resolve("latest", "autoencoder")
+    res = invoke(*train, "--extract", only0.id, "--states", "model")
+    assert res.exit_code == 0, res.output
+    computed = store.resolve("latest", "autoencoder")
+    assert computed.config["states"] == "model" and "states" not in stored.config
+    blocks = int(full.manifest["metrics"]["num_blocks"])
+    for art in (stored, computed):
+        assert art.manifest["metrics"]["encoder_layer"] == blocks
+    same_curve(stored, computed, 12)
+    accuracy = lambda art: art.manifest["metrics"]["reconstruction_accuracy"]
+    assert accuracy(computed) == pytest.approx(accuracy(stored), abs=1e-6)

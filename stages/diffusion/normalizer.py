@@ -65,6 +65,24 @@ def table_moments(table: torch.Tensor, ids: np.ndarray, rows: int = 8192) -> Run
     return moments
 
 
+def target_moments(group, layer: int, seqs: np.ndarray, start: int, block_bytes: int = 64 << 20, states=None):
+    """(moments of `layer` over positions start.. of the sequences `seqs`, the sum of its position-0 states): read
+    in contiguous runs of at most block_bytes, or computed by `states` (--states model), STATES_ROWS sequences at
+    a time. What Normalizer.fit needs of its target; stages/moments.py stores it once per extract and layer."""
+    if states is None:
+        width = group[f"layers/{layer}"].shape[2]
+        runs = hs.contiguous_runs(group, layer, seqs, block_bytes)
+        blocks = (hs.read_block(group, layer, r[0], r[-1] + 1) for r in runs)
+    else:
+        width, ids = states.width, hs.token_ids(group, seqs)
+        blocks = (states(ids[s : s + STATES_ROWS]).cpu().numpy() for s in range(0, len(seqs), STATES_ROWS))
+    moments, pos0 = RunningMoments(width), np.zeros(width)
+    for target in blocks:
+        moments.add(target[:, start:])
+        pos0 += target[:, 0].astype(np.float64).sum(axis=0)
+    return moments, pos0
+
+
 @dataclass
 class Normalizer:
     mu_y: torch.Tensor
@@ -83,27 +101,22 @@ class Normalizer:
         block_bytes: int = 64 << 20,
         table: torch.Tensor | None = None,
         states=None,
+        target=None,
     ) -> Normalizer:
-        """One pass over the sequences `seqs` (sorted), reading contiguous runs of at most
-        block_bytes per layer. table: the condition is h_0 = table[token id] (the backbone's embedding of each
-        token alone), whose moments come from the tokens' counts (table_moments), no layer read for it.
-        states: the target computed, not read (--states model): states(ids) maps (B, T) token ids to (B, T, D)
-        float32 states and states.width is D; run over the sequences in order, STATES_ROWS at a time, with table."""
-        if states is None:
-            width = group[f"layers/{target_layer}"].shape[2]
-            runs = hs.contiguous_runs(group, target_layer, seqs, block_bytes)
-            blocks = ((hs.read_block(group, target_layer, r[0], r[-1] + 1), r) for r in runs)
-        else:
-            width, ids = states.width, hs.token_ids(group, seqs)
-            blocks = ((states(ids[s : s + STATES_ROWS]).cpu().numpy(), None) for s in range(0, len(seqs), STATES_ROWS))
-        y, c, pos0 = RunningMoments(width), RunningMoments(width), np.zeros(width)
-        for target, run in blocks:
-            y.add(target[:, start:])
-            if table is None:
-                c.add(hs.read_block(group, cond_layer, run[0], run[-1] + 1)[:, start:])
-            pos0 += target[:, 0].astype(np.float64).sum(axis=0)
+        """The target's moments (target: what target_moments returns, stored once per extract and layer by
+        stages/moments.py; else computed here, with `states` for --states model) and the condition's: from the
+        tokens' counts where h_0 = table[token id] (table_moments, no layer read), the target's own where it is
+        the same layer, else read in contiguous runs of at most block_bytes laid out as the target layer's."""
+        y, pos0 = target or target_moments(group, target_layer, seqs, start, block_bytes, states)
+        width = y.mean.shape[0]
         if table is not None:
             c = table_moments(table, hs.token_ids(group, seqs)[:, start:])
+        elif cond_layer == target_layer and states is None:
+            c = y
+        else:
+            c = RunningMoments(width)
+            for r in hs.contiguous_runs(group, target_layer, seqs, block_bytes):
+                c.add(hs.read_block(group, cond_layer, r[0], r[-1] + 1)[:, start:])
         for layer, moments in ((target_layer, y), (cond_layer, c)):
             if not (np.isfinite(moments.mean).all() and np.isfinite(moments.m2).all()):
                 raise DihalError(
