@@ -288,6 +288,24 @@ def condition_label(cfg) -> str:
 
 
 @dataclass(frozen=True, kw_only=True)
+class MomentsConfig(Config):
+    """A layer's per-dimension moments over an extract's training split (stages/moments.py), which every part
+    normalizing by that layer shares. A stored layer's are the host's float64 pass over what is stored, whatever
+    device trains; computed states (--states model) depend on the device and precision that compute them."""
+
+    layer: int
+    start: int  # the first position counted (1: the start token left out)
+    states: str = "store"
+    device: str | None = None  # the device type that computes the states (states: model), else None
+    precision: str | None = None  # and its precision
+
+    def check(self) -> None:
+        one_of(self, "states", ("store", "model"))
+        require(self.layer >= 0 and self.start in (0, 1), "moments of a layer >= 0 from position 0 or 1")
+        require((self.states == "model") == (self.device is not None), "a device only for computed states")
+
+
+@dataclass(frozen=True, kw_only=True)
 class BridgeConfig(PartRecipe):
     """A bridge's whole recipe (METHOD §2); protocol fields come from PROTOCOLS."""
 

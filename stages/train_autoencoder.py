@@ -36,6 +36,8 @@ from dihal.stages.diffusion.cross_decoder import VAL_BATCH, Attention, CrossDeco
 from dihal.stages.diffusion.normalizer import Normalizer
 from dihal.stages.lineage import backbone_for
 from dihal.stages.lm.capture import ModelStates
+from dihal.stages.moments import config_for
+from dihal.stages.moments import of as moments_of
 from dihal.stages.parts.decoder import frozen_table
 from dihal.stages.runtime import plotting
 from dihal.stages.runtime.dist import distributed
@@ -166,14 +168,18 @@ def encode(net: AutoencoderNet, task: AutoencoderTask, seqs: np.ndarray, batch: 
     return torch.cat(out)
 
 
-def train(cfg: AutoencoderConfig, group, art: Artifact, table: torch.Tensor, progress: Progress, model=None) -> dict:
-    """model: the backbone, whose blocks compute h_L (--states model)."""
+def train(
+    cfg: AutoencoderConfig, group, art: Artifact, table: torch.Tensor, progress: Progress, model=None, moments=None
+) -> dict:
+    """model: the backbone, whose blocks compute h_L (--states model); moments(layer, states) -> h_L's stored
+    moments (stages/moments.py)."""
     rank, _ = distributed()
     train_seqs = hs.split_indices(group, "train")
     if model is not None:  # h_L computed by every block; the condition's moments from the table, as a bridge's
         layer = int(group.attrs["num_blocks"])
         computed = ModelStates(model, layer)
-        norm = Normalizer.fit(group, 0, layer, train_seqs, 1, table=table, states=computed)
+        target = moments(layer, computed) if moments else None
+        norm = Normalizer.fit(group, 0, layer, train_seqs, 1, table=table, states=computed, target=target)
     else:  # the deepest layer the extract stores (the last, for an extract of every layer)
         layer = max(hs.stored_layers(group))
         if layer == 0:
@@ -181,7 +187,8 @@ def train(cfg: AutoencoderConfig, group, art: Artifact, table: torch.Tensor, pro
                 "the autoencoder encodes the deepest stored layer, and this extract holds layer 0 alone (the "
                 "token embeddings); extract every layer (--layers all) or give --states model"
             )
-        computed, norm = None, Normalizer.fit(group, 0, layer, train_seqs, 1)
+        target = moments(layer, None) if moments else None
+        computed, norm = None, Normalizer.fit(group, 0, layer, train_seqs, 1, target=target)
     task = AutoencoderTask(group, cfg, layer, norm, computed)
     length = group["input_ids"].shape[1] - 1
     torch.manual_seed(cfg.seed)
@@ -232,11 +239,15 @@ def run(
     group = hs.open_with_layers(extract, (0,))
     config, parents = cfg.hashed(), {"extract": extract.id}
 
+    def moments(layer: int, computed):
+        source = config_for(layer, 1, cfg.states, cfg.device, cfg.precision)
+        return moments_of(extract, store, group, source, lambda: computed)
+
     def train_fn(art, report):
         if cfg.states == "store":
-            return train(cfg, group, art, frozen_table(extract, cfg, loaded), report)
+            return train(cfg, group, art, frozen_table(extract, cfg, loaded), report, moments=moments)
         loaded_ = loaded or backbone_for(extract, cfg.device, cfg.precision)
-        return train(cfg, group, art, frozen_table(extract, cfg, loaded_), report, loaded_.model)
+        return train(cfg, group, art, frozen_table(extract, cfg, loaded_), report, loaded_.model, moments)
 
     return trainer.write_trained(
         store, STAGE, CACHE_VERSION, config, parents, extract, cfg, train_fn, force=force, progress=progress

@@ -28,6 +28,8 @@ from dihal.stages.diffusion.denoiser import Denoiser, DenoiserConfig
 from dihal.stages.diffusion.normalizer import Normalizer
 from dihal.stages.lineage import backbone_for
 from dihal.stages.lm.capture import ModelStates
+from dihal.stages.moments import config_for
+from dihal.stages.moments import of as moments_of
 from dihal.stages.parts.decoder import frozen_table
 from dihal.stages.runtime import plotting
 from dihal.stages.runtime.dist import distributed
@@ -150,14 +152,15 @@ def train(
     table: torch.Tensor,
     prior_art: Artifact | None = None,
     states: ModelStates | None = None,
+    target=None,
 ) -> dict:
     """Train (or resume) into art; returns final metrics. table: the backbone's layer-0 state of every token;
-    states: --states model's ModelStates."""
+    states: --states model's ModelStates; target: h_l's stored moments (stages/moments.py), else computed here."""
     rank, _ = distributed()
     start = covered_start(group)
     train_seqs = hs.split_indices(group, "train")
     check_layer0(group, table, train_seqs)
-    norm = Normalizer.fit(group, 0, cfg.layer, train_seqs, start, table=table, states=states)
+    norm = Normalizer.fit(group, 0, cfg.layer, train_seqs, start, table=table, states=states, target=target)
     task = BridgeTask(group, cfg, norm, start, table, condition_prior(prior_art, cfg), states)
     den_cfg = DenoiserConfig(
         dim=norm.mu_y.shape[0],
@@ -228,11 +231,14 @@ def run(
     config, parents = config_dict(cfg), {"extract": extract.id, **check_condition_prior(cfg, extract, prior)}
 
     def train_fn(art, report):
+        moments = config_for(cfg.layer, covered_start(group), cfg.states, cfg.device, cfg.precision)
         if cfg.states == "store":
-            return train(cfg, group, art, report, layer0_table(extract, cfg), prior)
+            target = moments_of(extract, store, group, moments)
+            return train(cfg, group, art, report, layer0_table(extract, cfg), prior, target=target)
         loaded = backbone_for(extract, cfg.device, cfg.precision)
         states = ModelStates(loaded.model, cfg.layer)
-        return train(cfg, group, art, report, frozen_table(extract, cfg, loaded), prior, states)
+        target = moments_of(extract, store, group, moments, lambda: states)
+        return train(cfg, group, art, report, frozen_table(extract, cfg, loaded), prior, states, target)
 
     return trainer.write_trained(
         store, STAGE, CACHE_VERSION, config, parents, extract, cfg, train_fn, force=force, progress=progress

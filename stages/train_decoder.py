@@ -29,6 +29,8 @@ from dihal.stages.diffusion import feed, trainer
 from dihal.stages.diffusion.cross_decoder import VAL_BATCH, CrossDecoder, DecoderConfig, teacher_forced
 from dihal.stages.diffusion.flow import corrupt
 from dihal.stages.diffusion.normalizer import Normalizer
+from dihal.stages.moments import config_for
+from dihal.stages.moments import of as moments_of
 from dihal.stages.parts.decoder import frozen_table
 from dihal.stages.runtime import plotting
 from dihal.stages.runtime.dist import distributed
@@ -90,10 +92,13 @@ def unigram_entropy(ids: np.ndarray) -> float:
     return float(-(p * np.log(p)).sum())
 
 
-def train(cfg: DecoderTrainConfig, group, art: Artifact, table: torch.Tensor, progress: Progress, prior=None) -> dict:
-    """table: the backbone's raw (V, D) embedding table (stages/lm/vocab.py embedding_table)."""
+def train(
+    cfg: DecoderTrainConfig, group, art: Artifact, table: torch.Tensor, progress: Progress, prior=None, target=None
+) -> dict:
+    """table: the backbone's raw (V, D) embedding table (stages/lm/vocab.py embedding_table); target: layer 0's
+    stored moments (stages/moments.py), else computed here."""
     rank, _ = distributed()
-    norm = Normalizer.fit(group, 0, 0, hs.split_indices(group, "train"), 1)
+    norm = Normalizer.fit(group, 0, 0, hs.split_indices(group, "train"), 1, target=target)
     task = DecoderTask(group, cfg, norm, prior)
     net_cfg = DecoderConfig(
         vocab=int(table.shape[0]),
@@ -145,7 +150,8 @@ def run(
 
     def train_fn(art, report):
         table = frozen_table(extract, cfg, loaded)
-        return train(cfg, group, art, table, report, condition_prior(prior, cfg))
+        target = moments_of(extract, store, group, config_for(0, 1))
+        return train(cfg, group, art, table, report, condition_prior(prior, cfg), target)
 
     return trainer.write_trained(
         store, STAGE, CACHE_VERSION, config, parents, extract, cfg, train_fn, force=force, progress=progress

@@ -48,6 +48,8 @@ from dihal.stages.diffusion.normalizer import Normalizer
 from dihal.stages.lineage import backbone_for
 from dihal.stages.lm.capture import ModelStates
 from dihal.stages.lm.vocab import embedding_table
+from dihal.stages.moments import config_for
+from dihal.stages.moments import of as moments_of
 from dihal.stages.parts.autoencoder import latents_of
 from dihal.stages.parts.prior import space
 from dihal.stages.runtime import plotting
@@ -245,6 +247,7 @@ def train(
     progress: Progress,
     latents_art: Artifact | None = None,
     extract: Artifact | None = None,
+    store: ArtifactStore | None = None,
 ) -> dict:
     rank, _ = distributed()
     about = {}
@@ -256,10 +259,16 @@ def train(
         loaded = backbone_for(extract, cfg.device, cfg.precision)
         states = ModelStates(loaded.model, cfg.layer)
         table = embedding_table(loaded.model)
-        norm = Normalizer.fit(group, 0, cfg.layer, hs.split_indices(group, "train"), 1, table=table, states=states)
+        target = moments_of(
+            extract, store, group, config_for(cfg.layer, 1, "model", cfg.device, cfg.precision), lambda: states
+        )
+        norm = Normalizer.fit(
+            group, 0, cfg.layer, hs.split_indices(group, "train"), 1, table=table, states=states, target=target
+        )
         task = PriorTask(group, cfg, norm, states=states)
     else:
-        norm = Normalizer.fit(group, 0, max(cfg.layer, 0), hs.split_indices(group, "train"), 1)
+        target = moments_of(extract, store, group, config_for(max(cfg.layer, 0), 1))
+        norm = Normalizer.fit(group, 0, max(cfg.layer, 0), hs.split_indices(group, "train"), 1, target=target)
         tokens, about = token_data(cfg, extract, group, progress)
         task = PriorTask(group, cfg, norm, tokens, corpus=tokens.ids if about else None)
     den_cfg = denoiser_config(cfg, int(task.mu.shape[0]), task.tokens_per_item)
@@ -318,7 +327,7 @@ def run(
             raise DihalError("--data corpus:generate:ID is not read by train-prior; extract it and use --data corpus")
         name, extra = data_mod.hashed_source(spec)  # a local corpus by its content, not its path
         config.update(data=f"corpus:{name}", **extra)
-    train_fn = lambda art, report: train(cfg, group, art, report, latents, extract)
+    train_fn = lambda art, report: train(cfg, group, art, report, latents, extract, store)
     return trainer.write_trained(
         store, STAGE, CACHE_VERSION, config, parents, extract, cfg, train_fn, force=force, progress=progress
     )

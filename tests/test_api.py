@@ -51,7 +51,9 @@ def store_of(api_stores, root):
 def test_store_lists_loads_and_reads_a_score_table(store_of):
     store = store_of()
     runs = store.runs()
-    assert list(runs["stage"]) == ["extract", "score", "bridge"] and set(runs["status"]) == {"complete"}
+    # the bridge's layer moments (stages/moments.py) are made while it trains, a child of the extract
+    assert list(runs["stage"]) == ["extract", "score", "bridge", "moments"] and set(runs["status"]) == {"complete"}
+    assert store.load("latest", "moments").manifest["parents"] == {"extract": runs["id"].iloc[0]}
     assert list(store.runs("bridge")["layer"]) == [2]
     bridge = store.load("latest", "bridge")
     assert bridge.stage == "bridge" and bridge.id == runs["id"].iloc[2]

@@ -355,3 +355,35 @@ def test_the_autoencoder_encodes_the_last_layer_read_or_computed_alike_and_refus
     same_curve(stored, computed, 12)
     accuracy = lambda art: art.manifest["metrics"]["reconstruction_accuracy"]
     assert accuracy(computed) == pytest.approx(accuracy(stored), abs=1e-6)
+
+
+def test_a_layers_moments_are_computed_once_and_read_back_verified(tiny_dirs, root):
+    """Issue 64 item 4: the normaliser's statistics of a layer are one artifact per extract and layer
+    (stages/moments.py), made by the first part that needs them and read by the next, through the store's
+    checksums; the statistics a bridge trains with are the ones Normalizer.fit computes from the store itself."""
+    from dihal.artifacts import files
+    from dihal.stages.diffusion.normalizer import Normalizer
+    from dihal.stages.train_bridge import covered_start
+
+    make_tiny_extract(tiny_dirs, root)
+    train = ["train-bridge", "--layer", "2", *TINY, "--train-steps", "2", "--extract", "latest"]
+    for seed in ("0", "1"):
+        res = invoke(*train, "--seed", seed)
+        assert res.exit_code == 0, res.output
+    store = ArtifactStore(root)
+    (moments,) = store.all("moments")  # two bridges, one layer: one pass
+    assert (
+        moments.config["layer"] == 2 and moments.manifest["parents"]["extract"] == store.resolve("latest", "extract").id
+    )
+    bridge = store.resolve("latest", "bridge")
+    group = hs.open_group(store.resolve("latest", "extract"))
+    fresh = Normalizer.fit(group, 2, 2, hs.split_indices(group, "train"), covered_start(group))
+    stats = files.load_tensors(bridge.file("stats.safetensors"))
+    assert torch.equal(stats["mu_y"], fresh.mu_y) and torch.equal(stats["sigma_y"], fresh.sigma_y)
+    assert torch.equal(stats["pos0"], fresh.pos0)
+    path = moments.file("moments.safetensors")
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0xFF
+    path.write_bytes(bytes(data))
+    res = invoke(*train, "--seed", "2")
+    assert res.exit_code == 2 and "moments" in res.output and "Traceback" not in res.output, res.output

@@ -133,7 +133,7 @@ def test_every_stage_reports_a_cache_hit(chain, tiny_dirs):
 def test_verify_names_missing_truncated_and_flipped_files(chain):
     store, ex, br = chain
     ok = invoke("runs", "verify", "--all")
-    assert ok.exit_code == 0 and "2 of 2 artifacts verified" in ok.output, ok.output
+    assert ok.exit_code == 0 and "3 of 3 artifacts verified" in ok.output, ok.output  # with the bridge's moments
     chunk = sorted((ex.path / "hidden.zarr" / "layers" / "2" / "c").rglob("*"))[-1]
     chunk.unlink()
     weights = br.file("weights_ema.safetensors")
@@ -146,14 +146,14 @@ def test_verify_names_missing_truncated_and_flipped_files(chain):
     assert res.exit_code == 1, res.output
     rel = str(chunk.relative_to(ex.path))
     assert f"missing {rel}" in res.output and "altered weights_ema.safetensors" in res.output
-    assert "altered stats.safetensors" in res.output and "0 of 2 artifacts verified" in res.output
+    assert "altered stats.safetensors" in res.output and "1 of 3 artifacts verified" in res.output  # the moments
     single = invoke("runs", "verify", br.id)
     assert single.exit_code == 1 and "weights_ema.safetensors" in single.output
 
 
 def test_rm_refuses_parents_unless_recursive_and_gc_takes_only_old_failures(chain):
     store, ex, br = chain
-    _one_error_line(invoke("runs", "rm", ex.id), "has 1 children")
+    _one_error_line(invoke("runs", "rm", ex.id), "has 2 children")  # the bridge and its layer's moments
     assert ex.path.exists()
     failed = store.begin("score", {"old": True}, {"extract": ex.id})
     failed.fail("boom")

@@ -504,7 +504,7 @@ def test_a_manifest_that_is_not_json_shows_as_corrupt_and_breaks_nothing_else(ch
     verified = _verify_all(store.root)
     assert verified.returncode == 1 and "Traceback" not in verified.stderr
     assert f"bridge/{br.id}: 1 problem(s): status is corrupt" in verified.stdout
-    assert f"extract/{ex.id}: ok" in verified.stdout and "1 of 2 artifacts verified" in verified.stdout
+    assert f"extract/{ex.id}: ok" in verified.stdout and "2 of 3 artifacts verified" in verified.stdout
     single = run_cli("runs", "verify", br.id, "--root", str(store.root))
     assert single.returncode == 1 and "manifest.json is unreadable" in single.stdout
     gen = invoke("generate", "--bridge", br.id, "--num-samples", "2", "--max-new-tokens", "3", "--device", "cpu")
