@@ -375,3 +375,17 @@ def test_the_harness_models_take_a_store_id_and_an_exported_folder_through_hf(ex
         result = lm_eval.simple_evaluate(model=lm, tasks=["dihal_pydoc_mc"], task_manager=manager, limit=6)
         accuracy[name] = result["results"]["dihal_pydoc_mc"]["acc,none"]
     assert accuracy["dihal"] == accuracy["hf"]
+
+
+def test_a_store_id_that_reads_as_a_number_reaches_the_harness_model_as_text(monkeypatch):
+    """lm-eval reads every model_args value that looks like a number as one: the store id 8e7362519074 became
+    float('inf') (`no bridge artifact 'inf'`, seen in CI when a bridge's id took that form) and 012345678901 lost
+    its leading 0. --model dihal keeps ids and paths as written; other values still parse as the harness's do."""
+    from dihal.lm_eval import DihalLM
+
+    seen = {}
+    monkeypatch.setattr(DihalLM, "__init__", lambda self, **kw: seen.update(kw))
+    DihalLM.create_from_arg_string("bridge=8e7362519074,root=runs/1e5,steps=8", {"batch_size": 1, "device": None})
+    assert seen == {"bridge": "8e7362519074", "root": "runs/1e5", "steps": 8, "batch_size": 1}
+    DihalLM.create_from_arg_string("bridge=012345678901")
+    assert seen["bridge"] == "012345678901"

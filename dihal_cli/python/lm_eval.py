@@ -32,6 +32,22 @@ HARNESS_DEVICE = "cuda:0"  # the harness's --device when none is given
 class DihalLM(HFLM):
     """The harness's HFLM on a dihal hybrid: an exported bridge (pretrained=) or a store's (bridge=, root=)."""
 
+    TEXT = ("pretrained", "bridge", "root", "base_model")  # ids and paths, never numbers
+
+    @classmethod
+    def create_from_arg_string(cls, arg_string: str, additional_config: dict | None = None):
+        """The harness's own parse, but a store id or a path stays the text it was: the harness reads every value
+        that looks like a number as one, so bridge=8e7362519074 became inf and bridge=012345678901 lost its 0."""
+        from lm_eval.utils import simple_parse_args_string
+
+        args = simple_parse_args_string(arg_string)
+        for item in (arg_string or "").split(","):
+            key, _, value = item.partition("=")
+            if key.strip() in cls.TEXT:
+                args[key.strip()] = value
+        extra = {k: v for k, v in (additional_config or {}).items() if v is not None}
+        return cls(**args, **extra)
+
     def __init__(
         self,
         pretrained: str | None = None,
