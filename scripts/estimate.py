@@ -276,7 +276,6 @@ def estimate(a: argparse.Namespace) -> list[tuple[str, float, float, float, floa
     # budget) on one GPU alone, then each generation with its scoring; the three layers its parts read (0, l*,
     # argmin S) stay in the page cache after their first read, so the disk does not bound it
     # a part over h_l computes it (--states model) before its first epoch and in each of its k
-    costs = [float(k) for k in budgets for _ in range(seeds * parts)]
     costs = [
         k * one_gpu + forward(layer, 1 + k) * computed / 60 for k in budgets for _ in range(seeds) for layer in over_hl
     ] + [k * one_gpu for k in budgets for _ in range(seeds * (parts - len(over_hl)))]

@@ -167,7 +167,6 @@ def oracle_states(prior, prior_art: Artifact, store: ArtifactStore, n: int, load
     import numpy as np
 
     from dihal.artifacts import hidden_states as hs
-    from dihal.stages.diffusion.normalizer import STATES_ROWS
     from dihal.stages.lm.capture import ModelStates
 
     extract = store.load("extract", prior_art.manifest["parents"]["extract"])
@@ -175,7 +174,7 @@ def oracle_states(prior, prior_art: Artifact, store: ArtifactStore, n: int, load
     val = hs.split_indices(group, "validation")[:n]
     if prior_art.config.get("states") == "model":
         states, ids = ModelStates(loaded.model, prior.layer), hs.token_ids(group, val)
-        raw = torch.cat([states(ids[s : s + STATES_ROWS])[:, 1:].cpu() for s in range(0, len(val), STATES_ROWS)])
+        raw = torch.cat([block[:, 1:] for block in states.blocks(ids)])
         return (raw.to(prior.mu.device) - prior.mu) / prior.sigma
     raw = torch.from_numpy(hs.read_sequences(group, prior.layer, val)[:, 1:].astype(np.float32))
     return (raw.to(prior.mu.device) - prior.mu) / prior.sigma

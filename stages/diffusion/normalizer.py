@@ -17,8 +17,6 @@ import torch
 from dihal.artifacts import hidden_states as hs
 from dihal.artifacts.errors import DihalError
 
-STATES_ROWS = 64  # sequences per forward pass of the backbone when its states are computed (--states model)
-
 
 class RunningMoments:
     """Mean and unbiased variance per dimension over rows added in blocks."""
@@ -67,15 +65,15 @@ def table_moments(table: torch.Tensor, ids: np.ndarray, rows: int = 8192) -> Run
 
 def target_moments(group, layer: int, seqs: np.ndarray, start: int, block_bytes: int = 64 << 20, states=None):
     """(moments of `layer` over positions start.. of the sequences `seqs`, the sum of its position-0 states): read
-    in contiguous runs of at most block_bytes, or computed by `states` (--states model), STATES_ROWS sequences at
-    a time. What Normalizer.fit needs of its target; stages/moments.py stores it once per extract and layer."""
+    in contiguous runs of at most block_bytes, or computed by `states` (--states model: ModelStates.blocks, in
+    order). What Normalizer.fit needs of its target; stages/moments.py stores it once per extract and layer."""
     if states is None:
         width = group[f"layers/{layer}"].shape[2]
         runs = hs.contiguous_runs(group, layer, seqs, block_bytes)
         blocks = (hs.read_block(group, layer, r[0], r[-1] + 1) for r in runs)
     else:
         width, ids = states.width, hs.token_ids(group, seqs)
-        blocks = (states(ids[s : s + STATES_ROWS]).cpu().numpy() for s in range(0, len(seqs), STATES_ROWS))
+        blocks = (block.numpy() for block in states.blocks(ids))
     moments, pos0 = RunningMoments(width), np.zeros(width)
     for target in blocks:
         moments.add(target[:, start:])

@@ -99,3 +99,11 @@ class ModelStates:
     def __call__(self, ids) -> torch.Tensor:
         ids = torch.as_tensor(ids).to(self.device).long()
         return hidden_states(self.model, ids, [self.layer])[self.layer].float()
+
+    def blocks(self, ids):
+        """The states of (N, T) token ids, ROWS sequences a forward pass, in order, on the host: what a pass over
+        many sequences reads (the normaliser's moments, the oracle's held-out states)."""
+        for s in range(0, len(ids), self.ROWS):
+            yield self(ids[s : s + self.ROWS]).cpu()
+
+    ROWS = 64  # sequences per forward pass of the backbone over many sequences
