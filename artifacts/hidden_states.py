@@ -68,6 +68,7 @@ def create(
     if (path / "zarr.json").exists():
         return zarr.open_group(str(path), mode="r+")
     group = zarr.open_group(str(path), mode="w")
+    group.require_group("layers")  # empty in an extract of token ids alone (--layers none)
     for layer in layers:  # uncompressed: float16 states shrink ~10% under zstd at twice the write time
         group.create_array(
             f"layers/{layer}",
@@ -111,7 +112,7 @@ def estimate_bytes(
     # create_pool: quotas proportional to each chunk's train positions, padded to the fullest chunk's
     # (one of train sequences only), plus the positions' (sequence, position) int32 pairs
     per_chunk = min(pool, train_positions) / max(n_chunks, 1) / max(1 - val_fraction, 1e-9)
-    k = min(int(-(-per_chunk // 1)), chunk_seqs * (seq_len - 1)) if pool else 0
+    k = min(int(-(-per_chunk // 1)), chunk_seqs * (seq_len - 1)) if pool and dtypes else 0  # none: no layer
     pool_bytes = n_chunks * k * (width * sum(ITEMSIZE[d] for d in dtypes) + 8)
     return int(n_seq * per_seq + pool_bytes)
 

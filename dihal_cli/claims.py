@@ -108,7 +108,7 @@ def compare(
         check_evaluator(evaluator, model)
     # the comparison's own extract (seed 0): every layer, or the token ids alone where a given score's extract
     # holds the layers and the parts compute their h_l (--states model)
-    ecfg = extract_config({**o.given(ctx), "seed": 0}, device, dtype, "0" if states == "model" and score else "all")
+    ecfg = extract_config({**o.given(ctx), "seed": 0}, device, dtype, "none" if states == "model" and score else "all")
     scfg = ScoreConfig(tokens=tokens, select=select, device=device)
     if not extract:
         from dihal.stages.extract import check_planned

@@ -46,7 +46,9 @@ def extract(
     seq_len: int = o.SeqLen,
     val_fraction: float = o.opt(DataConfig, "val_fraction"),
     max_sequences: int | None = o.MaxSeq,
-    layers: str = o.opt(ExtractConfig, "layers", help="all, a range 0-4, or a list 0,3,7."),
+    layers: str = o.opt(
+        ExtractConfig, "layers", help="all, a range 0-4, a list 0,3,7, or none (token ids alone, for --states model)."
+    ),
     store_dtype: str = o.StoreDtype,
     batch_size: int = o.opt(ExtractConfig, "batch_size", help="Sequences per forward pass and per Zarr chunk."),
     revision: str | None = o.opt(ExtractConfig, "revision"),
@@ -173,8 +175,8 @@ def sweep(
     resolved = dict(device=device, dtype=dtype)
     cfg = o.build(SweepConfig, o.given(ctx), layers=layer_list, overrides=overrides, seeds=o.seeds(seeds), **resolved)
     # S z-scores over every candidate, whichever are swept; bridges that compute h_l from a given score's extract
-    # of the same backbone need only the token ids (layer 0) of their own
-    ecfg = extract_config(o.given(ctx), device, dtype, "0" if states == "model" and score else "all")
+    # of the same backbone need only the token ids of their own (--layers none)
+    ecfg = extract_config(o.given(ctx), device, dtype, "none" if states == "model" and score else "all")
     scfg = o.build(ScoreConfig, o.given(ctx), device=device)
     if extract is None:
         ex.check_planned(ecfg.data, tokens=None if score else scfg.tokens, why="every bridge's validation loss")

@@ -104,7 +104,7 @@ def train_bridge(
     fixed = dict(layer=layer, prediction=prediction, skip_init=skip_init, positions=positions, states=states)
     fixed |= condition(condition_noise)
     cfg = BridgeConfig.for_run(protocol, recipe, seed=seed, device=device, dtype=dtype, **fixed)
-    ecfg = extract_config(o.given(ctx), device, dtype, "0" if states == "model" else f"0,{layer}")
+    ecfg = extract_config(o.given(ctx), device, dtype, "none" if states == "model" else f"0,{layer}")
     own = OwnTextConfig(own_text=own_text, own_samples=o.count_or_auto(own_samples, "--own-samples"), own_seed=own_seed)
     if own.own_text and extract:
         raise DihalError("--own-text makes the extract; leave out --extract (or give an extract of generate:<ID>)")
@@ -187,6 +187,9 @@ def train_decoder(
         o.condition_default(DecoderTrainConfig), "--condition-noise", help=CONDITION_HELP
     ),
     prior: str | None = typer.Option(None, "--prior", help="With prior:T, the layer-0 prior (dihal train-prior)."),
+    states: str = o.opt(
+        DecoderTrainConfig, "states", help="h_0 read from the extract (store) or computed from its token ids (model)."
+    ),
     protocol: str = o.protocol_opt(DecoderTrainConfig),
     extract: str = ExtractRef,
     device: str = o.Device,
@@ -205,6 +208,7 @@ def train_decoder(
             "train-decoder",
             recipe,
             reads={"prior": ("prior", prior)},
+            states=states,
             **condition(condition_noise),
         )
     ) is None:

@@ -101,14 +101,16 @@ def compare_parts(seeds: int, budgets: list[int]) -> tuple[int, float]:
 
 
 def compare_layers(blocks: int) -> list[int]:
-    """The layers of the script's comparison's parts over h_l (bridges, DiHAL-direct's prior, the autoencoder's
-    last layer) per seed and budget, at the paper's l* (L_STAR) and argmin S taken as the deepest candidate."""
+    """The layers of the script's comparison's parts over h_l, l >= 1 (bridges, DiHAL-direct's prior, the
+    autoencoder's last layer) per seed and budget, at the paper's l* (L_STAR) and argmin S taken as the deepest
+    candidate: the parts whose states cost blocks of the backbone (layer 0's cost only its embedding)."""
     from dihal.stages.compare import part_configs
 
     cfg = CompareConfig(protocol="paper", states="model")
     configs = part_configs(cfg, 0, L_STAR, blocks - 1).values()
     # the autoencoder's h_L is every block's output
-    return [getattr(c, "layer", blocks) for _, _, c in configs if getattr(c, "states", "store") == "model"]
+    layers = [blocks if s.stage == "autoencoder" else getattr(c, "layer", 0) for s, _, c in configs]
+    return [layer for layer in layers if layer >= 1]
 
 
 def compare_generations() -> int:
@@ -137,11 +139,11 @@ def estimate(a: argparse.Namespace) -> list[tuple[str, float, float, float, floa
     # seconds of the first `layer` blocks over the training sequences, `passes` times, on one GPU
     forward = lambda layer, passes: passes * n_train * a.seq_len * layer / s["blocks"] / a.forward_tps
     captured = layers * a.batch * a.seq_len * d * 2 / GIB  # every layer of one batch, held until copied out
-    if computed:  # every layer of score_sequences for the score, layer 0 (no block runs) of every sequence
+    if computed:  # every layer of score_sequences for the score, the token ids alone (--layers none) of every sequence
         scored = estimate_bytes(a.score_sequences, a.seq_len, d, ["float16"] * layers, a.batch, a.pool, a.val_fraction)
-        layer0 = estimate_bytes(a.sequences, a.seq_len, d, ["float16"], a.batch, 0, a.val_fraction)
-        extract_bytes, passed = scored + layer0, a.score_sequences * a.seq_len
-        held = f"{layers} layers x {passed:,} tokens and layer 0 x {tokens:,}, float16"
+        ids = estimate_bytes(a.sequences, a.seq_len, d, [], a.batch, 0, a.val_fraction)
+        extract_bytes, passed = scored + ids, a.score_sequences * a.seq_len
+        held = f"{layers} layers x {passed:,} tokens, float16; token ids x {tokens:,}"
     else:
         extract_bytes = estimate_bytes(a.sequences, a.seq_len, d, ["float16"] * layers, a.batch, a.pool, a.val_fraction)
         passed, held = tokens, f"{layers} layers x {tokens:,} tokens, float16"
@@ -306,7 +308,7 @@ def sources(a: argparse.Namespace, layer: int = 3) -> list[tuple[str, float, flo
     batch = PAPER["batch_size"]
     bridge_tokens = math.ceil(n_train / batch) * batch * (a.seq_len - 1)
     all_layers = estimate_bytes(a.sequences, a.seq_len, d, ["float16"] * layers, a.batch, a.pool, a.val_fraction)
-    layer0 = estimate_bytes(a.sequences, a.seq_len, d, ["float16"], a.batch, 0, a.val_fraction)
+    ids = estimate_bytes(a.sequences, a.seq_len, d, [], a.batch, 0, a.val_fraction)  # --layers none
     score = estimate_bytes(a.score_sequences, a.seq_len, d, ["float16"] * layers, a.batch, a.pool, a.val_fraction)
     read = 2 * n_train * a.seq_len * d * 2 / GIB
     forward = 2 * n_train * a.seq_len * layer / s["blocks"] / a.forward_tps
@@ -319,10 +321,10 @@ def sources(a: argparse.Namespace, layer: int = 3) -> list[tuple[str, float, flo
         ),
         (
             "model (--states model)",
-            (layer0 + score) / GIB,
+            (ids + score) / GIB,
             (bridge_tokens / a.bridge_tps + forward) / 60,
-            f"layer 0 of {a.sequences:,} sequences, and every layer of {a.score_sequences:,} for the score "
-            "(assumed enough: its pool and ridge rows; not measured against the full extract's S)",
+            f"the token ids of {a.sequences:,} sequences, and every layer of {a.score_sequences:,} for the score "
+            "(l* held on a twentieth of pydoc; argmin S did not: docs/results/paper_scale.md)",
         ),
     ]
 

@@ -188,7 +188,12 @@ def main() -> None:
     )
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--settings", default="1x8,0x8,0.5x8,1x1,1x32,0x32", help="noise scale x Euler steps, comma list")
-    p.add_argument("--temperatures", default="0.7,0.85,1.0")
+    p.add_argument("--temperatures", default="0.7,0.85,1.0", help="both models' curves")
+    p.add_argument(
+        "--hybrid-temperatures",
+        default="",
+        help="further temperatures of the hybrid's curves alone (above 1 where the hybrid is the colder model)",
+    )
     p.add_argument("--curve-settings", default="1x8", help="the hybrid settings of the entropy curves, comma list")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", required=True)
@@ -248,8 +253,10 @@ def main() -> None:
     # the entropy curves: the original and the hybrid (each curve setting) at each temperature
     curves = []
     whom = [("original", None)] + [(f"hybrid, {n:g} x {k}", (n, k)) for n, k in settings(a.curve_settings)]
-    for t in [float(x) for x in a.temperatures.split(",")]:
-        for who, setting in whom:
+    grid = [(float(x), whom) for x in a.temperatures.split(",")]
+    grid += [(float(x), whom[1:]) for x in a.hybrid_temperatures.split(",") if x]
+    for t, who_at in grid:
+        for who, setting in who_at:
             noise_scale, steps = setting or (0.0, cfg.sample_steps)
             c = replace(cfg, temperature=t, sample_steps=steps)
             ids, _ = sample(loaded, bridge if setting else None, suffix, c, len(real), noise_scale)

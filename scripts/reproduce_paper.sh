@@ -23,8 +23,8 @@ NUM_SAMPLES=${NUM_SAMPLES:-1000}; GEN_BATCH=${GEN_BATCH:-50}; MAX_NEW=${MAX_NEW:
 SEEDS=${SEEDS:-0,1,2}; BUDGETS=${BUDGETS:-1,5}; COMPARE_SAMPLES=${COMPARE_SAMPLES:-256}; PRIOR_STEPS=${PRIOR_STEPS:-50}
 COMPARE_BATCH=${COMPARE_BATCH:-64}; TEMPERATURES=${TEMPERATURES:-0,0.7,1.0}; CONTROLS=${CONTROLS:-sed,codar,dihal,dihal-direct}
 RECIPE=${RECIPE:-}                          # recipe flags on top of --protocol paper (a CPU rehearsal shrinks it)
-# where the bridges' and DiHAL-direct's h_l come from: model (the backbone's first l blocks on the device; the
-# score reads every layer of SCORE_SEQUENCES sequences, the rest only layer 0: within a node's disk, issue 64)
+# where the trained parts' states come from: model (the backbone's first l blocks on the device, its embedding for
+# layer 0; the score reads every layer of SCORE_SEQUENCES sequences, the rest only token ids: issue 64)
 # or store (every layer of every sequence extracted: 659 GiB for Llama-3.1-8B, scripts/estimate.py)
 STATES=${STATES:-model}; SCORE_SEQUENCES=${SCORE_SEQUENCES:-1024}
 # model, candidate layers, its shapes for the estimate printed first (scripts/make_random_model.py's configs),
@@ -47,7 +47,7 @@ while read -r -u 3 MODEL LAYERS LIKE; do
   if [ "$STATES" = model ]; then  # every layer of a few sequences for the score, the token ids of all for training
     extract --layers all --max-sequences "$SCORE_SEQUENCES"
     SCORED=$(latest extract)
-    extract --layers 0 --max-sequences "$SEQUENCES"
+    extract --layers none --max-sequences "$SEQUENCES"
   else
     extract --layers all --max-sequences "$SEQUENCES"
     SCORED=$(latest extract)

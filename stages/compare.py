@@ -139,9 +139,11 @@ def part_configs(cfg: CompareConfig, seed: int, l_star: int, worst: int, k: int 
     def build(spec) -> tuple:  # every kind of part alike: its stage, its config under the one protocol
         own = {k: v for k, v in overrides.items() if not (spec.fixed_depth and k == "depth")}
         fields = spec.fields(layers, condition, prior)
-        over_hl = fields.get("layer", 0) >= 1 and not fields.get("latent") or spec.stage == "autoencoder"
-        if cfg.states == "model" and over_hl:  # the parts over h_l (the autoencoder's h_L) compute it; those
-            fields["states"] = "model"  # over h_0 and the latents read theirs
+        # every part over a layer (h_0, h_l, the autoencoder's h_L) computes it; a prior over latents reads them, and
+        # one over --prior-data corpus embeds its token ids, reading no layer either
+        over_layer = not fields.get("latent") and fields.get("data", "extract") == "extract"
+        if cfg.states == "model" and over_layer:
+            fields["states"] = "model"
         part_cfg = registry.resolve(spec.config).for_run(cfg.protocol, own, **fields, **common)
         return spec, registry.resolve(spec.run), part_cfg
 
@@ -387,11 +389,11 @@ def check(cfg: CompareConfig, extract: Artifact, score_art: Artifact, store: Art
         raise DihalError("the dihal-oracle row needs --oracle LAYER (a sweep's oracle layer)")
     l_star, worst = layers_from_score(score_art, cfg)
     needed = {0, l_star, worst} | ({cfg.oracle} if cfg.oracle else set())
-    if cfg.states == "model":  # every h_l >= 1 is computed by the backbone's blocks
+    if cfg.states == "model":  # every layer is computed from the token ids by the backbone: none is read
         deepest, blocks = max(needed), int(extract.manifest["metrics"]["num_blocks"])
         if deepest > blocks:
             raise DihalError(f"--states model runs the backbone's first {deepest} blocks, but it has {blocks}")
-        needed = {0}
+        needed = set()
     hs.open_with_layers(extract, needed, ": compare needs layers 0, l*, argmin S (and the oracle)")
     backbone = extract.config["model"]
     primary = eval_stage.second_evaluator(cfg.evaluator, backbone)

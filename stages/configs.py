@@ -355,8 +355,8 @@ class PriorConfig(PartRecipe):
     # extract: the extract's stored h_0; corpus: its token ids, embedded by the backbone's table (no state read);
     # corpus:SPEC: the train split of another dataset (a builtin, local files or a hub id), tokenized here
     data: str = added("extract")
-    # where h_l (l >= 1) comes from: "store" (read from the extract) or "model" (the backbone's first `layer` blocks
-    # on the training device, on the token ids of the same sequences: BridgeConfig.states, issue 64)
+    # where h_l comes from: "store" (read from the extract) or "model" (the backbone's first `layer` blocks, none
+    # for layer 0, on the training device, on the token ids of the same sequences: BridgeConfig.states, issue 64)
     states: str = added("store")
 
     def check(self) -> None:
@@ -364,9 +364,9 @@ class PriorConfig(PartRecipe):
         require(self.layer >= 0, f"--layer must be >= 0 (0: the embeddings), got {self.layer}")
         one_of(self, "states", ("store", "model"))
         require(
-            self.states == "store" or (self.layer >= 1 and not self.latent and self.data == "extract"),
-            "--states model computes layer l >= 1 from the tokens (DiHAL-direct's prior); give --layer l, "
-            "or leave --states out for layer 0, --latents and --data corpus",
+            self.states == "store" or (not self.latent and self.data == "extract"),
+            "--states model computes the extract's layer from its token ids; leave it out for --latents and "
+            "--data corpus (which read no stored layer either)",
         )
         require(not self.latent or self.layer == 0, "--latents models an autoencoder's latents; leave out --layer")
         check_prior_recipe(self.time_shift, self.token_ce, self.data, token_ce_max_t=self.token_ce_max_t)
@@ -409,10 +409,14 @@ class DecoderTrainConfig(PartRecipe):
     protocol: str = "compare-cpu"
     condition_noise: float = COMPARISON_CONDITION_NOISE
     condition_from: str = added("sigma")
+    # where its condition h_0 comes from: "store" (the extract's layer 0) or "model" (the backbone's embedding of
+    # the extract's token ids on the training device, no stored layer read: BridgeConfig.states, issue 64)
+    states: str = added("store")
 
     def check(self) -> None:
         super().check()
         check_condition(self)
+        one_of(self, "states", ("store", "model"))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -485,8 +489,11 @@ class DataConfig(Config):
         return any(s.startswith("dolma:") for s in self.sources)
 
 
-def parse_layers(spec: str, num_blocks: int | None) -> list[int]:
-    """'all' | '0-4' | '0,3,7' (mixed allowed: '0,2-4') -> sorted indices in 0..L (L unknown: syntax only)."""
+def parse_layers(spec: str, num_blocks: int | None, none_ok: bool = False) -> list[int]:
+    """'all' | '0-4' | '0,3,7' (mixed allowed: '0,2-4') -> sorted indices in 0..L (L unknown: syntax only);
+    none_ok: 'none' -> [] (an extract of token ids alone, for parts that compute their states)."""
+    if spec == "none" and none_ok:
+        return []
     if spec == "all":
         return list(range(num_blocks + 1)) if num_blocks is not None else []
     layers: set[int] = set()
@@ -531,7 +538,7 @@ class ExtractConfig(Config):
         )
         at_least(self, 1, "batch_size")
         require(self.score_pool >= 0, f"--score-pool must be >= 0 (0: none), got {self.score_pool}")
-        parse_layers(self.layers, None)  # syntax and order now; the range once the model is known
+        parse_layers(self.layers, None, none_ok=True)  # syntax and order now; the range once the model is known
 
 
 def excluded_positions(spec: str) -> list[int]:

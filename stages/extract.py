@@ -7,6 +7,7 @@ the same bytes as an uninterrupted one. Under torchrun, rank r takes chunks r, r
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import shutil
@@ -190,7 +191,7 @@ def plan(cfg: ExtractConfig, *, dry_run: bool = False) -> Plan:
         # a hub model not cached here: flags checked, the layer range waits for the real run
         return Plan([], 0, 0, cfg.data.max_sequences, None, {"name": cfg.model, "source": "hub (config not cached)"})
     num_blocks = config.num_hidden_layers
-    layers = parse_layers(cfg.layers, num_blocks)
+    layers = parse_layers(cfg.layers, num_blocks, none_ok=True)
     max_pos = getattr(config, "max_position_embeddings", None)
     if max_pos and cfg.data.seq_len > max_pos:
         raise DihalError(
@@ -310,7 +311,7 @@ def run(
 def _extract(cfg: ExtractConfig, store, art: Artifact, loaded, check_disk: bool, progress: Progress) -> None:
     rank, world = dist.world()
     loaded = loaded or load_model(cfg.model, cfg.device, cfg.dtype, cfg.revision, cfg.trust_remote_code)
-    layers = parse_layers(cfg.layers, loaded.num_blocks)
+    layers = parse_layers(cfg.layers, loaded.num_blocks, none_ok=True)
     if rank == 0:  # one rank reads the data (a Dolma stream once, not once per GPU) and hands it on
         generated = generated_documents(cfg.data, store, loaded)
         packed = data_mod.pack(cfg.data, loaded.tokenizer, loaded.max_positions, generated)
@@ -350,9 +351,11 @@ def _extract(cfg: ExtractConfig, store, art: Artifact, loaded, check_disk: bool,
         art.save_manifest()
         if not (zarr_path / "zarr.json").exists():
             first = torch.from_numpy(packed.input_ids[: cfg.batch_size].astype(np.int64)).to(loaded.device)
-            with torch.no_grad(), capture_layers(loaded.model, layers) as captured:
-                first_states = check_finite(run_capture(loaded.model, captured, first), loaded)
-                dtypes, scales = choose_storage(first_states, cfg.store_dtype)
+            dtypes, scales = {}, {}  # --layers none: token ids alone, and no forward pass
+            if layers:
+                with torch.no_grad(), capture_layers(loaded.model, layers) as captured:
+                    first_states = check_finite(run_capture(loaded.model, captured, first), loaded)
+                    dtypes, scales = choose_storage(first_states, cfg.store_dtype)
             building = zarr_path.with_name("hidden.zarr.tmp")  # renamed once split and pool are in
             shutil.rmtree(building, ignore_errors=True)
             group = hs.create(
@@ -369,7 +372,7 @@ def _extract(cfg: ExtractConfig, store, art: Artifact, loaded, check_disk: bool,
             group["split"][:] = packed.split
             if packed.source is not None:  # a mix: which source each sequence came from
                 np.save(art.file("source.npy"), packed.source)
-            if cfg.score_pool:
+            if cfg.score_pool and layers:
                 hs.create_pool(group, layers, loaded.width, dtypes, cfg.score_pool, cfg.data.seed)
             os.replace(building, zarr_path)
     dist.barrier_all(world)
@@ -443,13 +446,14 @@ def _extract_chunks(
     device = loaded.device
     # one chunk is written (and committed) on a background thread while the next is computed;
     # progress advances once a chunk is committed
-    with torch.no_grad(), capture_layers(loaded.model, layers) as captured, ThreadPoolExecutor(1) as writer:
+    capture = capture_layers(loaded.model, layers) if layers else contextlib.nullcontext({})
+    with torch.no_grad(), capture as captured, ThreadPoolExecutor(1) as writer:
         pending = None
         for index in mine:
             start, stop = chunks[index]
             ids = torch.from_numpy(input_ids[start:stop].astype(np.int64)).to(device)
             mask = torch.ones_like(ids)
-            states = check_finite(run_capture(loaded.model, captured, ids, mask), loaded)
+            states = check_finite(run_capture(loaded.model, captured, ids, mask), loaded) if layers else {}
             arrays, pool, samples, starts = {}, hs.pool_rows(group, index, start), {}, {}
             for layer in layers:
                 values = states[layer].to("cpu", torch.float32).numpy()

@@ -549,6 +549,8 @@ def parse_candidates(spec: str | None, stored: list[int], num_blocks: int) -> li
 
 
 def _ranges(layers: list[int]) -> str:
+    if not layers:
+        return "no layer: token ids alone, --layers none"
     return (
         f"layers {layers[0]}..{layers[-1]}" if layers == list(range(layers[0], layers[-1] + 1)) else f"layers {layers}"
     )

@@ -236,7 +236,7 @@ def run(
 ) -> Artifact:
     """loaded: the backbone, when the caller holds it (stages/train_decoder.py frozen_table)."""
     progress = progress or NullProgress()
-    group = hs.open_with_layers(extract, (0,))
+    group = hs.open_with_layers(extract, () if cfg.states == "model" else (0,))
     config, parents = cfg.hashed(), {"extract": extract.id}
 
     def moments(layer: int, computed):

@@ -27,7 +27,7 @@ from dihal.stages.diffusion import feed, flow, trainer
 from dihal.stages.diffusion.denoiser import Denoiser, DenoiserConfig
 from dihal.stages.diffusion.normalizer import Normalizer
 from dihal.stages.lineage import backbone_for
-from dihal.stages.lm.capture import ModelStates
+from dihal.stages.lm.capture import ModelStates, hidden_states
 from dihal.stages.moments import config_for
 from dihal.stages.moments import of as moments_of
 from dihal.stages.parts.decoder import frozen_table
@@ -111,14 +111,19 @@ def _read(group, layer: int, seqs: np.ndarray, start: int) -> torch.Tensor:
     return torch.from_numpy(hs.read_sequences(group, layer, seqs)[:, start:].astype(np.float32))
 
 
-def check_layer0(group, table: torch.Tensor, seqs: np.ndarray) -> None:
-    """The extract's stored layer 0 of a few training sequences is table[ids] to the precisions involved (the
-    float16 store, a bfloat16 backbone: 2^-7 relative); else h_0 is not the embedding of each token alone (a
-    model with position embeddings, or another backbone's table), and a bridge trained on table[ids] would
-    not see what the extract saw."""
+def check_layer0(group, table: torch.Tensor, seqs: np.ndarray, model=None) -> None:
+    """The extract's stored layer 0 of a few training sequences (or, in an extract of token ids alone, the
+    backbone's own layer 0 of them: `model`) is table[ids] to the precisions involved (the float16 store, a
+    bfloat16 backbone: 2^-7 relative); else h_0 is not the embedding of each token alone (a model with position
+    embeddings, or another backbone's table), and a bridge trained on table[ids] would not see what the extract
+    saw."""
     seqs = np.asarray(seqs)[:8]
-    stored = torch.from_numpy(hs.read_sequences(group, 0, seqs).astype(np.float32))
-    ours = table[torch.from_numpy(hs.token_ids(group, seqs)).to(table.device).long()].float().cpu()
+    ids = torch.from_numpy(hs.token_ids(group, seqs)).to(table.device).long()
+    if 0 in hs.stored_layers(group) or model is None:
+        stored = torch.from_numpy(hs.read_sequences(group, 0, seqs).astype(np.float32))
+    else:
+        stored = hidden_states(model, ids, [0])[0].float().cpu()
+    ours = table[ids].float().cpu()
     off = (ours - stored).abs() > 2**-7 * stored.abs() + 2**-14 * stored.abs().amax()
     if bool(off.any()):
         raise DihalError(
@@ -159,7 +164,7 @@ def train(
     rank, _ = distributed()
     start = covered_start(group)
     train_seqs = hs.split_indices(group, "train")
-    check_layer0(group, table, train_seqs)
+    check_layer0(group, table, train_seqs, states.model if states is not None else None)
     norm = Normalizer.fit(group, 0, cfg.layer, train_seqs, start, table=table, states=states, target=target)
     task = BridgeTask(group, cfg, norm, start, table, condition_prior(prior_art, cfg), states)
     den_cfg = DenoiserConfig(
@@ -227,7 +232,7 @@ def run(
     """Under torchrun every rank trains its shard; rank 0 owns the artifact and writes it.
     prior: the layer-0 prior of --condition-noise prior:T."""
     progress = progress or NullProgress()
-    group = hs.open_with_layers(extract, (0,) if cfg.states == "model" else (0, cfg.layer))
+    group = hs.open_with_layers(extract, () if cfg.states == "model" else (0, cfg.layer))
     config, parents = config_dict(cfg), {"extract": extract.id, **check_condition_prior(cfg, extract, prior)}
 
     def train_fn(art, report):

@@ -29,6 +29,8 @@ from dihal.stages.diffusion import feed, trainer
 from dihal.stages.diffusion.cross_decoder import VAL_BATCH, CrossDecoder, DecoderConfig, teacher_forced
 from dihal.stages.diffusion.flow import corrupt
 from dihal.stages.diffusion.normalizer import Normalizer
+from dihal.stages.lineage import backbone_for
+from dihal.stages.lm.capture import ModelStates
 from dihal.stages.moments import config_for
 from dihal.stages.moments import of as moments_of
 from dihal.stages.parts.decoder import frozen_table
@@ -44,16 +46,21 @@ CACHE_VERSION = 2
 
 
 class DecoderTask:
-    def __init__(self, group, cfg: DecoderTrainConfig, norm: Normalizer, prior=None):
-        """prior: a trained stages.parts.prior.Prior whose estimates corrupt e (--condition-noise prior:T)."""
-        self.group, self.cfg, self.norm, self.prior = group, cfg, norm, prior
+    def __init__(self, group, cfg: DecoderTrainConfig, norm: Normalizer, prior=None, states=None):
+        """prior: a trained stages.parts.prior.Prior whose estimates corrupt e (--condition-noise prior:T);
+        states: ModelStates of layer 0 (--states model: h_0 computed from the token ids, none read)."""
+        self.group, self.cfg, self.norm, self.prior, self.states = group, cfg, norm, prior, states
         self.on_device = norm.to(cfg.device)  # the condition is normalized where it trains
-        self.scale = hs.layer_scales(group)[0]
+        self.scale = hs.layer_scales(group)[0] if states is None else 1.0
         val = trainer.take_split(self, group, cfg.val_sequences)
-        self.val = {"c": hs.read_sequences(group, 0, val), "ids": np.asarray(group["input_ids"].oindex[val])}
+        ids = np.asarray(group["input_ids"].oindex[val])
+        c = hs.read_sequences(group, 0, val) if states is None else states(ids).cpu().numpy()
+        self.val = {"c": c, "ids": ids}
 
     def read(self, positions: np.ndarray, alloc=None) -> dict[str, np.ndarray]:
         seqs = self.train_seqs[positions]  # h_0 as stored, made float32 on the device (stages/diffusion/feed.py)
+        if self.states is not None:  # --states model: the token ids are all a step reads
+            return {"ids": hs.token_ids(self.group, seqs)}
         condition = feed.stored(self.group, 0, seqs, "c", False, alloc)
         return {**condition, "ids": hs.token_ids(self.group, seqs)}
 
@@ -61,7 +68,10 @@ class DecoderTask:
         return self.norm.c(torch.from_numpy(raw[:, 1:].astype(np.float32)))
 
     def loss(self, net, batch, draws, device) -> torch.Tensor:
-        raw = feed.as_float(batch, "c", device, self.scale)[:, 1:]
+        if self.states is None:
+            raw = feed.as_float(batch, "c", device, self.scale)[:, 1:]
+        else:
+            raw = self.states(batch["ids"])[:, 1:]
         if self.prior is not None:
             e = self.on_device.c(self.prior.corrupt(raw, self.cfg.condition_noise, draws))
         else:
@@ -93,13 +103,20 @@ def unigram_entropy(ids: np.ndarray) -> float:
 
 
 def train(
-    cfg: DecoderTrainConfig, group, art: Artifact, table: torch.Tensor, progress: Progress, prior=None, target=None
+    cfg: DecoderTrainConfig,
+    group,
+    art: Artifact,
+    table: torch.Tensor,
+    progress: Progress,
+    prior=None,
+    target=None,
+    states=None,
 ) -> dict:
     """table: the backbone's raw (V, D) embedding table (stages/lm/vocab.py embedding_table); target: layer 0's
-    stored moments (stages/moments.py), else computed here."""
+    stored moments (stages/moments.py), else computed here; states: ModelStates of layer 0 (--states model)."""
     rank, _ = distributed()
-    norm = Normalizer.fit(group, 0, 0, hs.split_indices(group, "train"), 1, target=target)
-    task = DecoderTask(group, cfg, norm, prior)
+    norm = Normalizer.fit(group, 0, 0, hs.split_indices(group, "train"), 1, states=states, target=target)
+    task = DecoderTask(group, cfg, norm, prior, states)
     net_cfg = DecoderConfig(
         vocab=int(table.shape[0]),
         dim=int(norm.mu_c.shape[0]),
@@ -145,13 +162,19 @@ def run(
     """prior: the layer-0 prior of --condition-noise prior:T; loaded: the backbone, when the caller holds it
     (its embedding table is read from it), else it is read once on the run's device and dtype."""
     progress = progress or NullProgress()
-    group = hs.open_with_layers(extract, (0,))
+    group = hs.open_with_layers(extract, () if cfg.states == "model" else (0,))
     config, parents = cfg.hashed(), {"extract": extract.id, **check_condition_prior(cfg, extract, prior)}
 
     def train_fn(art, report):
-        table = frozen_table(extract, cfg, loaded)
-        target = moments_of(extract, store, group, config_for(0, 1))
-        return train(cfg, group, art, table, report, condition_prior(prior, cfg), target)
+        if cfg.states == "store":
+            table = frozen_table(extract, cfg, loaded)
+            target = moments_of(extract, store, group, config_for(0, 1))
+            return train(cfg, group, art, table, report, condition_prior(prior, cfg), target)
+        loaded_ = loaded or backbone_for(extract, cfg.device, cfg.precision)
+        states = ModelStates(loaded_.model, 0)  # h_0: the backbone's embedding of the token ids, on the device
+        target = moments_of(extract, store, group, config_for(0, 1, "model", cfg.device, cfg.precision), lambda: states)
+        table = frozen_table(extract, cfg, loaded_)
+        return train(cfg, group, art, table, report, condition_prior(prior, cfg), target, states)
 
     return trainer.write_trained(
         store, STAGE, CACHE_VERSION, config, parents, extract, cfg, train_fn, force=force, progress=progress

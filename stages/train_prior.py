@@ -148,8 +148,10 @@ class PriorTask:
     def loss(self, net, batch, draws, device) -> torch.Tensor:
         if self.states is None:
             y = self.normalize(feed.as_float(batch, "y", device, self.scale))
-        else:
+            targets = batch.get("ids")  # positions 1.. (read)
+        else:  # --states model: the whole sequences' ids, whose positions 1.. --token-ce reads
             y = self.normalize(self.states(batch["ids"]))
+            targets = torch.as_tensor(batch["ids"])[:, 1:]
         t = flow.shift_time(draws.rand(), self.cfg.time_shift)
         eps = draws.randn(*y.shape[1:])
         x_t = flow.noisy(y, eps, t)
@@ -162,7 +164,7 @@ class PriorTask:
         out = net(x_t, t, x0_prev=x0_prev).float()
         loss = ((out - y) ** 2).mean(dim=(1, 2))
         if self.cfg.token_ce:
-            ce = self.token_ce(out, torch.as_tensor(batch["ids"]).to(device))
+            ce = self.token_ce(out, torch.as_tensor(targets).to(device))
             loss = loss + self.cfg.token_ce * ce * (t.to(device) <= self.cfg.token_ce_max_t)
         return loss.sum()
 
@@ -265,7 +267,8 @@ def train(
         norm = Normalizer.fit(
             group, 0, cfg.layer, hs.split_indices(group, "train"), 1, table=table, states=states, target=target
         )
-        task = PriorTask(group, cfg, norm, states=states)
+        tokens, about = token_data(cfg, extract, group, progress)  # --token-ce's token side, at layer 0
+        task = PriorTask(group, cfg, norm, tokens, states=states)
     else:
         target = moments_of(extract, store, group, config_for(max(cfg.layer, 0), 1))
         norm = Normalizer.fit(group, 0, max(cfg.layer, 0), hs.split_indices(group, "train"), 1, target=target)
@@ -315,7 +318,7 @@ def run(
 ) -> Artifact:
     """latents: the autoencoder artifact whose latents a --latents prior models."""
     progress = progress or NullProgress()
-    group = hs.open_with_layers(extract, (0,) if cfg.states == "model" else (0, cfg.layer))
+    group = hs.open_with_layers(extract, () if cfg.states == "model" or cfg.latent else (0, cfg.layer))
     if cfg.latent != (latents is not None):
         raise DihalError("a prior over latents needs --latents ID (a `dihal train-autoencoder` artifact), and only it")
     if latents is not None and latents.manifest.get("parents", {}).get("extract") != extract.id:

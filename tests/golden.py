@@ -122,7 +122,8 @@ def extract_view(art) -> dict[str, np.ndarray]:
         if f"pos0/{layer}" in group:
             out[f"pos0/{layer}"] = np.asarray(group[f"pos0/{layer}"][:])
     for name in ("input_ids", "attention_mask", "split", "sample_seq", "sample_pos"):
-        out[name] = np.asarray(group[name][:])
+        if name in group:  # an extract of token ids alone (--layers none) has no pool
+            out[name] = np.asarray(group[name][:])
     return out
 
 

@@ -192,12 +192,13 @@ def same_curve(a_art, b_art, steps: int, rel: float = 1e-5) -> None:
 
 
 @pytest.mark.slow
-def test_states_computed_by_the_backbone_train_the_store_paths_bridge(tiny_dirs, root, monkeypatch):
-    """Issue 64 item 2: --states model takes h_l from the backbone's first l blocks on the training device, over
-    the same sequences in the same order, reading no layer but 0 (an extract of layer 0 alone will do): on a
-    float32 store its loss curve and validation loss are the store path's to float rounding, under another id;
-    so are DiHAL-direct's prior's over h_l (train-prior --states model). A layer the backbone does not have is
-    one line."""
+def test_states_computed_by_the_backbone_train_the_store_paths_parts_from_token_ids_alone(tiny_dirs, root, monkeypatch):
+    """Issue 64 items 1 and 2: --states model takes h_l from the backbone's first l blocks on the training device
+    (h_0 from its embedding), over the same sequences in the same order, reading no layer at all: an extract of
+    the token ids alone (--layers none) will do. On a float32 store each part's loss curve and validation loss are
+    the store path's to float rounding, under another id: the bridge at layer 2, DiHAL-direct's prior over h_2,
+    the prior over h_0 (with --token-ce) and the CoDAR decoder. An extract of token ids is refused in one line by
+    what must read a layer; so is a layer the backbone does not have."""
     from dihal.stages.lm.capture import hidden_states
 
     common = ["--model", str(tiny_dirs["llama"]), "--max-sequences", "40", "--seq-len", "16", "--device", "cpu"]
@@ -205,48 +206,52 @@ def test_states_computed_by_the_backbone_train_the_store_paths_bridge(tiny_dirs,
     assert invoke(*extract, "--layers", "0,2").exit_code == 0
     store = ArtifactStore(root)
     full = store.resolve("latest", "extract")
-    assert invoke(*extract, "--layers", "0").exit_code == 0
-    only0 = store.resolve("latest", "extract")
+    assert invoke(*extract, "--layers", "none").exit_code == 0
+    ids_only = store.resolve("latest", "extract")
+    group, bare = hs.open_group(full), hs.open_group(ids_only)
+    assert hs.stored_layers(bare) == [] and ids_only.manifest["metrics"]["layers"] == []
+    for name in ("input_ids", "attention_mask", "split"):
+        assert np.array_equal(np.asarray(group[name][:]), np.asarray(bare[name][:]))
+    assert "sample_seq" not in bare  # no pool: the score reads none from it
     layers, real = [], feed.stored
     monkeypatch.setattr(
         feed, "stored", lambda group, layer, *a, **k: layers.append(layer) or real(group, layer, *a, **k)
     )
-    train = ["train-bridge", "--layer", "2", *TINY, "--train-steps", "12", "--eval-every", "6"]
-    res = invoke(*train, "--extract", full.id)
-    assert res.exit_code == 0, res.output
-    stored = store.resolve("latest", "bridge")
-    assert set(layers) == {2}
-    layers.clear()
-    res = invoke(*train, "--extract", only0.id, "--states", "model")
-    assert res.exit_code == 0, res.output
-    computed = store.resolve("latest", "bridge")
-    assert layers == [] and computed.id != stored.id and computed.config["states"] == "model"
-    assert "states" not in stored.config  # the store path's id is every bridge's before the option
+    recipe = lambda stage: [a for a in TINY if a not in ("--depth", "2")] if stage == "train-decoder" else TINY
+    run = lambda stage, *args: invoke(stage, *args, *recipe(stage), "--train-steps", "12", "--eval-every", "6")
+
+    def both(stage: str, *args: str, read: set) -> None:
+        layers.clear()
+        res = run(f"train-{stage}", *args, "--extract", full.id)
+        assert res.exit_code == 0, res.output
+        stored = store.resolve("latest", stage)
+        assert set(layers) == read and "states" not in stored.config  # the store path's id is the one before
+        layers.clear()
+        res = run(f"train-{stage}", *args, "--extract", ids_only.id, "--states", "model")
+        assert res.exit_code == 0, res.output
+        computed = store.resolve("latest", stage)
+        assert layers == [] and computed.id != stored.id and computed.config["states"] == "model"
+        same_curve(stored, computed, 12)
+
+    both("bridge", "--layer", "2", read={2})
     # what the blocks compute is what the extract stored, here to the bit (same float32 forward, rows alone)
-    group = hs.open_group(full)
     from dihal.stages.lm.models import load_model
 
     model = load_model(str(tiny_dirs["llama"]), "cpu", "float32").model
     ids = torch.from_numpy(np.asarray(group["input_ids"][:5]).astype(np.int64))
     assert torch.allclose(hidden_states(model, ids, [2])[2], torch.from_numpy(hs.read_sequences(group, 2, range(5))))
-    same_curve(stored, computed, 12)
-    # DiHAL-direct's prior over h_2 (train-prior --states model): the same curve from the same blocks
-    layers.clear()
-    prior = ["train-prior", "--layer", "2", *TINY, "--train-steps", "12", "--eval-every", "6"]
-    res = invoke(*prior, "--extract", full.id)
-    assert res.exit_code == 0, res.output
-    stored = store.resolve("latest", "prior")
-    assert set(layers) == {2} and "states" not in stored.config
-    layers.clear()
-    res = invoke(*prior, "--extract", only0.id, "--states", "model")
-    assert res.exit_code == 0, res.output
-    computed = store.resolve("latest", "prior")
-    assert layers == [] and computed.id != stored.id and computed.config["states"] == "model"
-    same_curve(stored, computed, 12)
-    res = invoke("train-prior", "--layer", "0", *TINY, "--extract", only0.id, "--states", "model")
-    assert res.exit_code == 2 and "--states model computes layer l >= 1" in res.output
+    both("prior", "--layer", "2", read={2})  # DiHAL-direct's prior over h_2
+    both("prior", "--layer", "0", "--token-ce", "0.5", read={0})  # Diffusion-LM's, and its token side
+    both("decoder", read={0})  # CoDAR's decoder, conditioned on h_0
+    lines = lambda res: (res.exit_code, len(res.output.strip().splitlines()))
+    res = invoke("train-prior", *TINY, "--extract", ids_only.id, "--states", "model", "--data", "corpus")
+    assert lines(res) == (2, 1) and "--states model computes the extract's layer from its token ids" in res.output
+    res = run("train-bridge", "--layer", "2", "--extract", ids_only.id)
+    assert lines(res) == (2, 1) and "lacks layer 0 (it holds [])" in res.output and "--layers 0,2" in res.output
+    res = invoke("score", "--extract", ids_only.id)
+    assert lines(res) == (2, 1) and "token ids alone, --layers none" in res.output
     res = invoke(
-        "train-bridge", "--layer", "9", *TINY, "--train-steps", "2", "--extract", only0.id, "--states", "model"
+        "train-bridge", "--layer", "9", *TINY, "--train-steps", "2", "--extract", ids_only.id, "--states", "model"
     )
     assert res.exit_code == 2 and "--states model runs the backbone's first 9 blocks, but it has" in res.output
     assert len(res.output.strip().splitlines()) == 1

@@ -771,8 +771,8 @@ def test_the_estimate_on_eight_gpus_deals_compares_units_and_is_a_fifth_of_one_g
 @pytest.mark.slow
 def test_the_estimate_prints_each_sources_disk_and_the_computed_states_fit_a_gpu_nodes():
     """issue 64 item 2: a bridge's h_l from the store needs every layer of the 20,000 sequences on disk; computed
-    by the backbone (--states model) it needs layer 0 of them and, for the score, every layer of 1,024: by hand,
-    float16 at Llama-3.1-8B's width over its 33 layers, within 64 GiB."""
+    by the backbone (--states model) it needs their token ids alone (--layers none) and, for the score, every
+    layer of 1,024: by hand, float16 at Llama-3.1-8B's width over its 33 layers, within 64 GiB."""
 
     out = _estimate("--gpus", "1")
     disk = {
@@ -784,14 +784,15 @@ def test_the_estimate_prints_each_sources_disk_and_the_computed_states_fit_a_gpu
     # one sequence of one layer, GiB: 128 float16 states, and its position 0 kept apart in float32
     row, pool = (128 * 4096 * 2 + 4096 * 4) / 2**30, 16384 * 4096 * 2 * 33 / 2**30
     assert disk["store"] == pytest.approx(20000 * 33 * row + pool, rel=0.02)
-    by_hand = 20000 * row + 1024 * 33 * row + pool  # layer 0, and the score's every layer and pool
+    ids = 20000 * (128 * 5 + 1) / 2**30  # int32 ids, int8 mask, the split
+    by_hand = ids + 1024 * 33 * row + pool  # the token ids, and the score's every layer and pool
     assert disk["model (--states model)"] == pytest.approx(by_hand, rel=0.03) and disk["model (--states model)"] <= 64
 
 
 @pytest.mark.slow
 def test_the_estimate_with_computed_states_counts_the_blocks_each_part_runs_and_every_kept_part_on_disk():
     """issue 64 items 2 and 6, reproduce_paper.sh's default (--states model): the extract is the score's every
-    layer of 1,024 sequences and layer 0 of all; a bridge at l* = 3 adds the first 3 of 32 blocks over its
+    layer of 1,024 sequences and the token ids of all; a bridge at l* = 3 adds the first 3 of 32 blocks over its
     training sequences twice (the normaliser's pass and the epoch) at the forward rate, split over the ranks; a
     complete part keeps 8 bytes a parameter (weights and EMA, float32) and each GPU's part in training 16 more
     (its resume state); the node's disk is the extracts, the sweep's bridges and the comparison's parts. On

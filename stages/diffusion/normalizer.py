@@ -109,7 +109,7 @@ class Normalizer:
         width = y.mean.shape[0]
         if table is not None:
             c = table_moments(table, hs.token_ids(group, seqs)[:, start:])
-        elif cond_layer == target_layer and states is None:
+        elif cond_layer == target_layer:  # read or computed alike
             c = y
         else:
             c = RunningMoments(width)
