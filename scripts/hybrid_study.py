@@ -262,7 +262,10 @@ def main() -> None:
             ids, _ = sample(loaded, bridge if setting else None, suffix, c, len(real), noise_scale)
             curves.append({"model": who, "temperature": t, "entropy": entropy_of(ids, stops)})
             curves[-1]["gen_ppl"] = gen_ppl(loaded, ids, stops)
-            print(f"curve {who} t={t}: entropy {curves[-1]['entropy']:.3f} Gen.PPL {curves[-1]['gen_ppl']:.1f}")
+            print(
+                f"curve {who} t={t}: entropy {curves[-1]['entropy']:.3f} Gen.PPL {curves[-1]['gen_ppl']:.1f}",
+                flush=True,
+            )
     curves = pd.DataFrame(curves)
     curves.to_csv(out / "curves.csv", index=False)
     orig = curves[curves.model == "original"].to_dict("records")
