@@ -54,7 +54,7 @@ class DecoderTask:
         self.scale = hs.layer_scales(group)[0] if states is None else 1.0
         val = trainer.take_split(self, group, cfg.val_sequences)
         ids = np.asarray(group["input_ids"].oindex[val])
-        c = hs.read_sequences(group, 0, val) if states is None else states(ids).cpu().numpy()
+        c = hs.read_sequences(group, 0, val) if states is None else torch.cat(list(states.blocks(ids))).numpy()
         self.val = {"c": c, "ids": ids}
 
     def read(self, positions: np.ndarray, alloc=None) -> dict[str, np.ndarray]:
