@@ -17,6 +17,10 @@
     sample/<l>       (n_chunks, K, D)     the score's position pool: the states at sample_seq/sample_pos,
     sample_seq/_pos  (n_chunks, K) int32  K positions per chunk (-1 pads), one Zarr chunk per extract chunk
 
+An extract of --keep pool holds layers/0 (and pos0/0) alone of the layers and every other layer only in
+sample/<l>, whose array then carries the layer's `scale` (attribute `kept: pool`); `stored_layers` are the
+layers held whole, `pooled_layers` those in the pool.
+
 The pool makes scoring read O(pool x D) per layer instead of the whole layer: a train-split
 position p >= 1 of chunk i is in it with probability quota_i / valid_i, quotas proportional to
 each chunk's valid positions (so every position has the same chance, up to rounding).
@@ -63,13 +67,15 @@ def create(
     chunk_seqs: int,
     attrs: dict,
     scales: dict[int, float] | None = None,
+    whole: list[int] | None = None,
 ) -> zarr.Group:
-    """Create the group (or reopen it unchanged when it already exists, for resume)."""
+    """Create the group (or reopen it unchanged when it already exists, for resume). `whole`: the layers
+    held at every position (None: all of them; the others go to the score's pool alone, create_pool)."""
     if (path / "zarr.json").exists():
         return zarr.open_group(str(path), mode="r+")
     group = zarr.open_group(str(path), mode="w")
     group.require_group("layers")  # empty in an extract of token ids alone (--layers none)
-    for layer in layers:  # uncompressed: float16 states shrink ~10% under zstd at twice the write time
+    for layer in layers if whole is None else whole:  # uncompressed: float16 shrinks ~10% under zstd, 2x the time
         group.create_array(
             f"layers/{layer}",
             shape=(n_seq, seq_len, width),
@@ -92,6 +98,8 @@ def create(
     n_chunks = -(-n_seq // chunk_seqs)
     group.create_array("committed", shape=(n_chunks,), chunks=(1,), dtype="bool", fill_value=False)
     group.attrs.update({"layer_convention": LAYER_CONVENTION, "layers": layers, "chunk_seqs": chunk_seqs, **attrs})
+    if whole is not None:
+        group.attrs["kept"] = "pool"
     return group
 
 
@@ -99,13 +107,22 @@ ITEMSIZE = {"float16": 2, "float32": 4}
 
 
 def estimate_bytes(
-    n_seq: int, seq_len: int, width: int, dtypes: list[str], chunk_seqs: int, pool: int, val_fraction: float
+    n_seq: int,
+    seq_len: int,
+    width: int,
+    dtypes: list[str],
+    chunk_seqs: int,
+    pool: int,
+    val_fraction: float,
+    whole: int | None = None,
 ) -> int:
     """What an extract of these settings writes (the layers, their position-0 arrays, ids, mask and the
     score's pool), the one estimate that `dihal extract`'s plan, its disk check and
     scripts/estimate.py use. Under --store-dtype auto pass float16 for every layer (what auto picks
-    unless a layer's positions >= 1 come near float16's range)."""
-    per_seq = sum(seq_len * width * ITEMSIZE[d] + (width * 4 if d == "float16" else 0) for d in dtypes)
+    unless a layer's positions >= 1 come near float16's range). whole: how many of the layers (the first)
+    are held at every position (None: all; --keep pool: layer 0's one, the rest in the pool alone)."""
+    held = dtypes if whole is None else dtypes[:whole]
+    per_seq = sum(seq_len * width * ITEMSIZE[d] + (width * 4 if d == "float16" else 0) for d in held)
     per_seq += seq_len * (4 + 1) + 1  # input_ids int32, attention_mask int8, split int8
     n_chunks = -(-n_seq // chunk_seqs)
     train_positions = n_seq * (1 - val_fraction) * (seq_len - 1)
@@ -117,8 +134,17 @@ def estimate_bytes(
     return int(n_seq * per_seq + pool_bytes)
 
 
-def create_pool(group: zarr.Group, layers: list[int], width: int, dtypes: dict[int, str], pool: int, seed: int) -> None:
-    """Choose the score's pool of train positions (>= 1) per extract chunk and create its arrays."""
+def create_pool(
+    group: zarr.Group,
+    layers: list[int],
+    width: int,
+    dtypes: dict[int, str],
+    pool: int,
+    seed: int,
+    scales: dict[int, float] | None = None,
+) -> None:
+    """Choose the score's pool of train positions (>= 1) per extract chunk and create its arrays; a layer
+    held in the pool alone (--keep pool) carries its scale on its pool's array."""
     split, n_seq, seq_len = np.asarray(group["split"][:]), *group["input_ids"].shape
     chunk = int(group.attrs["chunk_seqs"])
     ranges = chunk_ranges(n_seq, chunk)
@@ -141,6 +167,8 @@ def create_pool(group: zarr.Group, layers: list[int], width: int, dtypes: dict[i
             fill_value=0,
             compressors=None,
         )
+        if layer not in stored_layers(group) and (scales or {}).get(layer, 1.0) != 1.0:
+            group[f"sample/{layer}"].attrs["scale"] = scales[layer]
     group.attrs["sample_pool"] = int(quota.sum())
 
 
@@ -264,10 +292,24 @@ def layer_scales(group: zarr.Group) -> dict[int, float]:
     return {layer: float(group[f"layers/{layer}"].attrs.get("scale", 1.0)) for layer in stored_layers(group)}
 
 
+def _held(group: zarr.Group, layer: int) -> zarr.Array:
+    """The array that carries a layer's dtype and scale: layers/<l>, or sample/<l> of a layer in the pool alone."""
+    return group[f"layers/{layer}"] if layer in stored_layers(group) else group[f"sample/{layer}"]
+
+
 def _unscaled(group: zarr.Group, layer: int, stored: np.ndarray) -> np.ndarray:
     """Stored values of a layer (or of its pool) in the layer's own units."""
-    scale = float(group[f"layers/{layer}"].attrs.get("scale", 1.0))
+    scale = float(_held(group, layer).attrs.get("scale", 1.0))
     return stored if scale == 1.0 else stored.astype(np.float32) * np.float32(scale)
+
+
+def kept_storage(group: zarr.Group) -> tuple[dict[int, str], dict[int, float]]:
+    """(dtype, scale) of every layer the extract holds, whole or in the pool alone."""
+    layers = sorted(set(stored_layers(group)) | set(pooled_layers(group)))
+    arrays = {layer: _held(group, layer) for layer in layers}
+    return {k: str(a.dtype) for k, a in arrays.items()}, {
+        k: float(a.attrs.get("scale", 1.0)) for k, a in arrays.items()
+    }
 
 
 def layer_dtypes(group: zarr.Group) -> dict[int, str]:
@@ -275,7 +317,18 @@ def layer_dtypes(group: zarr.Group) -> dict[int, str]:
 
 
 def stored_layers(group: zarr.Group) -> list[int]:
+    """The layers held at every position."""
     return sorted(int(k) for k in group["layers"].array_keys())
+
+
+def pooled_layers(group: zarr.Group) -> list[int]:
+    """The layers held at the score's pool of positions (all of an extract's, or none without a pool)."""
+    return sorted(int(k) for k in group["sample"].array_keys()) if "sample" in group else []
+
+
+def pool_only(group: zarr.Group) -> bool:
+    """An extract of --keep pool: its layers above 0 are held at the score's pool alone."""
+    return group.attrs.get("kept") == "pool"
 
 
 def open_with_layers(extract, needed, why: str = "") -> zarr.Group:
@@ -285,6 +338,11 @@ def open_with_layers(extract, needed, why: str = "") -> zarr.Group:
     stored = stored_layers(group)
     needed = sorted(set(needed))
     if missing := [layer for layer in needed if layer not in stored]:
+        if missing[0] in pooled_layers(group) and pool_only(group):
+            raise DihalError(
+                f"extract {extract.id} holds layer {missing[0]} at the score's pool of positions alone (--keep pool)"
+                f"{why}; train with --states model, or extract with --keep layers"
+            )
         raise DihalError(
             f"extract {extract.id} lacks layer {missing[0]} (it holds {stored}){why}; "
             f"extract with --layers {','.join(map(str, needed))}"

@@ -53,6 +53,9 @@ def extract(
     batch_size: int = o.opt(ExtractConfig, "batch_size", help="Sequences per forward pass and per Zarr chunk."),
     revision: str | None = o.opt(ExtractConfig, "revision"),
     score_pool: int = o.opt(ExtractConfig, "score_pool", help="Train positions kept apart for a fast score (0: none)."),
+    keep: str = o.opt(
+        ExtractConfig, "keep", help="layers, or pool: layers above 0 at the score's pool alone (for --states model)."
+    ),
     device: str = o.Device,
     dtype: str = o.Dtype,
     seed: int = o.Seed,

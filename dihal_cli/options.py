@@ -101,6 +101,7 @@ RECIPE = {
     "eval_every": ("--eval-every", int, "Steps between validations."),
     "checkpoint_every": ("--checkpoint-every", int, "Steps between checkpoints."),
     "compile": ("--compile", bool, "Train the step under torch.compile (its own id: other rounding)."),
+    "keep_weights": ("--keep-weights", str, "What a complete part keeps: final+ema, ema or ema-bfloat16."),
 }
 
 

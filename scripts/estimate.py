@@ -139,11 +139,11 @@ def estimate(a: argparse.Namespace) -> list[tuple[str, float, float, float, floa
     # seconds of the first `layer` blocks over the training sequences, `passes` times, on one GPU
     forward = lambda layer, passes: passes * n_train * a.seq_len * layer / s["blocks"] / a.forward_tps
     captured = layers * a.batch * a.seq_len * d * 2 / GIB  # every layer of one batch, held until copied out
-    if computed:  # every layer of score_sequences for the score, the token ids alone (--layers none) of every sequence
-        scored = estimate_bytes(a.score_sequences, a.seq_len, d, ["float16"] * layers, a.batch, a.pool, a.val_fraction)
+    if computed:  # the score's extract (--keep pool: layer 0 whole, the others at the pool), the token ids of all
+        scored = score_extract_bytes(a, d, layers)
         ids = estimate_bytes(a.sequences, a.seq_len, d, [], a.batch, 0, a.val_fraction)
         extract_bytes, passed = scored + ids, a.score_sequences * a.seq_len
-        held = f"{layers} layers x {passed:,} tokens, float16; token ids x {tokens:,}"
+        held = f"{layers} layers x {a.pool:,} positions + h_0 x {passed:,} tokens, float16; token ids x {tokens:,}"
     else:
         extract_bytes = estimate_bytes(a.sequences, a.seq_len, d, ["float16"] * layers, a.batch, a.pool, a.val_fraction)
         passed, held = tokens, f"{layers} layers x {tokens:,} tokens, float16"
@@ -180,9 +180,11 @@ def estimate(a: argparse.Namespace) -> list[tuple[str, float, float, float, floa
     ) / 60
     one_gpu = bridge_tokens / a.bridge_tps / 60  # a unit trained by one GPU alone (sweep, confirm, compare)
     ram = a.window * a.seq_len * d * 2 * 2 / GIB + 16384 * d * 8 * 2 / GIB + 2
-    # disk of trained parts: a complete one keeps its weights and their EMA (float32: 8 bytes a parameter); one in
-    # training also its resume state (weights, EMA and AdamW's two moments: 16), one per GPU at a time
-    kept = lambda params, count, gpus: (count * params * 8 + min(gpus, count) * params * 16) / GIB
+    # disk of trained parts: a complete one keeps what --keep-weights says (final+ema: 8 bytes a parameter; ema: 4;
+    # ema-bfloat16: 2); one in training also its resume state (weights, EMA and AdamW's two moments: 16), one per GPU
+    # at a time (training(): that part of a row's disk, gone when the stage ends)
+    kept = lambda params, count, gpus: (count * params * KEPT[a.keep_weights] + training(params, count, gpus)) / GIB
+    training = lambda params, count, gpus: min(gpus, count) * params * 16
     rows.append(
         (
             "train-bridge (one layer)",
@@ -197,6 +199,7 @@ def estimate(a: argparse.Namespace) -> list[tuple[str, float, float, float, floa
     swept = range(1, s["blocks"])  # a bridge per layer, dealt whole to the GPUs by dist.deal
     costs = [one_gpu + forward(layer, 2) * computed / 60 for layer in swept]
     owners = deal(costs, n)
+    a.in_training = {"sweep": training(den, len(swept), n) / GIB}
     rows.append(
         (
             f"sweep ({len(swept)} bridges)",
@@ -284,6 +287,7 @@ def estimate(a: argparse.Namespace) -> list[tuple[str, float, float, float, floa
     owners = deal(costs, n)
     longest = max(sum(c for c, o in zip(costs, owners) if o == r) for r in range(n))
     units = seeds * len(budgets) * gens
+    a.in_training["compare"] = training(den, parts * seeds * len(budgets), n) / GIB
     rows.append(
         (
             "compare",
@@ -309,7 +313,7 @@ def sources(a: argparse.Namespace, layer: int = 3) -> list[tuple[str, float, flo
     bridge_tokens = math.ceil(n_train / batch) * batch * (a.seq_len - 1)
     all_layers = estimate_bytes(a.sequences, a.seq_len, d, ["float16"] * layers, a.batch, a.pool, a.val_fraction)
     ids = estimate_bytes(a.sequences, a.seq_len, d, [], a.batch, 0, a.val_fraction)  # --layers none
-    score = estimate_bytes(a.score_sequences, a.seq_len, d, ["float16"] * layers, a.batch, a.pool, a.val_fraction)
+    score = score_extract_bytes(a, d, layers)
     read = 2 * n_train * a.seq_len * d * 2 / GIB
     forward = 2 * n_train * a.seq_len * layer / s["blocks"] / a.forward_tps
     return [
@@ -323,10 +327,22 @@ def sources(a: argparse.Namespace, layer: int = 3) -> list[tuple[str, float, flo
             "model (--states model)",
             (ids + score) / GIB,
             (bridge_tokens / a.bridge_tps + forward) / 60,
-            f"the token ids of {a.sequences:,} sequences, and every layer of {a.score_sequences:,} for the score "
-            "(l* held on a twentieth of pydoc; argmin S did not: docs/results/paper_scale.md)",
+            f"the token ids of {a.sequences:,} sequences; for the score, layer 0 of {a.score_sequences:,} and "
+            f"every layer at its {a.pool:,}-position pool (--keep pool; l* held on a twentieth of pydoc, argmin S "
+            "did not: docs/results/paper_scale.md)",
         ),
     ]
+
+
+KEPT = {"final+ema": 8, "ema": 4, "ema-bfloat16": 2}  # bytes a parameter of a complete part (--keep-weights)
+
+
+def score_extract_bytes(a: argparse.Namespace, width: int, layers: int) -> int:
+    """The score's extract under --states model: score_sequences sequences, --keep pool (layer 0 whole: the
+    r2 proxies read the positions before each of theirs; every layer at the pool)."""
+    return estimate_bytes(
+        a.score_sequences, a.seq_len, width, ["float16"] * layers, a.batch, a.pool, a.val_fraction, whole=1
+    )
 
 
 def main() -> None:
@@ -366,6 +382,12 @@ def main() -> None:
         default="model",
         help="h_l computed by the backbone (reproduce_paper.sh's STATES, its default) or read from an extract",
     )
+    p.add_argument(
+        "--keep-weights",
+        choices=sorted(KEPT),
+        default="ema-bfloat16",
+        help="what a complete part keeps (reproduce_paper.sh's KEEP_WEIGHTS, its default)",
+    )
     a = p.parse_args()
     counts = [int(g) for g in a.gpus.split(",")]
     for like in [a.like] if (a.like or a.blocks) else sorted(LIKE):
@@ -385,10 +407,13 @@ def main() -> None:
             for stage, disk, ram, gpu, minutes, note in rows:
                 print(f"{stage:<30}{disk:>9.1f}{ram:>8.1f}{gpu:>8.1f}{minutes:>8.0f}  {note}")
             totals[gpus] = sum(r[4] for r in rows) - rows[2][4]
-            # on the node's disk at the end: the extracts, the sweep's bridges and the comparison's parts (the
-            # lone train-bridge / -prior / -decoder rows are parts the sweep and the comparison make)
-            disk = sum(r[1] for r in rows if not r[0].startswith("train-"))
-            print(f"{'total (the sweep counted once)':<30}{disk:>9.1f}{'':>16}{totals[gpus]:>8.0f}")
+            # the node's disk at its fullest: the extracts, the sweep's complete bridges and the comparison's
+            # complete parts, and the resume states of the stage with the most parts in training at once (the sweep
+            # and the comparison run one after the other; the lone train-bridge / -prior / -decoder rows are parts
+            # the sweep and the comparison make)
+            done = sum(r[1] for r in rows if not r[0].startswith("train-")) - sum(a.in_training.values())
+            disk = done + max(a.in_training.values())
+            print(f"{'peak (the sweep counted once)':<30}{disk:>9.1f}{'':>16}{totals[gpus]:>8.0f}")
         if 1 in totals and len(totals) > 1:
             print(
                 "\n"

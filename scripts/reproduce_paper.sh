@@ -24,9 +24,12 @@ SEEDS=${SEEDS:-0,1,2}; BUDGETS=${BUDGETS:-1,5}; COMPARE_SAMPLES=${COMPARE_SAMPLE
 COMPARE_BATCH=${COMPARE_BATCH:-64}; TEMPERATURES=${TEMPERATURES:-0,0.7,1.0}; CONTROLS=${CONTROLS:-sed,codar,dihal,dihal-direct}
 RECIPE=${RECIPE:-}                          # recipe flags on top of --protocol paper (a CPU rehearsal shrinks it)
 # where the trained parts' states come from: model (the backbone's first l blocks on the device, its embedding for
-# layer 0; the score reads every layer of SCORE_SEQUENCES sequences, the rest only token ids: issue 64)
+# layer 0; the score reads its pool of every layer of SCORE_SEQUENCES sequences, the rest only token ids: issue 64)
 # or store (every layer of every sequence extracted: 659 GiB for Llama-3.1-8B, scripts/estimate.py)
 STATES=${STATES:-model}; SCORE_SEQUENCES=${SCORE_SEQUENCES:-1024}
+# what each complete part keeps: its EMA weights in bfloat16 (a quarter of final+ema's bytes), so the node's disk
+# holds the sweep's 31-35 bridges and the comparison's 54 parts (scripts/estimate.py: peak 38-59 GiB)
+KEEP_WEIGHTS=${KEEP_WEIGHTS:-ema-bfloat16}
 # model, candidate layers, its shapes for the estimate printed first (scripts/make_random_model.py's configs),
 # one a line
 MODELS=${MODELS:-"meta-llama/Llama-3.1-8B-Instruct 1-31 llama-3.1-8b
@@ -44,8 +47,8 @@ while read -r -u 3 MODEL LAYERS LIKE; do
     --seeds "$SEEDS" --budgets "$BUDGETS" --compare-samples "$COMPARE_SAMPLES"
   extract() { $DIHAL extract --model "$MODEL" --dataset "$DATASET" --text-field text --seq-len "$SEQ_LEN" \
     --batch-size "$BATCH" $DEV "$@"; }
-  if [ "$STATES" = model ]; then  # every layer of a few sequences for the score, the token ids of all for training
-    extract --layers all --max-sequences "$SCORE_SEQUENCES"
+  if [ "$STATES" = model ]; then  # the score's pool of every layer of a few sequences, the token ids of all
+    extract --layers all --keep pool --max-sequences "$SCORE_SEQUENCES"
     SCORED=$(latest extract)
     extract --layers none --max-sequences "$SEQUENCES"
   else
@@ -59,7 +62,7 @@ while read -r -u 3 MODEL LAYERS LIKE; do
     LSTAR=$(python3 -c "import json,sys; print(json.load(open(sys.argv[1]))['metrics']['l_star'])" "$DIHAL_ROOT/score/$SCORE/manifest.json")
   fi
   $DIHAL sweep --layers "$LAYERS" --protocol paper $RECIPE --extract "$EXTRACT" --score "$SCORE" \
-    --states "$STATES" --eval-limit "$EVAL_LIMIT" $DEV
+    --states "$STATES" --keep-weights "$KEEP_WEIGHTS" --eval-limit "$EVAL_LIMIT" $DEV
   SWEEP=$(latest sweep)
   if dry; then BRIDGE=latest; else  # the sweep's bridge at l* (its first seed), read through the store's checks
     BRIDGE=$(python3 -c "import sys, dihal, pandas as pd; r = pd.read_csv(dihal.open_store().load(sys.argv[1], 'sweep').file('sweep_runs.csv')); print(r[r.layer == int(sys.argv[2])].sort_values('seed').bridge.iloc[0])" "$SWEEP" "$LSTAR")
@@ -75,6 +78,7 @@ while read -r -u 3 MODEL LAYERS LIKE; do
   $DIHAL compare --extract "$EXTRACT" --score "$SCORE" --protocol paper $RECIPE --seeds "$SEEDS" \
     --num-samples "$COMPARE_SAMPLES" --prior-steps "$PRIOR_STEPS" --sample-steps "$SAMPLE_STEPS" \
     --condition-noise prior:0.5 --temperatures "$TEMPERATURES" --top-p 1.0 --budgets "$BUDGETS" \
-    --controls "$CONTROLS" --evaluator "${OTHER:-$MODEL}" --batch-size "$COMPARE_BATCH" --states "$STATES" $DEV
+    --controls "$CONTROLS" --evaluator "${OTHER:-$MODEL}" --batch-size "$COMPARE_BATCH" --states "$STATES" \
+    --keep-weights "$KEEP_WEIGHTS" $DEV
   dry || python3 scripts/summarize.py "$DIHAL_ROOT" "$DIHAL_ROOT/summary.md"
 done 3<<< "$MODELS"

@@ -160,6 +160,9 @@ def added(default, *, old=MISSING, when=None):
 
 
 # -- training ---------------------------------------------------------------------------------------
+KEPT_WEIGHTS = ("final+ema", "ema", "ema-bfloat16")  # what a complete part keeps (stages/diffusion/trainer.py)
+
+
 def gpu_key(device: str) -> dict:
     """What a trained part's id, and that of a stage that trains parts (sweep, confirm, compare), hashes of how a
     GPU trains it otherwise than a CPU: the fused AdamW (stages/diffusion/trainer.optimizer), which rounds otherwise
@@ -189,6 +192,9 @@ class Recipe(Config):
     shuffle_window: int = 512  # sequences shuffled together in an epoch's order; bounds a read
     # the training step's network under torch.compile (issue 64): its kernels round otherwise than eager ones
     compile: bool = added(False)
+    # what a complete part keeps (stages/diffusion/trainer.py): final+ema, ema, or ema-bfloat16 (a quarter of the
+    # disk: the paper protocol's 85 parts within a node's disk, issue 64)
+    keep_weights: str = added("final+ema")
 
     def hashed(self) -> dict:
         return {**super().hashed(), **gpu_key(self.device)}
@@ -203,6 +209,7 @@ class Recipe(Config):
         require(self.weight_decay >= 0, f"the weight decay must be >= 0, got {self.weight_decay}")
         one_of(self, "schedule", SCHEDULES)
         one_of(self, "precision", PRECISIONS)
+        one_of(self, "keep_weights", KEPT_WEIGHTS)
 
 
 LoopConfig = Recipe  # the name trainer.py's loop knows it by
@@ -518,6 +525,9 @@ def parse_layers(spec: str, num_blocks: int | None, none_ok: bool = False) -> li
     return sorted(layers)
 
 
+EXTRACT_KEEPS = ("layers", "pool")
+
+
 @dataclass(frozen=True, kw_only=True)
 class ExtractConfig(Config):
     model: str = "smollm2-135m"
@@ -530,6 +540,9 @@ class ExtractConfig(Config):
     device: str = "cpu"
     dtype: str = "float32"
     trust_remote_code: bool = False
+    # layers: every position of every layer; pool: layer 0 whole (r2_token reads the positions before each of
+    # its own there) and every other layer at the score's pool alone, what `dihal score` reads (issue 64)
+    keep: str = added("layers")
 
     def check(self) -> None:
         require(
@@ -539,6 +552,12 @@ class ExtractConfig(Config):
         at_least(self, 1, "batch_size")
         require(self.score_pool >= 0, f"--score-pool must be >= 0 (0: none), got {self.score_pool}")
         parse_layers(self.layers, None, none_ok=True)  # syntax and order now; the range once the model is known
+        one_of(self, "keep", EXTRACT_KEEPS)
+        if self.keep == "pool":
+            require(
+                self.score_pool > 0, "--keep pool keeps the layers at the score's pool alone; give --score-pool > 0"
+            )
+            require(self.layers != "none", "--keep pool keeps layers at the score's pool; --layers none keeps none")
 
 
 def excluded_positions(spec: str) -> list[int]:

@@ -226,7 +226,8 @@ def disk_estimate(cfg: ExtractConfig, n_seq: int, width: int, n_layers: int) -> 
     layers' positions >= 1 fit)."""
     dtypes = ["float32" if cfg.store_dtype == "float32" else "float16"] * n_layers
     d = cfg.data
-    return hs.estimate_bytes(n_seq, d.seq_len, width, dtypes, cfg.batch_size, cfg.score_pool, d.val_fraction)
+    whole = None if cfg.keep == "layers" else 1  # --keep pool: layer 0 (counted as the first) whole, the rest pooled
+    return hs.estimate_bytes(n_seq, d.seq_len, width, dtypes, cfg.batch_size, cfg.score_pool, d.val_fraction, whole)
 
 
 def check_float16(layer: int, values: torch.Tensor, chosen: str) -> None:
@@ -368,12 +369,13 @@ def _extract(cfg: ExtractConfig, store, art: Artifact, loaded, check_disk: bool,
                 cfg.batch_size,
                 {"num_blocks": loaded.num_blocks, "model": loaded.identity["name"], "start_token": packed.start_token},
                 scales,
+                whole_layers(cfg, layers),
             )
             group["split"][:] = packed.split
             if packed.source is not None:  # a mix: which source each sequence came from
                 np.save(art.file("source.npy"), packed.source)
             if cfg.score_pool and layers:
-                hs.create_pool(group, layers, loaded.width, dtypes, cfg.score_pool, cfg.data.seed)
+                hs.create_pool(group, layers, loaded.width, dtypes, cfg.score_pool, cfg.data.seed, scales)
             os.replace(building, zarr_path)
     dist.barrier_all(world)
     group = hs.open_for_writing(zarr_path)
@@ -390,10 +392,17 @@ def _extract(cfg: ExtractConfig, store, art: Artifact, loaded, check_disk: bool,
             "seq_len": seq_len,
             "width": loaded.width,
             "num_blocks": loaded.num_blocks,
-            "store_dtypes": hs.layer_dtypes(group),
-            "store_scales": {k: v for k, v in hs.layer_scales(group).items() if v != 1.0},
+            "store_dtypes": hs.kept_storage(group)[0],
+            "store_scales": {k: v for k, v in hs.kept_storage(group)[1].items() if v != 1.0},
+            **({"kept": "layer 0 whole, the others at the score's pool alone"} if cfg.keep == "pool" else {}),
             "start_token": packed.start_token,
         }
+
+
+def whole_layers(cfg: ExtractConfig, layers: list[int]) -> list[int] | None:
+    """The layers held at every position: all (None) but under --keep pool, where only layer 0 is (r2_token and
+    r2_context read the positions before each of theirs in it; the rest is read at the pool alone)."""
+    return None if cfg.keep == "layers" else [layer for layer in layers if layer == 0]
 
 
 def _size(n: int) -> str:
@@ -437,7 +446,8 @@ def _extract_chunks(
     seq_len = cfg.data.seq_len
     chunks = hs.chunk_ranges(input_ids.shape[0], cfg.batch_size)
     done = hs.committed_chunks(group)
-    dtypes, scales = hs.layer_dtypes(group), hs.layer_scales(group)
+    dtypes, scales = hs.kept_storage(group)
+    whole = set(hs.stored_layers(group))
     mine = [i for i in range(len(chunks)) if i % world == rank and not done[i]]
     total_tokens = sum((chunks[i][1] - chunks[i][0]) * seq_len for i in mine)
     if done.any():
@@ -458,13 +468,15 @@ def _extract_chunks(
             for layer in layers:
                 values = states[layer].to("cpu", torch.float32).numpy()
                 if dtypes[layer] == "float16":  # position 0 goes apart, exact; the rest, scaled, must fit
-                    starts[layer] = values[:, 0].copy()
+                    if layer in whole:
+                        starts[layer] = values[:, 0].copy()
                     values = values / scales[layer]
                     check_float16(layer, torch.from_numpy(values[:, 1:]), cfg.store_dtype)
                     values[:, 0] = np.clip(values[:, 0], -FLOAT16_MAX, FLOAT16_MAX)
-                arrays[layer] = values.astype(dtypes[layer])
-                if pool is not None:
-                    samples[layer] = arrays[layer][pool[0], pool[1]]
+                if pool is not None:  # positions >= 1: as a whole layer's stored values, bit for bit
+                    samples[layer] = values[pool[0], pool[1]].astype(dtypes[layer])
+                if layer in whole:
+                    arrays[layer] = values.astype(dtypes[layer])
             if pending is not None:
                 progress.advance(pending.result())
             pending = writer.submit(

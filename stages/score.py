@@ -654,7 +654,14 @@ def run(
     keep_freed_memory()  # first, before zarr or a progress bar start threads; see stages/runtime/allocator.py
     group = hs.open_group(extract)
     num_blocks = int(group.attrs["num_blocks"])
-    layers = parse_candidates(cfg.candidates, hs.stored_layers(group), num_blocks)
+    if hs.pool_only(group) and not uses_pool(group, cfg):
+        raise DihalError(
+            f"extract {extract.id} holds its layers at the score's pool of {group.attrs.get('sample_pool', 0)} "
+            "positions alone (--keep pool); score from it (--tokens at most that, --split train, "
+            "--exclude-positions 0) or extract with --keep layers"
+        )
+    held = hs.pooled_layers(group) if hs.pool_only(group) else hs.stored_layers(group)
+    layers = parse_candidates(cfg.candidates, held, num_blocks)
     config, parents = config_dict(cfg, layers), {"extract": extract.id}
 
     def work(art: Artifact) -> None:

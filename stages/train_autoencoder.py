@@ -185,7 +185,7 @@ def train(
         if layer == 0:
             raise DihalError(
                 "the autoencoder encodes the deepest stored layer, and this extract holds layer 0 alone (the "
-                "token embeddings); extract every layer (--layers all) or give --states model"
+                "token embeddings); extract every layer (--layers all, --keep layers) or give --states model"
             )
         target = moments(layer, None) if moments else None
         computed, norm = None, Normalizer.fit(group, 0, layer, train_seqs, 1, target=target)

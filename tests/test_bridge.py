@@ -159,6 +159,45 @@ def test_train_bridge_writes_weights_metrics_plot(tiny_bridge_extract):
 
 
 @pytest.mark.slow
+def test_keep_weights_keeps_the_ema_alone_rounded_and_the_hybrid_reads_it(tiny_bridge_extract):
+    """issue 64's disk: --keep-weights ema-bfloat16 trains the same network (every logged loss but the last
+    validation equal), keeps the EMA weights alone, the float32 run's rounded to bfloat16 bit for bit, at a
+    quarter of the bytes; the last validation is of the rounded weights; evaluate samples with them; the final
+    weights it did not keep are refused in one line."""
+    import torch
+
+    from dihal.artifacts import files
+    from dihal.artifacts.errors import DihalError
+    from dihal.stages.parts.bridge import Bridge
+
+    args = ["train-bridge", "--layer", "2", "--extract", "latest", *TINY, "--train-steps", "12", "--eval-every", "6"]
+    arts = []
+    for extra in ([], ["--keep-weights", "ema-bfloat16"]):
+        res = invoke(*args, *extra)
+        assert res.exit_code == 0, res.output
+        arts.append(ArtifactStore(tiny_bridge_extract).resolve("latest", "bridge"))
+    both, lean = arts
+    assert both.id != lean.id and lean.config["keep_weights"] == "ema-bfloat16" and "keep_weights" not in both.config
+    assert not lean.file("weights.safetensors").exists() and both.file("weights.safetensors").exists()
+    full, rounded = (files.load_tensors(a.file("weights_ema.safetensors")) for a in arts)
+    assert full.keys() == rounded.keys()
+    for name, value in full.items():
+        assert rounded[name].dtype == torch.bfloat16 and torch.equal(rounded[name], value.to(torch.bfloat16)), name
+    size = lambda a: sum(a.file(n).stat().st_size for n in ("weights.safetensors", "weights_ema.safetensors"))
+    assert lean.file("weights_ema.safetensors").stat().st_size < 0.26 * size(both)
+    logs = [files.read_jsonl(a.file("metrics.jsonl")) for a in arts]
+    assert [r["train_loss"] for r in logs[0]] == [r["train_loss"] for r in logs[1]]
+    assert logs[0][5]["val_loss"] == logs[1][5]["val_loss"] and logs[0][-1]["val_loss"] != logs[1][-1]["val_loss"]
+    assert abs(logs[1][-1]["val_loss"] / logs[0][-1]["val_loss"] - 1) < 0.05
+    fid = invoke("evaluate", "--bridge", lean.id, "--sample-steps", "2", "--limit", "8")
+    assert fid.exit_code == 0, fid.output
+    with pytest.raises(DihalError, match="EMA weights alone"):
+        Bridge.load(lean, weights="final")
+    bad = invoke(*args, "--keep-weights", "final")
+    assert bad.exit_code == 2 and "final+ema, ema, ema-bfloat16" in bad.output and bad.output.count("\n") == 1
+
+
+@pytest.mark.slow
 def test_resume_after_kill_gives_identical_weights(tiny_bridge_extract, tmp_path):
     from dihal.artifacts import files
 

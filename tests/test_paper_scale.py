@@ -4,6 +4,7 @@ data-parallel training equal to one process, the KV cache really used, lengths c
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -761,7 +762,7 @@ def test_the_estimate_on_eight_gpus_deals_compares_units_and_is_a_fifth_of_one_g
     epoch = 282 * 64 * 127 / 14500 / 60  # one part-epoch on one GPU alone, minutes
     generation = float(compare_1.split()[4]) - 162 * epoch  # compare's sampling and scoring on one GPU
     assert float(compare_8.split()[4]) == pytest.approx(21 * epoch + generation / 8, abs=1)
-    total = lambda block: float(next(x for x in block.splitlines() if x.startswith("total")).split()[-1])
+    total = lambda block: float(next(x for x in block.splitlines() if x.startswith("peak")).split()[-1])
     assert total(eight) <= total(one) / 5, (total(one), total(eight))
     ratio = float(out.split("8 GPUs: ")[1].split(" of one GPU's time")[0])
     assert ratio == pytest.approx(total(eight) / total(one), abs=0.01) and ratio <= 0.2
@@ -771,8 +772,9 @@ def test_the_estimate_on_eight_gpus_deals_compares_units_and_is_a_fifth_of_one_g
 @pytest.mark.slow
 def test_the_estimate_prints_each_sources_disk_and_the_computed_states_fit_a_gpu_nodes():
     """issue 64 item 2: a bridge's h_l from the store needs every layer of the 20,000 sequences on disk; computed
-    by the backbone (--states model) it needs their token ids alone (--layers none) and, for the score, every
-    layer of 1,024: by hand, float16 at Llama-3.1-8B's width over its 33 layers, within 64 GiB."""
+    by the backbone (--states model) it needs their token ids alone (--layers none) and, for the score, layer 0
+    of 1,024 and every layer at the pool (--keep pool): by hand, float16 at Llama-3.1-8B's width over its 33
+    layers."""
 
     out = _estimate("--gpus", "1")
     disk = {
@@ -785,18 +787,22 @@ def test_the_estimate_prints_each_sources_disk_and_the_computed_states_fit_a_gpu
     row, pool = (128 * 4096 * 2 + 4096 * 4) / 2**30, 16384 * 4096 * 2 * 33 / 2**30
     assert disk["store"] == pytest.approx(20000 * 33 * row + pool, rel=0.02)
     ids = 20000 * (128 * 5 + 1) / 2**30  # int32 ids, int8 mask, the split
-    by_hand = ids + 1024 * 33 * row + pool  # the token ids, and the score's every layer and pool
-    assert disk["model (--states model)"] == pytest.approx(by_hand, rel=0.03) and disk["model (--states model)"] <= 64
+    # the score's pool over 32 chunks of 32 sequences, each padded to the quota of a chunk of train sequences alone
+    padded = 32 * math.ceil(16384 / 32 / 0.9) * 4096 * 2 * 33 / 2**30
+    by_hand = ids + 1024 * row + padded  # the token ids; the score's layer 0 and every layer's pool
+    assert disk["model (--states model)"] == pytest.approx(by_hand, rel=0.03) and disk["model (--states model)"] <= 8
 
 
 @pytest.mark.slow
 def test_the_estimate_with_computed_states_counts_the_blocks_each_part_runs_and_every_kept_part_on_disk():
-    """issue 64 items 2 and 6, reproduce_paper.sh's default (--states model): the extract is the score's every
-    layer of 1,024 sequences and the token ids of all; a bridge at l* = 3 adds the first 3 of 32 blocks over its
-    training sequences twice (the normaliser's pass and the epoch) at the forward rate, split over the ranks; a
-    complete part keeps 8 bytes a parameter (weights and EMA, float32) and each GPU's part in training 16 more
-    (its resume state); the node's disk is the extracts, the sweep's bridges and the comparison's parts. On
-    eight GPUs the protocol still takes at most a fifth of one GPU's time."""
+    """issue 64 items 2 and 6, reproduce_paper.sh's default (--states model, --keep pool, --keep-weights
+    ema-bfloat16): the extract is the score's (layer 0 of 1,024 sequences and every layer at the pool) and the
+    token ids of all; a bridge at l* = 3 adds the first 3 of 32 blocks over its training sequences twice (the
+    normaliser's pass and the epoch) at the forward rate, split over the ranks; a complete part keeps 2 bytes a
+    parameter (the EMA weights in bfloat16) and each GPU's part in training 16 more (its resume state, gone
+    when the stage ends). The node's disk at its fullest is the extracts, the sweep's and the comparison's
+    complete parts and the resume states of one stage: within 64 GiB on one GPU and on eight, which on eight
+    take at most a fifth of one GPU's time; with float32 weights and EMA (final+ema) it would not fit."""
     out = _estimate("--gpus", "1,8")
     one, eight = out.split("8 GPUs of one node")
     row = lambda block, name: next(x for x in block.splitlines() if x.startswith(name))
@@ -808,14 +814,18 @@ def test_the_estimate_with_computed_states_counts_the_blocks_each_part_runs_and_
     from tests.conftest import load_script
 
     den = load_script("estimate").denoiser_parameters(1024, 4096, 8)  # the paper bridge's, tested above
-    sweep_disk = float(row(one, "sweep")[30:39])
-    assert sweep_disk == pytest.approx((31 * den * 8 + den * 16) / 2**30, abs=0.05)
-    total = lambda block: row(block, "total")
-    disk = float(total(one)[30:39])
-    parts = sum(float(row(one, name)[30:39]) for name in ("extract", "sweep", "compare"))
-    assert disk == pytest.approx(parts, abs=0.3) and disk > 64  # what the note reports: parts, not states, exceed it
-    minutes = lambda block: float(total(block).split()[-1])
+    for block, gpus in ((one, 1), (eight, 8)):
+        sweep, compare = (float(row(block, name)[30:39]) for name in ("sweep", "compare"))
+        assert sweep == pytest.approx((31 * den * 2 + gpus * den * 16) / 2**30, abs=0.05)
+        assert compare == pytest.approx((54 * den * 2 + gpus * den * 16) / 2**30, abs=0.05)  # 9 x 3 x 2 parts
+        peak = float(row(block, "peak")[30:39])
+        outputs = 0.01 + 0.01 + 0.1 + 0.01  # the score's, fidelity's, the samples' and Gen.PPL's files
+        assert peak == pytest.approx(model_disk + outputs + (85 * den * 2 + gpus * den * 16) / 2**30, abs=0.1)
+        assert peak <= 64
+    minutes = lambda block: float(row(block, "peak").split()[-1])
     assert minutes(eight) <= minutes(one) / 5
+    wide = _estimate("--gpus", "8", "--keep-weights", "final+ema")
+    assert float(row(wide, "peak")[30:39]) > 64
 
 
 def _estimate(*args: str) -> str:

@@ -325,6 +325,62 @@ def test_extract_keeps_a_uniform_pool_that_the_score_reads(tiny_dirs, root):
     )
 
 
+def test_keep_pool_holds_layer_0_and_the_pool_alone_and_the_score_reads_the_same(tiny_dirs, root):
+    """issue 64: --keep pool keeps layer 0 whole and every other layer at the score's pool alone, bit for bit
+    the pool an extract of every layer keeps; the score is the same table to the byte, in a fraction of the
+    bytes; what would read a layer beyond the pool is refused in one line."""
+    from dihal.artifacts import hidden_states as hs
+    from dihal.artifacts.store import ArtifactStore, dir_size
+
+    args = ["extract", "--model", str(tiny_dirs["llama"]), "--max-sequences", "30", "--seq-len", "16"]
+    args += ["--batch-size", "4", "--val-fraction", "0.2", "--score-pool", "200", "--device", "cpu"]
+    assert invoke(*args).exit_code == 0
+    every = ArtifactStore(root).resolve("latest", "extract")
+    assert invoke(*args, "--keep", "pool").exit_code == 0
+    pooled = ArtifactStore(root).resolve("latest", "extract")
+    assert pooled.id != every.id and pooled.config["keep"] == "pool" and "keep" not in every.config
+    full, lean = hs.open_group(every), hs.open_group(pooled)
+    assert hs.stored_layers(lean) == [0] and hs.pooled_layers(lean) == hs.stored_layers(full) == [0, 1, 2, 3, 4]
+    assert hs.pool_only(lean) and not hs.pool_only(full)
+    for layer in hs.stored_layers(full):
+        for a, b in zip(hs.read_pool(full, layer), hs.read_pool(lean, layer), strict=True):
+            assert a.dtype == b.dtype and a.tobytes() == b.tobytes(), layer
+    whole = np.arange(30)
+    assert hs.read_sequences(lean, 0, whole).tobytes() == hs.read_sequences(full, 0, whole).tobytes()
+    assert pooled.manifest["metrics"]["store_dtypes"] == every.manifest["metrics"]["store_dtypes"]
+    assert dir_size(pooled.path / "hidden.zarr") < 0.5 * dir_size(every.path / "hidden.zarr")
+    small = ["--tokens", "150", "--k", "5", "--pairs", "300"]
+    tables = []
+    for art in (every, pooled):
+        res = invoke("score", "--extract", art.id, *small)
+        assert res.exit_code == 0, res.output
+        tables.append(ArtifactStore(root).resolve("latest", "score").file("table.csv").read_bytes())
+    assert tables[0] == tables[1] and b"r2_token" in tables[0]
+    beyond = invoke("score", "--extract", pooled.id, "--tokens", "250", "--k", "5", "--pairs", "300")
+    assert beyond.exit_code == 2 and "--keep pool" in beyond.output and beyond.output.count("\n") == 1
+    store_path = invoke("train-bridge", "--extract", pooled.id, "--layer", "2", "--train-steps", "2")
+    assert store_path.exit_code == 2 and "--states model" in store_path.output and store_path.output.count("\n") == 1
+    refused = invoke(*args, "--keep", "pool", "--layers", "none")
+    assert refused.exit_code == 2 and "--layers none keeps none" in refused.output
+
+
+def test_a_layer_in_the_pool_alone_keeps_its_scale_on_the_pool(tmp_path):
+    """A float16 layer stored divided by 2^k: in an extract of --keep pool its pool's array carries k, and the
+    pool reads back in the layer's own units."""
+    from dihal.artifacts import hidden_states as hs
+
+    group = hs.create(tmp_path / "h.zarr", [0, 2], 8, 5, 3, {0: "float16", 2: "float16"}, 4, {}, {2: 4.0}, whole=[0])
+    group["split"][:] = np.zeros(8, np.int8)
+    hs.create_pool(group, [0, 2], 3, {0: "float16", 2: "float16"}, 10, 0, {2: 4.0})
+    assert hs.stored_layers(group) == [0] and hs.pooled_layers(group) == [0, 2] and "pos0/2" not in group
+    stored = np.arange(group["sample/2"].size, dtype=np.float16).reshape(group["sample/2"].shape)
+    group["sample/2"][:] = stored
+    seqs, _, states = hs.read_pool(group, 2)
+    keep = np.asarray(group["sample_seq"][:]) >= 0
+    np.testing.assert_array_equal(states, stored[keep].astype(np.float32) * 4)
+    assert hs.kept_storage(group) == ({0: "float16", 2: "float16"}, {0: 1.0, 2: 4.0})
+
+
 def test_inliers_leave_out_planted_outlier_norms_and_robust_proxies_use_the_rest():
     rng = np.random.default_rng(5)
     x = rng.normal(size=(500, 16))

@@ -63,12 +63,13 @@ def test_an_extract_without_pos0_still_loads(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["llama", "gemma3"])
-def test_the_plan_estimate_is_within_10_percent_of_the_bytes_written(kind, tiny_dirs, root):
+@pytest.mark.parametrize("kind, keep", [("llama", "layers"), ("gemma3", "layers"), ("llama", "pool")])
+def test_the_plan_estimate_is_within_10_percent_of_the_bytes_written(kind, keep, tiny_dirs, root):
     from dihal.stages import extract as stage
     from dihal.stages.configs import DataConfig, ExtractConfig
 
-    cfg = ExtractConfig(model=str(tiny_dirs[kind]), data=DataConfig(max_sequences=64, seq_len=32))
+    data = DataConfig(max_sequences=64, seq_len=32)
+    cfg = ExtractConfig(model=str(tiny_dirs[kind]), data=data, keep=keep, score_pool=16384 if keep == "layers" else 600)
     estimate = stage.plan(cfg).bytes_estimate
     art = stage.run(cfg, ArtifactStore(root))
     written = dir_size(art.path / "hidden.zarr")

@@ -35,6 +35,10 @@ and the loop owns the rest, once for every task:
 - **EMA, checkpoints, resume.** AdamW, gradient clipping, EMA with decay
   min(ema, (1 + step) / (10 + step)). Every checkpoint_every steps the network, optimizer,
   EMA and log go to state.safetensors (no pickle); the same command resumes from it.
+- **What a complete part keeps** (keep_weights). final+ema: the final and the EMA weights,
+  float32; ema: the EMA weights alone (what every stage samples with, as an imported part);
+  ema-bfloat16: those rounded to bfloat16, a quarter of final+ema's bytes, and the last
+  validation is of the rounded weights. The resume state goes once the part is complete.
 - **Precision.** precision "bfloat16" runs the forward pass under bf16 autocast, on CUDA and
   on CPU alike; weights, optimizer and EMA stay float32.
 """
@@ -232,9 +236,18 @@ class EMA:
         torch._foreach_add_(mine, [v.detach() for v in state.values()], alpha=1 - d)
 
 
-def ema_validate(task: Task, net: nn.Module, ema: EMA) -> float:
+def kept(params: dict[str, torch.Tensor], keep_weights: str) -> dict[str, torch.Tensor]:
+    """The EMA weights as a complete part keeps them: float32, or rounded to bfloat16 (ema-bfloat16)."""
+    if keep_weights != "ema-bfloat16":
+        return params
+    return {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in params.items()}
+
+
+def ema_validate(task: Task, net: nn.Module, ema: EMA, keep_weights: str = "final+ema") -> float:
+    """The validation loss of the EMA weights, as the part will keep them (the last validation of ema-bfloat16:
+    rounded; load_state_dict puts them back into the float32 network)."""
     raw = {k: v.clone() for k, v in net.state_dict().items()}
-    net.load_state_dict(ema.params)
+    net.load_state_dict(kept(ema.params, keep_weights))
     try:
         return task.validate(net.eval())
     finally:
@@ -354,7 +367,7 @@ class Fit:
         if self.rank != 0:
             return
         if validate:
-            rows[-1]["val_loss"] = ema_validate(self.task, self.net, self.ema)
+            rows[-1]["val_loss"] = ema_validate(self.task, self.net, self.ema, self.cfg.keep_weights if last else "")
         for row in rows:
             self.log.append(row)
             files.append_jsonl(self.metrics_path, row)
@@ -404,8 +417,9 @@ class Fit:
         """Rank 0 writes the final and EMA weights; every rank returns the run's metrics."""
         if self.rank == 0:
             self.progress.stop()
-            files.save_tensors(self.directory / "weights.safetensors", self.net.state_dict())
-            files.save_tensors(self.directory / "weights_ema.safetensors", self.ema.params)
+            if self.cfg.keep_weights == "final+ema":
+                files.save_tensors(self.directory / "weights.safetensors", self.net.state_dict())
+            files.save_tensors(self.directory / "weights_ema.safetensors", kept(self.ema.params, self.cfg.keep_weights))
         barrier()  # the resume state goes once the artifact is complete (store.Artifact.finish)
         log = self.log
         return {

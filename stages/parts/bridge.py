@@ -9,6 +9,7 @@ import json
 import torch
 
 from dihal.artifacts import files
+from dihal.artifacts.errors import DihalError
 from dihal.artifacts.store import Artifact
 from dihal.stages.diffusion import flow
 from dihal.stages.diffusion.denoiser import Denoiser, DenoiserConfig
@@ -29,6 +30,8 @@ class Bridge:
     def load(art: Artifact, device: str = "cpu", weights: str = "ema") -> Bridge:
         meta = json.loads(art.file("bridge.json").read_text())
         name = f"weights_{weights}.safetensors" if weights == "ema" else "weights.safetensors"
+        if not art.file(name).exists() and weights != "ema":
+            raise DihalError(f"bridge {art.id} kept its EMA weights alone (--keep-weights); load its ema weights")
         return Bridge.read(meta, art.file(name), art.file("stats.safetensors"), device)
 
     @staticmethod
