@@ -301,19 +301,22 @@ def plot(positions: pd.DataFrame, curves: pd.DataFrame, path: Path, title: str) 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
-    for (setting, mode), g in positions.groupby(["setting", "mode"], sort=False):
-        style = "-" if mode == "free running" else "--"
-        axes[0].plot(g.position, g.kl_pq, style, label=f"{setting}, {mode}")
-        axes[1].plot(g.position, g.flip, style, label=f"{setting}, {mode}")
-    axes[0].set(xlabel="position", ylabel="KL(original || hybrid), nats", yscale="log")
-    axes[1].set(xlabel="position", ylabel="share of top-1 flips")
-    axes[0].legend(fontsize=6)
+    per_position = not positions.empty  # --settings "": the curves alone, one panel
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.5)) if per_position else plt.subplots(1, 1, figsize=(6, 4.5))
+    axes = list(axes) if per_position else [axes]
+    if per_position:
+        for (setting, mode), g in positions.groupby(["setting", "mode"], sort=False):
+            style = "-" if mode == "free running" else "--"
+            axes[0].plot(g.position, g.kl_pq, style, label=f"{setting}, {mode}")
+            axes[1].plot(g.position, g.flip, style, label=f"{setting}, {mode}")
+        axes[0].set(xlabel="position", ylabel="KL(original || hybrid), nats", yscale="log")
+        axes[1].set(xlabel="position", ylabel="share of top-1 flips")
+        axes[0].legend(fontsize=6)
     for who, g in curves.groupby("model"):
         g = g.sort_values("entropy")
-        axes[2].plot(g.entropy, g.gen_ppl, "o-", label=who)
-    axes[2].set(xlabel="mean per-sample unigram entropy (nats)", ylabel="Gen.PPL under the original", yscale="log")
-    axes[2].legend()
+        axes[-1].plot(g.entropy, g.gen_ppl, "o-", label=who)
+    axes[-1].set(xlabel="mean per-sample unigram entropy (nats)", ylabel="Gen.PPL under the original", yscale="log")
+    axes[-1].legend()
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
