@@ -28,7 +28,7 @@ RECIPE=${RECIPE:-}                          # recipe flags on top of --protocol 
 # or store (every layer of every sequence extracted: 659 GiB for Llama-3.1-8B, scripts/estimate.py)
 STATES=${STATES:-model}; SCORE_SEQUENCES=${SCORE_SEQUENCES:-1024}
 # what each complete part keeps: its EMA weights in bfloat16 (a quarter of final+ema's bytes), so the node's disk
-# holds the sweep's 31-35 bridges and the comparison's 54 parts (scripts/estimate.py: peak 38-59 GiB)
+# holds the sweep's 31-35 bridges and the comparison's 54 parts (scripts/estimate.py: peak 37.5-58.6 GiB)
 KEEP_WEIGHTS=${KEEP_WEIGHTS:-ema-bfloat16}
 # model, candidate layers, its shapes for the estimate printed first (scripts/make_random_model.py's configs),
 # one a line
