@@ -2,7 +2,9 @@
 folders), with the matched reading marked: the figure issue 66 item 3 asks for.
 
     python scripts/plot_curves.py docs/results/hybrid_study/smollm2_full_own_hot \
-        docs/results/hybrid_study/gemma3_full_own --out docs/results/hybrid_study/matched_curves.png
+        docs/results/hybrid_study/smollm2_full_own_learned \
+        docs/results/hybrid_study/gemma3_full_own --labels rotary,learned,rotary \
+        --out docs/results/hybrid_study/matched_curves.png
 """
 
 from __future__ import annotations
@@ -21,10 +23,12 @@ import pandas as pd  # noqa: E402
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("studies", nargs="+", help="hybrid_study.py --out folders (curves.csv, study.json)")
+    p.add_argument("--labels", default="", help="a word per study for its title, comma list (e.g. rotary,learned)")
     p.add_argument("--out", required=True)
     a = p.parse_args()
+    labels = a.labels.split(",") if a.labels else [""] * len(a.studies)
     fig, axes = plt.subplots(1, len(a.studies), figsize=(5.5 * len(a.studies), 4.2), squeeze=False)
-    for ax, folder in zip(axes[0], map(Path, a.studies), strict=True):
+    for ax, folder, label in zip(axes[0], map(Path, a.studies), labels, strict=True):
         study = json.loads((folder / "study.json").read_text())
         curves = pd.read_csv(folder / "curves.csv")
         for who, g in curves.groupby("model"):
@@ -38,7 +42,8 @@ def main() -> None:
             if m.get("ratio") is not None:
                 ax.axvline(m["entropy"], color="grey", lw=0.8, ls=":")
                 ax.set_title(
-                    f"{study['model']} {study['bridge']}: {m['ratio']:.2f}x at entropy {m['entropy']:.3f}", fontsize=9
+                    f"{study['model']} {study['bridge']} {label}: {m['ratio']:.2f}x at entropy {m['entropy']:.3f}",
+                    fontsize=9,
                 )
         ax.set(xlabel="mean per-sample unigram entropy (nats)", ylabel="Gen.PPL under the original", yscale="log")
         ax.legend(fontsize=8)
