@@ -173,7 +173,8 @@ def estimate(a: argparse.Namespace) -> list[tuple[str, float, float, float, floa
     bridge_gpu = training_gib(den, batch, a.seq_len - 1, w, depth, d)
     # the measured rate already includes reads from the page cache, and the Loader reads the next block while the
     # current one trains: the slower of the two bounds, never their sum (issue 64 item 6)
-    # under DDP on n GPUs the compute splits; every rank still reads the whole window (issue 64: not yet sharded)
+    # under DDP on n GPUs the compute splits, and so do the reads (each rank its own chunks of a window); they share
+    # one disk, so the disk still bounds them at the bytes of one pass
     # computed states: each rank runs the first l blocks over its own rows, twice (the normaliser's pass, the epoch)
     ddp_minutes = (
         max(bridge_tokens / (a.bridge_tps * n), read / a.disk_gibps) + forward(L_STAR, 2) * computed / n

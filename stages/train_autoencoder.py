@@ -112,6 +112,7 @@ class AutoencoderTask:
     def __init__(self, group, cfg: AutoencoderConfig, layer: int, norm: Normalizer, computed=None):
         """computed: ModelStates of the last layer (--states model), else h_L is read from the extract."""
         self.group, self.cfg, self.layer, self.norm, self.computed = group, cfg, layer, norm, computed
+        self.stored = computed is None  # reads h_L from the store (trainer.py: ranks take their own chunks' items)
         self.on_device = norm.to(cfg.device)
         self.scale = hs.layer_scales(group)[layer] if computed is None else 1.0
         val = trainer.take_split(self, group, cfg.val_sequences)

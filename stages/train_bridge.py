@@ -60,6 +60,7 @@ class BridgeTask:
         prior:T); states: ModelStates (--states model), else h_l is read from the store."""
         self.group, self.cfg, self.norm, self.start, self.prior = group, cfg, norm, start, prior
         self.table, self.states = table, states
+        self.stored = states is None  # reads h_l from the store (trainer.py: ranks take their own chunks' items)
         self.on_device = norm.to(cfg.device)  # the loss normalizes where it trains
         self.scale = hs.layer_scales(group)[cfg.layer] if states is None else 1.0
         val = trainer.take_split(

@@ -50,6 +50,7 @@ class DecoderTask:
         """prior: a trained stages.parts.prior.Prior whose estimates corrupt e (--condition-noise prior:T);
         states: ModelStates of layer 0 (--states model: h_0 computed from the token ids, none read)."""
         self.group, self.cfg, self.norm, self.prior, self.states = group, cfg, norm, prior, states
+        self.stored = states is None  # reads h_0 from the store (trainer.py: ranks take their own chunks' items)
         self.on_device = norm.to(cfg.device)  # the condition is normalized where it trains
         self.scale = hs.layer_scales(group)[0] if states is None else 1.0
         val = trainer.take_split(self, group, cfg.val_sequences)

@@ -120,6 +120,11 @@ class PriorTask:
     scale = 1.0  # of the stored layer the training reads (hidden_states.layer_scales); 1 for other data
     states = None  # --states model's ModelStates: h_l computed, not read
 
+    @property
+    def stored(self) -> bool:
+        """Reads a stored layer (its ranks then take their own chunks' items: stages/diffusion/trainer.py)."""
+        return self.cfg.data == "extract" and self.states is None and not hasattr(self, "latents")
+
     def normalize(self, raw: np.ndarray | torch.Tensor) -> torch.Tensor:
         """Float32 states (B, T, D), a host array or the step's tensor on the device: positions 1..T-1 normalized
         where they lie."""

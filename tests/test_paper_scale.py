@@ -248,6 +248,78 @@ def test_loader_serves_exactly_the_scheduled_sequences(tmp_path):
         loader.close()
 
 
+@pytest.mark.parametrize("world", [2, 4])
+def test_ranks_reading_the_store_take_their_own_chunks_and_read_a_share_of_them(tmp_path, world):
+    """issue 64 item 4: a task that reads stored layers deals the chunks of each shuffle window to the ranks
+    (the k-th to rank k mod W); each rank trains on the items of its own chunks, every item of every step is
+    trained by exactly one rank, and a rank reads its own chunks alone (plus item 0 of a step it has no item
+    in, at weight 0): a 1/W share, where items dealt r, r + W, ... read every chunk on every rank."""
+    from dihal.stages.diffusion.trainer import Loader, LoopConfig, Schedule
+
+    n, t, d, chunk = 64, 4, 3, 4
+    group = hs.create(tmp_path / "h.zarr", [0], n, t, d, {0: "float32"}, chunk, {})
+    group["layers/0"][:] = np.arange(n * t * d, dtype=np.float32).reshape(n, t, d)
+
+    class Task:
+        n_train = n
+
+        def __init__(self, stored):
+            self.chunk, self.stored, self.read_positions = chunk, stored, []
+
+        def read(self, positions, alloc=None):
+            self.read_positions.append(np.asarray(positions))
+            return {"x": hs.read_sequences(group, 0, positions)}
+
+    cfg = LoopConfig(  # one epoch: 16 chunks, 4 a window, 2 steps a block
+        steps=8,
+        epochs=None,
+        batch_size=8,
+        lr=1e-3,
+        warmup=0,
+        schedule="constant",
+        ema=0.9,
+        eval_every=8,
+        checkpoint_every=8,
+        shuffle_window=16,
+    )
+    schedule = Schedule(n, chunk, cfg)
+    trained, chunks_read = {}, {}
+    for rank in range(world):
+        for stored in (True, False):
+            task = Task(stored)
+            loader = Loader(task, schedule, rank, world, first_step=0)
+            for step in range(8):
+                slots, batch = loader.batch(step)
+                np.testing.assert_array_equal(batch["x"][:, 0, 0], schedule.items(step)[slots] * t * d)
+                if stored and loader.weight(step):
+                    trained.setdefault(step, []).extend(slots.tolist())
+            loader.close()
+            chunks_read[rank, stored] = set((np.concatenate(task.read_positions) // chunk).tolist())
+    for step in range(8):  # every item of the global batch once, over the ranks
+        assert sorted(trained[step]) == list(range(8)), step
+    own = [set(), set()]
+    for step in range(8):
+        owners = schedule.owners(step, world)
+        for rank in range(world):
+            items = schedule.items(step)
+            slots = np.flatnonzero(owners == rank)
+            assert (schedule.owners(step, world)[slots] == rank).all()
+            own[0] |= {(rank, int(c)) for c in items[slots] // chunk}
+            if slots.size == 0:  # item 0 at weight 0
+                own[0] |= {(rank, int(items[0] // chunk))}
+    for rank in range(world):
+        assert chunks_read[rank, True] == {c for r, c in own[0] if r == rank}
+        assert len(chunks_read[rank, True]) <= 16 // world + 2  # its share, and at most two chunks at weight 0
+        # dealt r, r + W, ...: most chunks on every rank (15-16 of 16 at W = 2, 10-13 at W = 4, this seed)
+        assert len(chunks_read[rank, False]) >= 1.8 * (16 // world)
+    # the chunks of each window go one rank each: no chunk trained by two ranks
+    owners_of = {}
+    for step in range(8):
+        for slot, rank in enumerate(schedule.owners(step, world)):
+            owners_of.setdefault(int(schedule.items(step)[slot] // chunk), set()).add(int(rank))
+    assert all(len(r) == 1 for r in owners_of.values()) and len(owners_of) == 16
+
+
 def _extract(tiny_dirs, root) -> None:
     """40 sequences of 16 tokens, layers 0 and 2, in one process (what every torchrun test starts from)."""
     args = [

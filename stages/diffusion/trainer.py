@@ -25,7 +25,11 @@ and the loop owns the rest, once for every task:
   GPU the draws are made on the device (stages/diffusion/draws.py).
 - **Data-parallel.** Under torchrun (a process group is initialized), rank r takes items
   r, r+W, ... of each global batch, reads only those, and gradients are all-reduced by DDP
-  (buffers are not broadcast: the decoder's frozen V x D table is one, 2 GB at 8B).
+  (buffers are not broadcast: the decoder's frozen V x D table is one, 2 GB at 8B). A task that
+  reads stored layers (`task.stored`) deals chunks instead: the k-th chunk of each shuffle window
+  belongs to rank k mod W, and a rank takes the items of its own chunks, so it reads about 1/W of
+  the window's bytes, not nearly all of them (issue 64); the global batch is the same, its share
+  per rank varies from step to step (a rank with none that step takes item 0 at weight 0).
   The loss is scaled so that the all-reduced gradient equals the single-process gradient of
   the same global batch. Rank 0 validates, checkpoints and logs.
 - **Schedules that fit the run.** Warm-up is at most a tenth of the run and a run checkpoints
@@ -79,6 +83,7 @@ class Task(Protocol):
     n_train: int
     chunk: int
     tokens_per_item: int  # for the throughput figure
+    stored: bool  # reads stored layers (not --states model): ranks take the items of their own chunks
 
     def read(self, positions: np.ndarray, alloc=None) -> dict[str, np.ndarray]: ...
 
@@ -118,6 +123,15 @@ def epoch_order(n: int, chunk: int, window: int, seed: int, epoch: int) -> np.nd
     return np.concatenate(pieces)
 
 
+def window_places(n: int, chunk: int, window: int, seed: int, epoch: int) -> np.ndarray:
+    """Per chunk of training positions, its place within its shuffle window in epoch_order's order (the same
+    permutation: the same generator's first draw)."""
+    chunks = np.random.default_rng([seed, epoch, 17]).permutation(math.ceil(n / chunk))
+    places = np.empty_like(chunks)
+    places[chunks] = np.arange(len(chunks)) % max(1, window // chunk)
+    return places
+
+
 class Schedule:
     """Which training sequences step s uses, over every rank."""
 
@@ -129,6 +143,7 @@ class Schedule:
         self.per_epoch = math.ceil(n_train / self.batch)
         self.total = cfg.steps if cfg.steps is not None else cfg.epochs * self.per_epoch
         self._orders: dict[int, np.ndarray] = {}
+        self._places: dict[int, np.ndarray] = {}
 
     def _order(self, epoch: int) -> np.ndarray:
         order = self._orders.get(epoch)  # the loader's thread asks too: keep one epoch, never fail
@@ -142,6 +157,16 @@ class Schedule:
         epoch, k = divmod(step, self.per_epoch)
         return self._order(epoch)[k * self.batch : (k + 1) * self.batch]
 
+    def owners(self, step: int, world: int) -> np.ndarray:
+        """The rank of each item of step `step` when chunks are dealt: the place of its chunk in its window,
+        modulo the world."""
+        epoch = step // self.per_epoch
+        places = self._places.get(epoch)
+        if places is None:
+            places = window_places(self.n, self.chunk, self.cfg.shuffle_window, self.cfg.seed, epoch)
+            self._places = {epoch: places}
+        return places[self.items(step) // self.chunk] % world
+
 
 class Loader:
     """Reads this rank's items for blocks of steps at once (contiguous reads of the chunks that hold them, as
@@ -150,6 +175,7 @@ class Loader:
 
     def __init__(self, task: Task, schedule: Schedule, rank: int, world: int, first_step: int, device="cpu"):
         self.task, self.schedule, self.rank, self.world = task, schedule, rank, world
+        self.by_chunk = world > 1 and getattr(task, "stored", False)  # ranks take their own chunks' items
         self.block = max(1, schedule.cfg.shuffle_window // schedule.batch)
         self.staging = Staging(torch.device(device))
         self.pool = ThreadPoolExecutor(1)
@@ -158,11 +184,21 @@ class Loader:
         self.waited = 0.0  # seconds the main thread waited for a block that was not read yet
         self._submit(first_step // self.block)
 
+    def slots(self, step: int) -> np.ndarray:
+        """This rank's slots in the global batch of `step`: r, r + W, ..., or those of its own chunks."""
+        if self.by_chunk:
+            return np.flatnonzero(self.schedule.owners(step, self.world) == self.rank)
+        return np.arange(len(self.schedule.items(step)))[self.rank :: self.world]
+
+    def weight(self, step: int) -> float:
+        """1, or 0 for a rank without items at `step` (it still runs item 0, so that DDP's all-reduce meets)."""
+        return 1.0 if self.slots(step).size else 0.0
+
     def mine(self, step: int) -> tuple[np.ndarray, np.ndarray]:
         """(slots in the global batch, training positions) of this rank's items at `step`. A rank
-        left without items (a last batch smaller than the world) takes item 0 at weight 0."""
-        items = self.schedule.items(step)
-        slots = np.arange(len(items))[self.rank :: self.world]
+        left without items (a last batch smaller than the world, or none of its chunks) takes item 0 at
+        weight 0."""
+        items, slots = self.schedule.items(step), self.slots(step)
         if slots.size == 0:
             slots = np.zeros(1, dtype=int)
         return slots, items[slots]
@@ -330,7 +366,7 @@ class Fit:
         cfg, device = self.cfg, self.device
         slots, batch = self.loader.batch(step)
         global_size = len(self.schedule.items(step))
-        weight = 1.0 if self.rank < global_size else 0.0
+        weight = self.loader.weight(step)
         lr = lr_at(step, self.total, cfg.lr, self.fit["warmup"], cfg.schedule)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
