@@ -38,7 +38,7 @@ def main() -> None:
                 ax.annotate(
                     f"{r.temperature:g}", (r.entropy, r.gen_ppl), fontsize=7, xytext=(3, -9), textcoords="offset points"
                 )
-        for who, m in study["matched"].items():
+        for m in study["matched"].values():
             if m.get("ratio") is not None:
                 ax.axvline(m["entropy"], color="grey", lw=0.8, ls=":")
                 ax.set_title(
