@@ -198,7 +198,7 @@ def plan(cfg: ExtractConfig, *, dry_run: bool = False) -> Plan:
             f"--seq-len {cfg.data.seq_len} exceeds the model's context of {max_pos} tokens; use a smaller --seq-len"
         )
     n = cfg.data.max_sequences
-    est = disk_estimate(cfg, n, config.hidden_size, len(layers)) if n else None
+    est = disk_estimate(cfg, n, config.hidden_size, layers) if n else None
     return Plan(layers, num_blocks, config.hidden_size, n, est, identity)
 
 
@@ -221,13 +221,14 @@ def check_planned(data, *, validation: int = 1, tokens: int | None = None, why: 
         )
 
 
-def disk_estimate(cfg: ExtractConfig, n_seq: int, width: int, n_layers: int) -> int:
+def disk_estimate(cfg: ExtractConfig, n_seq: int, width: int, layers: list[int]) -> int:
     """hidden_states.estimate_bytes for this extract (auto counted as float16, what it picks when the
-    layers' positions >= 1 fit)."""
-    dtypes = ["float32" if cfg.store_dtype == "float32" else "float16"] * n_layers
+    layers' positions >= 1 fit); under --keep pool the layers held whole (layer 0, if extracted) come first."""
+    dtypes = ["float32" if cfg.store_dtype == "float32" else "float16"] * len(layers)
     d = cfg.data
-    whole = None if cfg.keep == "layers" else 1  # --keep pool: layer 0 (counted as the first) whole, the rest pooled
-    return hs.estimate_bytes(n_seq, d.seq_len, width, dtypes, cfg.batch_size, cfg.score_pool, d.val_fraction, whole)
+    whole = whole_layers(cfg, layers)
+    held = None if whole is None else len(whole)
+    return hs.estimate_bytes(n_seq, d.seq_len, width, dtypes, cfg.batch_size, cfg.score_pool, d.val_fraction, held)
 
 
 def check_float16(layer: int, values: torch.Tensor, chosen: str) -> None:
@@ -326,7 +327,7 @@ def _extract(cfg: ExtractConfig, store, art: Artifact, loaded, check_disk: bool,
                 f"the data of extract {art.id} changed since it started (fingerprint {earlier[:12]}, now "
                 f"{packed.fingerprint[:12]}); restore it, or rerun with --force to extract it anew"
             )
-        est = disk_estimate(cfg, n_seq, loaded.width, len(layers))
+        est = disk_estimate(cfg, n_seq, loaded.width, layers)
         written = dir_size(art.path)
         progress.log(
             f"plan: {n_seq} sequences x {seq_len} tokens, {len(layers)} layers, "
