@@ -10,7 +10,7 @@ for each generation-time setting of the bridge: its noise scaled by s (s = 0: th
 its Euler steps. Then Gen.PPL under the original of each setting's free-running samples, and both
 models' Gen.PPL against unigram entropy over a temperature grid, read at matched entropy.
 
-Every row uses the same decoding (temperature, top-p 1), the same number of samples and tokens and the same
+Every row uses the same decoding (temperature, top-p 1 unless --top-p), the same number of samples and tokens and the same
 seeds. Gen.PPL here is token-level on the sampled ids (no decode and re-encode) and positions after a stop
 token are left out; `dihal evaluate --samples` scores decoded text, so its figures differ slightly.
 
@@ -195,6 +195,7 @@ def main() -> None:
         help="further temperatures of the hybrid's curves alone (above 1 where the hybrid is the colder model)",
     )
     p.add_argument("--curve-settings", default="1x8", help="the hybrid settings of the entropy curves, comma list")
+    p.add_argument("--top-p", type=float, default=1.0, help="both models' nucleus, every sample (1: none)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", required=True)
     a = p.parse_args()
@@ -211,7 +212,9 @@ def main() -> None:
     tokens = a.tokens or seq_len - 1
     held = hs.split_indices(group, "validation")[: a.samples]
     real = torch.tensor(np.asarray(group["input_ids"].oindex[held])[:, : tokens + 1], dtype=torch.long)
-    cfg = GenerateConfig(max_new_tokens=tokens, batch_size=a.batch_size, seed=a.seed, device="cpu", dtype="float32")
+    cfg = GenerateConfig(
+        max_new_tokens=tokens, batch_size=a.batch_size, seed=a.seed, device="cpu", dtype="float32", top_p=a.top_p
+    )
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     frames, rows, started = [], [], time.time()
@@ -280,6 +283,7 @@ def main() -> None:
         "layer": bridge.layer,
         "model": extract.config["model"],
         "samples": len(real),
+        "top_p": a.top_p,
         "tokens": tokens,
         "settings": rows,
         "curves": curves.to_dict("records"),
