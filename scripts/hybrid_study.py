@@ -10,8 +10,8 @@ for each generation-time setting of the bridge: its noise scaled by s (s = 0: th
 its Euler steps. Then Gen.PPL under the original of each setting's free-running samples, and both
 models' Gen.PPL against unigram entropy over a temperature grid, read at matched entropy.
 
-Every row uses the same decoding (temperature, top-p 1 unless --top-p), the same number of samples and tokens and the same
-seeds. Gen.PPL here is token-level on the sampled ids (no decode and re-encode) and positions after a stop
+Every row uses the same decoding (temperature, top-p 1 unless --top-p), the same number of samples and tokens
+and the same seeds. Gen.PPL here is token-level on the sampled ids (no decode and re-encode) and positions after a stop
 token are left out; `dihal evaluate --samples` scores decoded text, so its figures differ slightly.
 
     python scripts/hybrid_study.py --bridge ID --root runs/main-smollm2-135m --out docs/results/hybrid_study
