@@ -294,7 +294,10 @@ def layer_scales(group: zarr.Group) -> dict[int, float]:
 
 def _held(group: zarr.Group, layer: int) -> zarr.Array:
     """The array that carries a layer's dtype and scale: layers/<l>, or sample/<l> of a layer in the pool alone."""
-    return group[f"layers/{layer}"] if layer in stored_layers(group) else group[f"sample/{layer}"]
+    try:
+        return group[f"layers/{layer}"]
+    except KeyError:
+        return group[f"sample/{layer}"]
 
 
 def _unscaled(group: zarr.Group, layer: int, stored: np.ndarray) -> np.ndarray:

@@ -385,6 +385,7 @@ def _extract(cfg: ExtractConfig, store, art: Artifact, loaded, check_disk: bool,
     finally:
         dist.barrier_all(world)
     if rank == 0:
+        dtypes, scales = hs.kept_storage(group)
         art.manifest["metrics"] = {
             "n_sequences": int(n_seq),
             "n_train": int((packed.split == 0).sum()),
@@ -393,8 +394,8 @@ def _extract(cfg: ExtractConfig, store, art: Artifact, loaded, check_disk: bool,
             "seq_len": seq_len,
             "width": loaded.width,
             "num_blocks": loaded.num_blocks,
-            "store_dtypes": hs.kept_storage(group)[0],
-            "store_scales": {k: v for k, v in hs.kept_storage(group)[1].items() if v != 1.0},
+            "store_dtypes": dtypes,
+            "store_scales": {k: v for k, v in scales.items() if v != 1.0},
             **({"kept": "layer 0 whole, the others at the score's pool alone"} if cfg.keep == "pool" else {}),
             "start_token": packed.start_token,
         }

@@ -123,7 +123,7 @@ class PriorTask:
     @property
     def stored(self) -> bool:
         """Reads a stored layer (its ranks then take their own chunks' items: stages/diffusion/trainer.py)."""
-        return self.cfg.data == "extract" and self.states is None and not hasattr(self, "latents")
+        return self.cfg.data == "extract" and self.states is None
 
     def normalize(self, raw: np.ndarray | torch.Tensor) -> torch.Tensor:
         """Float32 states (B, T, D), a host array or the step's tensor on the device: positions 1..T-1 normalized
@@ -188,6 +188,8 @@ class PriorTask:
 
 class LatentPriorTask(PriorTask):
     """The prior over an autoencoder's latents: the same loss, its data the stored (N, K, d) latents."""
+
+    stored = False  # latents in memory, no stored layer
 
     def __init__(self, group, cfg: PriorConfig, latents: dict[str, torch.Tensor], norm: Normalizer):
         self.group, self.cfg, self.latents, self.moved = group, cfg, latents["train"].float(), {}

@@ -184,8 +184,17 @@ def test_streaming_moments_equal_two_pass_float64_and_normalizer_reads_in_blocks
     np.testing.assert_allclose(norm.pos0.numpy(), y[:, 0].mean(0), rtol=1e-6)
 
 
+def loop(*, every: int, **settings):
+    """The loop's settings of the schedule tests: a constant lr without warm-up, validation and checkpoint
+    every `every` steps; steps, epochs, batch and shuffle window given."""
+    from dihal.stages.diffusion.trainer import LoopConfig
+
+    fixed = dict(lr=1e-3, warmup=0, schedule="constant", ema=0.9)
+    return LoopConfig(**fixed, **settings, eval_every=every, checkpoint_every=every)
+
+
 def test_epochs_visit_every_sequence_once_in_a_seeded_chunk_local_order():
-    from dihal.stages.diffusion.trainer import LoopConfig, Schedule, epoch_order
+    from dihal.stages.diffusion.trainer import Schedule, epoch_order
 
     n, chunk, window = 103, 8, 24
     first, again, other = (epoch_order(n, chunk, window, s, e) for s, e in ((0, 0), (0, 0), (0, 1)))
@@ -193,18 +202,7 @@ def test_epochs_visit_every_sequence_once_in_a_seeded_chunk_local_order():
     aligned = epoch_order(96, chunk, window, 0, 0)  # whole chunks and windows: 4 windows of 24 sequences
     for start in range(0, 96, window):  # each window draws on window / chunk storage chunks only
         assert len(np.unique(aligned[start : start + window] // chunk)) == window // chunk
-    cfg = LoopConfig(
-        steps=None,
-        epochs=2,
-        batch_size=10,
-        lr=1e-3,
-        warmup=0,
-        schedule="constant",
-        ema=0.9,
-        eval_every=5,
-        checkpoint_every=5,
-        shuffle_window=window,
-    )
+    cfg = loop(steps=None, epochs=2, batch_size=10, every=5, shuffle_window=window)
     schedule = Schedule(n, chunk, cfg)
     assert schedule.total == 2 * 11
     seen = np.concatenate([schedule.items(s) for s in range(schedule.total)])
@@ -213,7 +211,7 @@ def test_epochs_visit_every_sequence_once_in_a_seeded_chunk_local_order():
 
 
 def test_loader_serves_exactly_the_scheduled_sequences(tmp_path):
-    from dihal.stages.diffusion.trainer import Loader, LoopConfig, Schedule
+    from dihal.stages.diffusion.trainer import Loader, Schedule
 
     n, t, d = 30, 4, 3
     group = hs.create(tmp_path / "h.zarr", [0], n, t, d, {0: "float32"}, 4, {})
@@ -225,18 +223,7 @@ def test_loader_serves_exactly_the_scheduled_sequences(tmp_path):
         def read(self, positions, alloc=None):
             return {"x": hs.read_sequences(group, 0, positions)}
 
-    cfg = LoopConfig(
-        steps=9,
-        epochs=None,
-        batch_size=7,
-        lr=1e-3,
-        warmup=0,
-        schedule="constant",
-        ema=0.9,
-        eval_every=5,
-        checkpoint_every=5,
-        shuffle_window=8,
-    )
+    cfg = loop(steps=9, epochs=None, batch_size=7, every=5, shuffle_window=8)
     schedule = Schedule(n, 4, cfg)
     for rank in range(2):
         loader = Loader(Task(), schedule, rank, 2, first_step=2)
@@ -254,7 +241,7 @@ def test_ranks_reading_the_store_take_their_own_chunks_and_read_a_share_of_them(
     (the k-th to rank k mod W); each rank trains on the items of its own chunks, every item of every step is
     trained by exactly one rank, and a rank reads its own chunks alone (plus item 0 of a step it has no item
     in, at weight 0): a 1/W share, where items dealt r, r + W, ... read every chunk on every rank."""
-    from dihal.stages.diffusion.trainer import Loader, LoopConfig, Schedule
+    from dihal.stages.diffusion.trainer import Loader, Schedule
 
     n, t, d, chunk = 64, 4, 3, 4
     group = hs.create(tmp_path / "h.zarr", [0], n, t, d, {0: "float32"}, chunk, {})
@@ -270,18 +257,7 @@ def test_ranks_reading_the_store_take_their_own_chunks_and_read_a_share_of_them(
             self.read_positions.append(np.asarray(positions))
             return {"x": hs.read_sequences(group, 0, positions)}
 
-    cfg = LoopConfig(  # one epoch: 16 chunks, 4 a window, 2 steps a block
-        steps=8,
-        epochs=None,
-        batch_size=8,
-        lr=1e-3,
-        warmup=0,
-        schedule="constant",
-        ema=0.9,
-        eval_every=8,
-        checkpoint_every=8,
-        shuffle_window=16,
-    )
+    cfg = loop(steps=8, epochs=None, batch_size=8, every=8, shuffle_window=16)  # 16 chunks, 4 a window, 2 steps a block
     schedule = Schedule(n, chunk, cfg)
     trained, chunks_read = {}, {}
     for rank in range(world):

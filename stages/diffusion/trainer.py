@@ -176,6 +176,7 @@ class Loader:
     def __init__(self, task: Task, schedule: Schedule, rank: int, world: int, first_step: int, device="cpu"):
         self.task, self.schedule, self.rank, self.world = task, schedule, rank, world
         self.by_chunk = world > 1 and getattr(task, "stored", False)  # ranks take their own chunks' items
+        self._last: tuple[int, np.ndarray] = (-1, np.zeros(0, dtype=int))
         self.block = max(1, schedule.cfg.shuffle_window // schedule.batch)
         self.staging = Staging(torch.device(device))
         self.pool = ThreadPoolExecutor(1)
@@ -185,10 +186,17 @@ class Loader:
         self._submit(first_step // self.block)
 
     def slots(self, step: int) -> np.ndarray:
-        """This rank's slots in the global batch of `step`: r, r + W, ..., or those of its own chunks."""
+        """This rank's slots in the global batch of `step`: r, r + W, ..., or those of its own chunks (the last
+        step's kept: the training step asks for its weight and its batch in turn)."""
+        last = self._last
+        if last[0] == step:
+            return last[1]
         if self.by_chunk:
-            return np.flatnonzero(self.schedule.owners(step, self.world) == self.rank)
-        return np.arange(len(self.schedule.items(step)))[self.rank :: self.world]
+            slots = np.flatnonzero(self.schedule.owners(step, self.world) == self.rank)
+        else:
+            slots = np.arange(len(self.schedule.items(step)))[self.rank :: self.world]
+        self._last = (step, slots)  # one assignment: the Loader's thread asks too
+        return slots
 
     def weight(self, step: int) -> float:
         """1, or 0 for a rank without items at `step` (it still runs item 0, so that DDP's all-reduce meets)."""
@@ -403,7 +411,8 @@ class Fit:
         if self.rank != 0:
             return
         if validate:
-            rows[-1]["val_loss"] = ema_validate(self.task, self.net, self.ema, self.cfg.keep_weights if last else "")
+            kept_as = self.cfg.keep_weights if last else "final+ema"  # rounded only where the part keeps it so
+            rows[-1]["val_loss"] = ema_validate(self.task, self.net, self.ema, kept_as)
         for row in rows:
             self.log.append(row)
             files.append_jsonl(self.metrics_path, row)
