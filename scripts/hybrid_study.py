@@ -218,7 +218,15 @@ def main() -> None:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     frames, rows, started = [], [], time.time()
-    own, _ = sample(loaded, None, suffix, cfg, len(real), 0.0)  # the original's own samples: the text a perfect
+    drawn = {}  # (setting, temperature actually used) -> samples: the same draws are never made twice
+
+    def draw(bridge_or_none, c: GenerateConfig, noise_scale: float):
+        key = (bridge_or_none is not None, noise_scale, c.sample_steps, c.decoding_temperature)
+        if key not in drawn:
+            drawn[key] = sample(loaded, bridge_or_none, suffix, c, len(real), noise_scale)
+        return drawn[key]
+
+    own, _ = draw(None, cfg, 0.0)  # the original's own samples: the text a perfect
     own_entropy = entropy_of(own, stops)  # hybrid would write, read by the hybrid teacher forced (the control)
     for noise_scale, steps in settings(a.settings):
         name = f"noise {noise_scale:g}, {steps} steps"
@@ -227,7 +235,7 @@ def main() -> None:
         tf_noise = bridge.noise(len(real), real.shape[1], gen) * noise_scale
         tf = compare_on(loaded, bridge, suffix, real, tf_noise, steps, stops)
         # free running: the hybrid's own samples at this setting, scored with the noise that wrote them
-        ids, noise = sample(loaded, bridge, suffix, replace(cfg, sample_steps=steps), len(real), noise_scale)
+        ids, noise = draw(bridge, replace(cfg, sample_steps=steps), noise_scale)
         fr = compare_on(loaded, bridge, suffix, ids, noise, steps, stops)
         gen = draws.stream(a.seed, 1)
         ot = compare_on(
@@ -262,7 +270,7 @@ def main() -> None:
         for who, setting in who_at:
             noise_scale, steps = setting or (0.0, cfg.sample_steps)
             c = replace(cfg, temperature=t, sample_steps=steps)
-            ids, _ = sample(loaded, bridge if setting else None, suffix, c, len(real), noise_scale)
+            ids, _ = draw(bridge if setting else None, c, noise_scale if setting else 0.0)
             curves.append({"model": who, "temperature": t, "entropy": entropy_of(ids, stops)})
             curves[-1]["gen_ppl"] = gen_ppl(loaded, ids, stops)
             print(
