@@ -9,6 +9,9 @@ the hybrid's rank of the original's top token and the share of positions whose t
 for each generation-time setting of the bridge: its noise scaled by s (s = 0: the flow's mean path) and
 its Euler steps. Then Gen.PPL under the original of each setting's free-running samples, and both
 models' Gen.PPL against unigram entropy over a temperature grid, read at matched entropy.
+With --by-source, teacher forced on the extract's train and validation rows, each divided into the
+backbone's own samples and the corpus: whether the bridge fits the text it trained on better than
+held-out text of the same kind (sources.csv).
 
 Every row uses the same decoding (temperature, top-p 1 unless --top-p), the same number of samples and tokens
 and the same seeds. Gen.PPL here is token-level on the sampled ids (no decode and re-encode) and positions after a stop
@@ -37,6 +40,7 @@ from dihal.artifacts.store import ArtifactStore
 from dihal.stages.configs import GenerateConfig
 from dihal.stages.diffusion import draws
 from dihal.stages.evaluate import gen_ppl as per_token_gen_ppl
+from dihal.stages.extract import samples_file
 from dihal.stages.generate import generate_hybrid, generate_original
 from dihal.stages.lineage import backbone_for
 from dihal.stages.lm.capture import hidden_states
@@ -115,6 +119,53 @@ def summary(got: dict) -> dict:
     out["mean_rank"] = float(got["rank"][later].mean())
     out["gen_ppl"] = math.exp(out["nll_p"])  # of the next tokens in the sequences, under the original
     return out
+
+
+OWN_RUN = 8  # tokens: a row is the backbone's own text when most of its runs of this length are runs of its samples
+
+
+def own_rows(store: ArtifactStore, extract, ids: np.ndarray) -> np.ndarray:
+    """Which of the extract's rows hold the backbone's own samples (its generate: sources, --own-text): rows
+    pack documents, so a row is matched by its runs of OWN_RUN tokens (a row of own text holds a few runs that
+    cross a document end; a corpus row holds none)."""
+    runs = set()
+    for spec in extract.config["data"].get("also") or ():
+        if spec.startswith("generate:"):
+            art = store.load("generate", spec.removeprefix("generate:"))
+            for line in art.file(samples_file(art)).read_text().splitlines():
+                t = json.loads(line)["token_ids"]
+                runs |= {tuple(t[i : i + OWN_RUN]) for i in range(len(t) - OWN_RUN + 1)}
+    share = [np.mean([tuple(r[i : i + OWN_RUN]) in runs for i in range(1, len(r) - OWN_RUN + 1)]) for r in ids.tolist()]
+    return np.asarray(share) > 0.5
+
+
+def by_source(store, extract, group, loaded, bridge, suffix, tokens: int, n: int, steps: int, stops) -> list[dict]:
+    """Teacher forced, noise 0: KL(original || hybrid) and top-1 flips on up to n rows of each (split, source)."""
+    ids = np.asarray(group["input_ids"])[:, : tokens + 1]
+    split, own = np.asarray(group["split"]), own_rows(store, extract, ids)
+    rows = []
+    for code, name in ((0, "train"), (1, "validation")):
+        for mask, source in ((own, "own samples"), (~own, "corpus")):
+            picked = torch.tensor(ids[(split == code) & mask][:n], dtype=torch.long)
+            if not len(picked):
+                continue
+            got = summary(
+                compare_on(
+                    loaded,
+                    bridge,
+                    suffix,
+                    picked,
+                    bridge.noise(len(picked), picked.shape[1], draws.stream(0, 0)) * 0.0,
+                    steps,
+                    stops,
+                )
+            )
+            rows.append({"split": name, "source": source, "sequences": len(picked)} | got)
+            print(
+                f"teacher forced, {name}, {source} ({len(picked)}): KL {got['kl_pq']:.3f} flip {got['flip']:.3f}",
+                flush=True,
+            )
+    return rows
 
 
 def batches(n: int, size: int):
@@ -197,6 +248,7 @@ def main() -> None:
     p.add_argument("--curve-settings", default="1x8", help="the hybrid settings of the entropy curves, comma list")
     p.add_argument("--top-p", type=float, default=1.0, help="both models' nucleus, every sample (1: none)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--by-source", action="store_true", help="also teacher forced on train and held-out rows, by source")
     p.add_argument("--out", required=True)
     a = p.parse_args()
     torch.manual_seed(0)
@@ -218,6 +270,13 @@ def main() -> None:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     frames, rows, started = [], [], time.time()
+    sources = (
+        by_source(store, extract, group, loaded, bridge, suffix, tokens, a.samples, 8, stops) if a.by_source else []
+    )
+    if sources:
+        pd.DataFrame(sources).to_csv(out / "sources.csv", index=False)
+    if not a.settings and not a.curve_settings:
+        return
     drawn = {}  # (setting, temperature actually used) -> samples: the same draws are never made twice
 
     def draw(bridge_or_none, c: GenerateConfig, noise_scale: float):
