@@ -47,8 +47,8 @@ def measure(loaded, bridge: Bridge, suffix, rows: torch.Tensor) -> dict:
     blocks = [rows[s : s + ROWS] for s in range(0, len(rows), ROWS)]
     for x in blocks:
         with torch.no_grad():
-            h0 = hidden_states(loaded.model, x, [0])[0].float()
-            h = hidden_states(loaded.model, x, [bridge.layer])[bridge.layer].float()
+            states = hidden_states(loaded.model, x, [0, bridge.layer])  # one forward for both layers
+            h0, h = states[0].float(), states[bridge.layer].float()
             h_hat = bridge.sample(h0, 8, bridge.noise(len(x), x.shape[1], draws.stream(0, 0)) * 0.0)
             lp, lq = log_probs(suffix, h), log_probs(suffix, h_hat)
             kls.append(float((lp.exp() * (lp - lq)).sum(-1)[:, 1:].mean()))  # position 0 is exact in both
