@@ -8,7 +8,8 @@ the hybrid's rank of the original's top token and the share of positions whose t
                      with the bridge noise that wrote them),
 for each generation-time setting of the bridge: its noise scaled by s (s = 0: the flow's mean path) and
 its Euler steps. Then Gen.PPL under the original of each setting's free-running samples, and both
-models' Gen.PPL against unigram entropy over a temperature grid, read at matched entropy.
+models' Gen.PPL against unigram entropy over a temperature grid, read at matched entropy, with a 90%
+bootstrap interval over samples (--bootstrap; each point's samples in curve_samples.csv).
 With --by-source, teacher forced on the extract's train and validation rows, each divided into the
 backbone's own samples and the corpus: whether the bridge fits the text it trained on better than
 held-out text of the same kind (sources.csv).
@@ -39,7 +40,6 @@ from dihal.artifacts import hidden_states as hs
 from dihal.artifacts.store import ArtifactStore
 from dihal.stages.configs import GenerateConfig
 from dihal.stages.diffusion import draws
-from dihal.stages.evaluate import gen_ppl as per_token_gen_ppl
 from dihal.stages.extract import samples_file
 from dihal.stages.generate import generate_hybrid, generate_original
 from dihal.stages.lineage import backbone_for
@@ -197,9 +197,9 @@ def entropy_of(ids: torch.Tensor, stops) -> float:
     return token_entropy([truncate(row, stops) for row in ids[:, 1:].tolist()])
 
 
-def gen_ppl(loaded, ids: torch.Tensor, stops) -> float:
-    """Gen.PPL per token under the original (evaluate's formula) of each sample's new tokens up to a stop, read
-    on the ids as written rather than on their decoded and re-tokenised text."""
+def per_sample(loaded, ids: torch.Tensor, stops) -> pd.DataFrame:
+    """Per sample: its unigram entropy, and its new tokens up to a stop with their summed NLL under the original,
+    read on the ids as written rather than on their decoded and re-tokenised text (the curve point's units)."""
     model, nll = loaded.model, []
     with torch.no_grad():
         for s, e in batches(len(ids), 8):
@@ -207,8 +207,45 @@ def gen_ppl(loaded, ids: torch.Tensor, stops) -> float:
             lp = F.log_softmax(lm_logits(model, hidden), -1)
             nll.append(-lp[:, :-1].gather(-1, ids[s:e, 1:, None])[..., 0])
     nll = torch.cat(nll)
-    kept = [len(truncate(row, stops)) for row in ids[:, 1:].tolist()]
-    return per_token_gen_ppl([(float(nll[b, :k].sum()), k) for b, k in enumerate(kept)])["gen_ppl_token"]
+    kept = [truncate(row, stops) for row in ids[:, 1:].tolist()]
+    return pd.DataFrame(
+        {
+            "sample": range(len(kept)),
+            "entropy": [token_entropy([k]) for k in kept],
+            "nll": [float(nll[b, : len(k)].sum()) for b, k in enumerate(kept)],
+            "tokens": [len(k) for k in kept],
+        }
+    )
+
+
+def point(units: pd.DataFrame) -> dict:
+    """A curve point from its samples: mean entropy over non-empty samples (token_entropy's) and Gen.PPL per
+    token (evaluate's formula)."""
+    kept = units[units.tokens > 0]
+    return {"entropy": float(kept.entropy.mean()), "gen_ppl": float(np.exp(kept.nll.sum() / kept.tokens.sum()))}
+
+
+def reading(curves: list[dict], who: str) -> tuple[float, str, float]:
+    """(entropy read at, where, hybrid / original Gen.PPL there) for one hybrid curve."""
+    orig = [c for c in curves if c["model"] == "original"]
+    hyb = [c for c in curves if c["model"] == who]
+    at, where = matched_entropy(orig, hyb)
+    return at, where, matched(hyb, at) / matched(orig, at)
+
+
+def bootstrap(units: dict, who: str, draws_: int, seed: int = 0) -> tuple[float, float]:
+    """90% percentile interval of the matched-entropy ratio, resampling samples with replacement. The same
+    indices are drawn for every curve point (sample i of every point comes from batch stream (seed, i // batch)
+    at every temperature, so points are paired, not independent)."""
+    rng = np.random.default_rng(seed)
+    n = len(next(iter(units.values())))
+    ratios = []
+    for _ in range(draws_):
+        idx = rng.integers(0, n, n)
+        curves = [{"model": m, "temperature": t} | point(u.iloc[idx]) for (m, t), u in units.items()]
+        ratios.append(reading(curves, who)[2])
+    lo, hi = np.quantile(ratios, [0.05, 0.95])
+    return float(lo), float(hi)
 
 
 def matched_entropy(orig: list[dict], hyb: list[dict]) -> tuple[float, str]:
@@ -248,6 +285,9 @@ def main() -> None:
     p.add_argument("--curve-settings", default="1x8", help="the hybrid settings of the entropy curves, comma list")
     p.add_argument("--top-p", type=float, default=1.0, help="both models' nucleus, every sample (1: none)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--bootstrap", type=int, default=1000, help="resamples for the matched ratio's 90%% interval (0: none)"
+    )
     p.add_argument("--by-source", action="store_true", help="also teacher forced on train and held-out rows, by source")
     p.add_argument("--out", required=True)
     a = p.parse_args()
@@ -321,7 +361,7 @@ def main() -> None:
     table = pd.DataFrame(rows)
     table.to_csv(out / "settings.csv", index=False)
     # the entropy curves: the original and the hybrid (each curve setting) at each temperature
-    curves = []
+    curves, units = [], {}
     whom = [("original", None)] + [(f"hybrid, {n:g} x {k}", (n, k)) for n, k in settings(a.curve_settings)]
     grid = [(float(x), whom) for x in a.temperatures.split(",")]
     grid += [(float(x), whom[1:]) for x in a.hybrid_temperatures.split(",") if x]
@@ -330,21 +370,25 @@ def main() -> None:
             noise_scale, steps = setting or (0.0, cfg.sample_steps)
             c = replace(cfg, temperature=t, sample_steps=steps)
             ids, _ = draw(bridge if setting else None, c, noise_scale if setting else 0.0)
-            curves.append({"model": who, "temperature": t, "entropy": entropy_of(ids, stops)})
-            curves[-1]["gen_ppl"] = gen_ppl(loaded, ids, stops)
+            units[(who, t)] = per_sample(loaded, ids, stops)
+            curves.append({"model": who, "temperature": t} | point(units[(who, t)]))
             print(
                 f"curve {who} t={t}: entropy {curves[-1]['entropy']:.3f} Gen.PPL {curves[-1]['gen_ppl']:.1f}",
                 flush=True,
             )
-    curves = pd.DataFrame(curves)
-    curves.to_csv(out / "curves.csv", index=False)
-    orig = curves[curves.model == "original"].to_dict("records")
+    pd.concat([u.assign(model=m, temperature=t) for (m, t), u in units.items()]).to_csv(
+        out / "curve_samples.csv", index=False
+    )
     readings = {}
     for who, _ in whom[1:]:
-        hyb = curves[curves.model == who].to_dict("records")
-        at, where = matched_entropy(orig, hyb)
-        readings[who] = {"entropy": at, "where": where, "ratio": matched(hyb, at) / matched(orig, at)}
-        print(f"{who}: matched entropy {at:.3f} ({where}): hybrid / original Gen.PPL {readings[who]['ratio']:.2f}")
+        at, where, ratio = reading(curves, who)
+        readings[who] = {"entropy": at, "where": where, "ratio": ratio}
+        if a.bootstrap:
+            readings[who]["ratio_90"] = bootstrap(units, who, a.bootstrap)
+        band = " [{:.2f}, {:.2f}] (90%)".format(*readings[who]["ratio_90"]) if a.bootstrap else ""
+        print(f"{who}: matched entropy {at:.3f} ({where}): hybrid / original Gen.PPL {ratio:.2f}{band}")
+    curves = pd.DataFrame(curves)
+    curves.to_csv(out / "curves.csv", index=False)
     result = {
         "bridge": art.id,
         "layer": bridge.layer,

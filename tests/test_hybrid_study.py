@@ -1,0 +1,77 @@
+"""scripts/hybrid_study.py's curve points and the bootstrap interval of its matched-entropy reading (issue 66)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from dihal.stages.evaluate import gen_ppl
+from dihal.stages.text.text_metrics import token_entropy
+from tests.conftest import load_script
+
+
+@pytest.fixture(scope="module")
+def study():
+    return load_script("hybrid_study")
+
+
+def samples(rng, n: int, temperature: float) -> tuple[list[list[int]], pd.DataFrame]:
+    """n token-id samples (some empty, as after an early stop) and their units, NLL rising with temperature."""
+    ids = [[] if i % 10 == 9 else list(rng.integers(0, int(8 * temperature**4), 24)) for i in range(n)]
+    nll = [float(rng.gamma(2.0, temperature) * len(s)) for s in ids]
+    units = pd.DataFrame(
+        {"sample": range(n), "entropy": [token_entropy([s]) for s in ids], "nll": nll, "tokens": [len(s) for s in ids]}
+    )
+    return ids, units
+
+
+def test_a_curve_point_is_the_mean_entropy_and_the_gen_ppl_per_token_of_its_samples(study):
+    ids, units = samples(np.random.default_rng(0), 40, 1.0)
+    assert any(not s for s in ids)  # empty samples count in neither figure
+    got = study.point(units)
+    assert got["entropy"] == pytest.approx(token_entropy(ids), rel=1e-12)
+    want = gen_ppl(list(zip(units.nll, units.tokens)))["gen_ppl_token"]
+    assert got["gen_ppl"] == pytest.approx(want, rel=1e-12)
+
+
+def units_for(rng, n: int, shift: float) -> dict:
+    """The original at three temperatures, and a hybrid writing the same samples at exp(shift) times the Gen.PPL."""
+    out = {}
+    for t in (0.7, 0.85, 1.0):
+        _, u = samples(rng, n, t)
+        out[("original", t)] = u
+        out[("hybrid", t)] = u.assign(nll=u.nll + shift * u.tokens)
+    return out
+
+
+def test_the_bootstrap_resamples_the_same_samples_at_every_point(study):
+    """A hybrid that writes the original's samples at e^0.3 times the Gen.PPL reads e^0.3 on every resample, so
+    its interval has no width; resampling each point on its own would move the entropies apart and widen it."""
+    units = units_for(np.random.default_rng(1), 48, 0.3)
+    curves = [{"model": m, "temperature": t} | study.point(u) for (m, t), u in units.items()]
+    at, where, ratio = study.reading(curves, "hybrid")
+    assert where == "the original's entropy at temperature 1"
+    assert ratio == pytest.approx(math.exp(0.3), rel=1e-9)
+    lo, hi = study.bootstrap(units, "hybrid", 200)
+    assert lo == pytest.approx(math.exp(0.3), rel=1e-9) and hi == pytest.approx(math.exp(0.3), rel=1e-9)
+
+
+def test_the_bootstrap_interval_holds_the_reading_and_narrows_with_more_samples(study):
+    """A hybrid with its own samples (independent of the original's): the interval has width, holds the point
+    reading, and is narrower at 16 times the samples (about a quarter, as 1 / sqrt(n))."""
+    width = {}
+    for n in (32, 512):
+        rng = np.random.default_rng(2)
+        units = {}
+        for t in (0.7, 0.85, 1.0):
+            units[("original", t)] = samples(rng, n, t)[1]
+            units[("hybrid", t)] = samples(rng, n, t * 1.1)[1]
+        curves = [{"model": m, "temperature": t} | study.point(u) for (m, t), u in units.items()]
+        ratio = study.reading(curves, "hybrid")[2]
+        lo, hi = study.bootstrap(units, "hybrid", 300)
+        assert lo < ratio < hi
+        width[n] = math.log(hi / lo)
+    assert 0.1 < width[512] / width[32] < 0.5
