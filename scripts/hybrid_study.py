@@ -270,7 +270,13 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--bridge", required=True)
     p.add_argument("--root", default=None)
-    p.add_argument("--samples", type=int, default=64)
+    p.add_argument(
+        "--samples",
+        type=int,
+        default=64,
+        help="free-running samples per draw; teacher forced on up to as many held-out rows (studies before "
+        "2026-12-06 drew one sample per held-out row: 38 on the main job's extracts, so rerun those with --samples 38)",
+    )
     p.add_argument(
         "--tokens", type=int, default=None, help="new tokens per sample (default: the extract's seq_len - 1)"
     )
@@ -322,7 +328,7 @@ def main() -> None:
     def draw(bridge_or_none, c: GenerateConfig, noise_scale: float):
         key = (bridge_or_none is not None, noise_scale, c.sample_steps, c.decoding_temperature)
         if key not in drawn:
-            drawn[key] = sample(loaded, bridge_or_none, suffix, c, len(real), noise_scale)
+            drawn[key] = sample(loaded, bridge_or_none, suffix, c, a.samples, noise_scale)
         return drawn[key]
 
     own, _ = draw(None, cfg, 0.0)  # the original's own samples: the text a perfect
@@ -393,7 +399,8 @@ def main() -> None:
         "bridge": art.id,
         "layer": bridge.layer,
         "model": extract.config["model"],
-        "samples": len(real),
+        "samples": a.samples,  # free running; teacher forced on the first of them held out
+        "held_out_rows": len(real),
         "top_p": a.top_p,
         "tokens": tokens,
         "settings": rows,
