@@ -11,6 +11,8 @@ import json
 import sys
 from pathlib import Path
 
+import numpy as np
+import pandas as pd
 from rich.console import Console
 from rich.table import Table
 
@@ -94,24 +96,44 @@ def rows_for(store: ArtifactStore) -> list[tuple[str, str]]:
             rows.append((f"{r['model']}: Gen.PPL, diversity, entropy", shown))
         by_model = {r["model"]: r for r in got}
         if {"hybrid", "original"} <= set(by_model):
-            rows.append(("hybrid / original Gen.PPL at matched entropy", matched_ratio(**by_model)))
+            kept = samples.file("per_sample.csv")  # absent from evaluations made before it was written
+            per_sample = pd.read_csv(kept) if kept.exists() else None
+            rows.append(
+                ("hybrid / original Gen.PPL at matched entropy", matched_ratio(**by_model, per_sample=per_sample))
+            )
     return rows
 
 
 MATCHED = 0.02  # entropies within 2% of the original's are matched (issue 66, after arXiv 2604.02718)
 
 
-def matched_ratio(hybrid: dict, original: dict) -> str:
+def matched_ratio(hybrid: dict, original: dict, per_sample: pd.DataFrame | None = None) -> str:
     """The hybrid's Gen.PPL over the original's where their samples' token entropies (same decoding, same
     temperature) agree within MATCHED of the original's; otherwise a ratio would compare a hotter text with a
-    colder one, and the row says so and where the reading at matched entropy is made."""
+    colder one, and the row says so and where the reading at matched entropy is made. With the evaluation's
+    per-sample rows, a 90% bootstrap interval over samples (a few dozen samples can be off by 2-3x:
+    docs/results/hybrid_generation.md)."""
     gap = abs(hybrid["token_entropy"] - original["token_entropy"]) / original["token_entropy"]
     if gap > MATCHED:
         return (
             f"not matched: entropies {gap:.1%} apart (over {MATCHED:.0%}); scripts/hybrid_study.py reads the "
             "curves at one entropy"
         )
-    return f"{hybrid['gen_ppl_token'] / original['gen_ppl_token']:.2f}x (entropies {gap:.1%} apart)"
+    band = "" if per_sample is None else "; 90% over samples {:.2f}-{:.2f}x".format(*ratio_interval(per_sample))
+    return f"{hybrid['gen_ppl_token'] / original['gen_ppl_token']:.2f}x (entropies {gap:.1%} apart{band})"
+
+
+def ratio_interval(per_sample: pd.DataFrame, resamples: int = 1000) -> tuple[float, float]:
+    """90% percentile interval of the hybrid's Gen.PPL per token over the original's, resampling sample indices
+    with replacement, the same indices for both models (sample i of each is drawn from the same seed stream),
+    samples with no scored token left out as evaluate's Gen.PPL leaves them."""
+    both = per_sample.pivot(index="index", columns="model", values=["nll", "n_scored"]).dropna()  # paired only
+    n = both["n_scored"][["hybrid", "original"]].to_numpy()
+    nll = np.where(n > 0, both["nll"][["hybrid", "original"]].to_numpy(), 0.0)
+    idx = np.random.default_rng(0).integers(0, len(n), (resamples, len(n)))
+    log_ppl = nll[idx].sum(1) / n[idx].sum(1)  # (resamples, 2): hybrid, original
+    lo, hi = np.quantile(np.exp(log_ppl[:, 0] - log_ppl[:, 1]), [0.05, 0.95])
+    return float(lo), float(hi)
 
 
 def plots_for(store: ArtifactStore) -> list[str]:

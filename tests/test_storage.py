@@ -4,6 +4,7 @@ fit float16, and a disk estimate that matches what an extract writes."""
 from __future__ import annotations
 
 import numpy as np
+import pandas as pd
 import pytest
 import torch
 
@@ -105,7 +106,15 @@ def test_the_main_job_runs_the_chain_and_ends_with_one_summary(tiny_dirs, tmp_pa
     assert (
         "| hybrid: Gen.PPL, diversity, entropy |" in summary and "| original: Gen.PPL, diversity, entropy |" in summary
     )
-    assert "| hybrid / original Gen.PPL at matched entropy |" in summary
+    matched = next(line for line in summary.splitlines() if "| hybrid / original Gen.PPL at matched entropy |" in line)
+    assert "90% over samples" in matched or matched.endswith("reads the curves at one entropy |"), matched
+    # the interval's reading of the evaluation's own per-sample file (the tiny run's entropies are rarely matched)
+    from tests.conftest import load_script
+
+    summarize = load_script("summarize")
+    evaluation = summarize.latest(ArtifactStore(tmp_path / "runs"), "evaluate", "samples")
+    lo, hi = summarize.ratio_interval(pd.read_csv(evaluation.file("per_sample.csv")))
+    assert 0 < lo < hi < float("inf")
     plots = [line.split("`")[1] for line in summary.splitlines() if line.startswith("plot:")]
     assert len(plots) == 2 and all(os.path.exists(p) for p in plots)
 
@@ -120,6 +129,36 @@ def test_the_summary_gives_the_gen_ppl_ratio_only_at_matched_entropy():
     assert summarize.matched_ratio(hybrid, original) == "2.00x (entropies 1.4% apart)"
     hotter = summarize.matched_ratio({**hybrid, "token_entropy": 3.70}, original)
     assert hotter.startswith("not matched: entropies 4.2% apart (over 2%)")
+
+
+def test_the_summary_gives_the_matched_ratio_a_paired_interval_over_samples():
+    """The row's 90% interval resamples the same sample indices for both models: a hybrid writing at twice the
+    original's per-token NLL-exp on every sample reads exactly 2x on every resample; independent samples give an
+    interval that holds the ratio and agrees with a bootstrap written out here."""
+    from tests.conftest import load_script
+
+    summarize = load_script("summarize")
+    rng = np.random.default_rng(0)
+    n = rng.integers(0, 48, 40)  # some samples score no token and count in neither model's Gen.PPL
+    nll = rng.gamma(3.0, 1.3, 40) * n
+    rows = lambda model, nll, n: pd.DataFrame({"model": model, "index": range(40), "nll": nll, "n_scored": n})  # noqa: E731
+    shifted = pd.concat([rows("original", nll, n), rows("hybrid", nll + np.log(2) * n, n)])
+    ppl = {"gen_ppl_token": 2.0, "token_entropy": 3.5}
+    assert summarize.matched_ratio(ppl, {**ppl, "gen_ppl_token": 1.0}, per_sample=shifted) == (
+        "2.00x (entropies 0.0% apart; 90% over samples 2.00-2.00x)"
+    )
+    other_n = rng.integers(1, 48, 40)
+    other = pd.concat([rows("original", nll, n), rows("hybrid", rng.gamma(3.0, 1.6, 40) * other_n, other_n)])
+    lo, hi = summarize.ratio_interval(other)
+    hyb, orig = other[other.model == "hybrid"], other[other.model == "original"]
+    point = np.exp(hyb.nll.sum() / hyb.n_scored.sum() - orig.nll.sum() / orig.n_scored.sum())
+    assert lo < point < hi
+    want = []  # the same bootstrap, by hand
+    draws = np.random.default_rng(0).integers(0, 40, (1000, 40))
+    for idx in draws:
+        h, o = hyb.iloc[idx], orig.iloc[idx]
+        want.append(np.exp(h.nll.sum() / h.n_scored.sum() - o.nll.sum() / o.n_scored.sum()))
+    assert (lo, hi) == pytest.approx(tuple(np.quantile(want, [0.05, 0.95])), rel=1e-12)
 
 
 @pytest.mark.slow
