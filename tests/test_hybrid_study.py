@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -75,3 +77,35 @@ def test_the_bootstrap_interval_holds_the_reading_and_narrows_with_more_samples(
         assert lo < ratio < hi
         width[n] = math.log(hi / lo)
     assert 0.1 < width[512] / width[32] < 0.5
+
+
+def draw_dir(path, rng, n: int, bridge: str = "b") -> dict:
+    """A study's output directory with its curve samples, as scripts/hybrid_study.py writes them."""
+    path.mkdir()
+    units = units_for(rng, n, 0.2)
+    pd.concat([u.assign(model=m, temperature=t) for (m, t), u in units.items()]).to_csv(
+        path / "curve_samples.csv", index=False
+    )
+    (path / "study.json").write_text(json.dumps({"bridge": bridge, "tokens": 63, "top_p": 1.0}))
+    return units
+
+
+def test_pooled_draws_are_read_as_one_draw_of_all_their_samples(study, tmp_path, monkeypatch):
+    """scripts/hybrid_pool.py: two draws pooled give the point and the interval of their samples joined, the
+    second's numbered after the first's; draws of another bridge are refused."""
+    monkeypatch.syspath_prepend(str(Path(__file__).parents[1] / "scripts"))
+    pool = load_script("hybrid_pool")
+    rng = np.random.default_rng(3)
+    first, second = draw_dir(tmp_path / "a", rng, 30), draw_dir(tmp_path / "b", rng, 20)
+    units = pool.pooled([tmp_path / "a", tmp_path / "b"])
+    assert len(units) == 6 and all(len(u) == 50 for u in units.values())
+    joined = {
+        k: pd.concat([first[k], second[k].assign(sample=second[k]["sample"] + 30)], ignore_index=True) for k in first
+    }
+    for k in first:
+        assert units[k]["sample"].tolist() == list(range(50))
+        assert study.point(units[k]) == pytest.approx(study.point(joined[k]), rel=1e-12)
+    assert study.bootstrap(units, "hybrid", 100) == study.bootstrap(joined, "hybrid", 100)
+    draw_dir(tmp_path / "c", rng, 20, bridge="another")
+    with pytest.raises(SystemExit, match="the draws differ in bridge"):
+        pool.pooled([tmp_path / "a", tmp_path / "c"])

@@ -1,0 +1,56 @@
+"""Pool independent draws of scripts/hybrid_study.py's curves (issue 66): the matched-entropy reading and its
+90% paired bootstrap interval over all their samples, each draw's samples numbered after the previous draw's.
+The draws must share a bridge, sample length and temperature grid (different seeds: independent samples).
+
+    python scripts/hybrid_pool.py docs/results/hybrid_study/gemma3_full_own_long_256 \\
+        docs/results/hybrid_study/gemma3_full_own_long_256_seed2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pandas as pd
+from hybrid_study import bootstrap, point, reading
+
+
+def pooled(dirs: list[Path]) -> dict[tuple[str, float], pd.DataFrame]:
+    """(model, temperature) -> the samples of every draw, renumbered; refused where the draws differ."""
+    studies = [json.loads((d / "study.json").read_text()) for d in dirs]
+    for key in ("bridge", "tokens", "top_p"):
+        if len({s[key] for s in studies}) > 1:
+            raise SystemExit(f"error: the draws differ in {key}: {[s[key] for s in studies]}; pool one protocol")
+    units, offset = {}, 0
+    for d in dirs:
+        frame = pd.read_csv(d / "curve_samples.csv")
+        grid = {(m, t) for m, t in zip(frame.model, frame.temperature)}
+        if units and grid != set(units):
+            raise SystemExit(f"error: {d} draws another temperature grid; pool draws of one grid")
+        for (m, t), g in frame.groupby(["model", "temperature"], sort=False):
+            g = g.drop(columns=["model", "temperature"]).assign(sample=g["sample"] + offset)
+            units[(m, t)] = pd.concat([units[(m, t)], g], ignore_index=True) if (m, t) in units else g
+        offset += int(frame["sample"].max()) + 1
+    # bootstrap() pairs the points by row: every point's rows in one sample order
+    return {k: u.sort_values("sample", ignore_index=True) for k, u in units.items()}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("dirs", nargs="+", type=Path)
+    p.add_argument("--bootstrap", type=int, default=1000)
+    a = p.parse_args()
+    units = pooled(a.dirs)
+    curves = [{"model": m, "temperature": t} | point(u) for (m, t), u in units.items()]
+    for c in curves:
+        print(f"{c['model']} t={c['temperature']}: entropy {c['entropy']:.3f} Gen.PPL {c['gen_ppl']:.1f}")
+    for who in sorted({m for m, _ in units if m != "original"}):
+        at, where, ratio = reading(curves, who)
+        lo, hi = bootstrap(units, who, a.bootstrap)
+        n = len(next(iter(units.values())))
+        print(f"{who}: {n} samples, matched entropy {at:.3f} ({where}): {ratio:.2f}x [{lo:.2f}, {hi:.2f}] (90%)")
+
+
+if __name__ == "__main__":
+    main()
