@@ -1,6 +1,7 @@
-"""Pool independent draws of scripts/hybrid_study.py's curves (issue 66): the matched-entropy reading and its
-90% paired bootstrap interval over all their samples, each draw's samples numbered after the previous draw's.
-The draws must share a bridge, sample length and temperature grid (different seeds: independent samples).
+"""Pool independent draws of scripts/hybrid_study.py's curves (issue 66): the matched-entropy reading, and both
+models at temperature 1, each with its 90% paired bootstrap interval over all their samples, each draw's samples
+numbered after the previous draw's. The draws must share a bridge, sample length and temperature grid (different
+seeds: independent samples). One directory reads one draw.
 
     python scripts/hybrid_pool.py docs/results/hybrid_study/gemma3_full_own_long_256 \\
         docs/results/hybrid_study/gemma3_full_own_long_256_seed2
@@ -13,7 +14,7 @@ import json
 from pathlib import Path
 
 import pandas as pd
-from hybrid_study import bootstrap, point, reading
+from hybrid_study import at_one, bootstrap, point, reading
 
 
 def pooled(dirs: list[Path]) -> dict[tuple[str, float], pd.DataFrame]:
@@ -50,6 +51,11 @@ def main() -> None:
         lo, hi = bootstrap(units, who, a.bootstrap)
         n = len(next(iter(units.values())))
         print(f"{who}: {n} samples, matched entropy {at:.3f} ({where}): {ratio:.2f}x [{lo:.2f}, {hi:.2f}] (90%)")
+        one = at_one(units, who, a.bootstrap)
+        print(
+            f"{who}: both at temperature 1, entropies {one['entropy_gap']:+.1%} apart: {one['ratio']:.2f}x "
+            "[{:.2f}, {:.2f}] (90%)".format(*one["ratio_90"])
+        )
 
 
 if __name__ == "__main__":

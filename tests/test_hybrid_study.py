@@ -59,6 +59,10 @@ def test_the_bootstrap_resamples_the_same_samples_at_every_point(study):
     assert ratio == pytest.approx(math.exp(0.3), rel=1e-9)
     lo, hi = study.bootstrap(units, "hybrid", 200)
     assert lo == pytest.approx(math.exp(0.3), rel=1e-9) and hi == pytest.approx(math.exp(0.3), rel=1e-9)
+    # both at temperature 1, no interpolation: the same ratio, the entropies' gap none, the interval no width
+    one = study.at_one(units, "hybrid", 200)
+    assert one["ratio"] == pytest.approx(math.exp(0.3), rel=1e-9) and one["entropy_gap"] == 0
+    assert one["ratio_90"] == pytest.approx([math.exp(0.3)] * 2, rel=1e-9)
 
 
 def test_the_bootstrap_interval_holds_the_reading_and_narrows_with_more_samples(study):
