@@ -14,7 +14,7 @@ import json
 from pathlib import Path
 
 import pandas as pd
-from hybrid_study import at_one, bootstrap, point, reading
+from hybrid_study import at_one, bootstrap, curves_of, reading
 
 
 def pooled(dirs: list[Path]) -> dict[tuple[str, float], pd.DataFrame]:
@@ -43,13 +43,13 @@ def main() -> None:
     p.add_argument("--bootstrap", type=int, default=1000)
     a = p.parse_args()
     units = pooled(a.dirs)
-    curves = [{"model": m, "temperature": t} | point(u) for (m, t), u in units.items()]
+    curves = curves_of(units)
     for c in curves:
         print(f"{c['model']} t={c['temperature']}: entropy {c['entropy']:.3f} Gen.PPL {c['gen_ppl']:.1f}")
+    n = len(next(iter(units.values())))
     for who in sorted({m for m, _ in units if m != "original"}):
         at, where, ratio = reading(curves, who)
         lo, hi = bootstrap(units, who, a.bootstrap)
-        n = len(next(iter(units.values())))
         print(f"{who}: {n} samples, matched entropy {at:.3f} ({where}): {ratio:.2f}x [{lo:.2f}, {hi:.2f}] (90%)")
         one = at_one(units, who, a.bootstrap)
         print(

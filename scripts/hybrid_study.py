@@ -47,6 +47,7 @@ from dihal.stages.lm.capture import hidden_states
 from dihal.stages.lm.hybrid import lm_logits, suffix_hidden, suffix_model
 from dihal.stages.lm.tokens import start_token, truncate
 from dihal.stages.parts.bridge import Bridge
+from dihal.stages.runtime import bootstrap as bootstrap_ci
 from dihal.stages.text.text_metrics import token_entropy
 
 
@@ -233,19 +234,20 @@ def reading(curves: list[dict], who: str) -> tuple[float, str, float]:
     return at, where, matched(hyb, at) / matched(orig, at)
 
 
+def curves_of(units: dict, idx=slice(None)) -> list[dict]:
+    """Every curve point from its samples (rows idx of each: the same rows at every point)."""
+    return [{"model": m, "temperature": t} | point(u.iloc[idx]) for (m, t), u in units.items()]
+
+
 def bootstrap(units: dict, who: str, draws_: int, seed: int = 0) -> tuple[float, float]:
-    """90% percentile interval of the matched-entropy ratio, resampling samples with replacement. The same
-    indices are drawn for every curve point (sample i of every point comes from batch stream (seed, i // batch)
-    at every temperature, so points are paired, not independent)."""
+    """90% percentile interval of the matched-entropy ratio (stages/runtime/bootstrap.py's, so it contains the
+    reading), resampling samples with replacement. The same indices are drawn for every curve point (sample i of
+    every point comes from batch stream (seed, i // batch) at every temperature, so points are paired)."""
     rng = np.random.default_rng(seed)
     n = len(next(iter(units.values())))
-    ratios = []
-    for _ in range(draws_):
-        idx = rng.integers(0, n, n)
-        curves = [{"model": m, "temperature": t} | point(u.iloc[idx]) for (m, t), u in units.items()]
-        ratios.append(reading(curves, who)[2])
-    lo, hi = np.quantile(ratios, [0.05, 0.95])
-    return float(lo), float(hi)
+    ratios = [reading(curves_of(units, rng.integers(0, n, n)), who)[2] for _ in range(draws_)]
+    ci = bootstrap_ci.interval(reading(curves_of(units), who)[2], ratios, 0.90)
+    return ci["lo"], ci["hi"]
 
 
 def matched_entropy(orig: list[dict], hyb: list[dict]) -> tuple[float, str]:
@@ -275,9 +277,9 @@ def at_one(units: dict, who: str, draws_: int, seed: int = 0) -> dict:
     for _ in range(draws_):
         idx = rng.integers(0, len(o), len(o))
         ratios.append(point(h.iloc[idx])["gen_ppl"] / point(o.iloc[idx])["gen_ppl"])
-    lo, hi = np.quantile(ratios, [0.05, 0.95]) if draws_ else (float("nan"), float("nan"))
+    ci = bootstrap_ci.interval(ph["gen_ppl"] / po["gen_ppl"], ratios, 0.90)  # nan without resamples
     gap = (po["entropy"] - ph["entropy"]) / po["entropy"]
-    return {"ratio": ph["gen_ppl"] / po["gen_ppl"], "entropy_gap": gap, "ratio_90": [float(lo), float(hi)]}
+    return {"ratio": ph["gen_ppl"] / po["gen_ppl"], "entropy_gap": gap, "ratio_90": [ci["lo"], ci["hi"]]}
 
 
 def main() -> None:

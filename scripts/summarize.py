@@ -20,6 +20,7 @@ from dihal.artifacts.errors import DihalError
 from dihal.artifacts.store import ArtifactStore
 from dihal.stages.compare_stats import LM_WRITTEN
 from dihal.stages.registry import ROWS
+from dihal.stages.runtime import bootstrap
 
 CLAIM_3_ROWS = {row.key for row in ROWS if row.baseline or row.ours}  # a comparison without one judges nothing
 
@@ -132,8 +133,9 @@ def ratio_interval(per_sample: pd.DataFrame, resamples: int = 1000) -> tuple[flo
     nll = np.where(n > 0, both["nll"][["hybrid", "original"]].to_numpy(), 0.0)
     idx = np.random.default_rng(0).integers(0, len(n), (resamples, len(n)))
     log_ppl = nll[idx].sum(1) / n[idx].sum(1)  # (resamples, 2): hybrid, original
-    lo, hi = np.quantile(np.exp(log_ppl[:, 0] - log_ppl[:, 1]), [0.05, 0.95])
-    return float(lo), float(hi)
+    point = np.exp(nll[:, 0].sum() / n[:, 0].sum() - nll[:, 1].sum() / n[:, 1].sum())
+    ci = bootstrap.interval(float(point), np.exp(log_ppl[:, 0] - log_ppl[:, 1]), 0.90)  # contains its point
+    return ci["lo"], ci["hi"]
 
 
 def plots_for(store: ArtifactStore) -> list[str]:
