@@ -14,7 +14,7 @@ import json
 from pathlib import Path
 
 import pandas as pd
-from hybrid_study import at_one, bootstrap, curves_of, reading
+from hybrid_study import curves_of, readings_of
 
 
 def pooled(dirs: list[Path]) -> dict[tuple[str, float], pd.DataFrame]:
@@ -48,14 +48,7 @@ def main() -> None:
         print(f"{c['model']} t={c['temperature']}: entropy {c['entropy']:.3f} Gen.PPL {c['gen_ppl']:.1f}")
     n = len(next(iter(units.values())))
     for who in sorted({m for m, _ in units if m != "original"}):
-        at, where, ratio = reading(curves, who)
-        lo, hi = bootstrap(units, who, a.bootstrap)
-        print(f"{who}: {n} samples, matched entropy {at:.3f} ({where}): {ratio:.2f}x [{lo:.2f}, {hi:.2f}] (90%)")
-        one = at_one(units, who, a.bootstrap)
-        print(
-            f"{who}: both at temperature 1, entropies {one['entropy_gap']:+.1%} apart: {one['ratio']:.2f}x "
-            "[{:.2f}, {:.2f}] (90%)".format(*one["ratio_90"])
-        )
+        readings_of(units, curves, who, a.bootstrap, label=f"{n} samples, ")
 
 
 if __name__ == "__main__":

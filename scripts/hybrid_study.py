@@ -282,6 +282,24 @@ def at_one(units: dict, who: str, draws_: int, seed: int = 0) -> dict:
     return {"ratio": ph["gen_ppl"] / po["gen_ppl"], "entropy_gap": gap, "ratio_90": [ci["lo"], ci["hi"]]}
 
 
+def readings_of(units: dict, curves: list[dict], who: str, draws_: int, label: str = "") -> dict:
+    """One hybrid's readings, printed: at matched entropy (with its interval when draws_), and both at temperature 1
+    where both were drawn there. label prefixes the lines (hybrid_pool.py names its pooled sample count)."""
+    at, where, ratio = reading(curves, who)
+    out = {"entropy": at, "where": where, "ratio": ratio}
+    if draws_:
+        out["ratio_90"] = bootstrap(units, who, draws_)
+    band = " [{:.2f}, {:.2f}] (90%)".format(*out["ratio_90"]) if draws_ else ""
+    print(f"{who}: {label}matched entropy {at:.3f} ({where}): hybrid / original Gen.PPL {ratio:.2f}{band}")
+    if (who, 1.0) in units and ("original", 1.0) in units:
+        one = out["at_temperature_1"] = at_one(units, who, draws_)
+        print(
+            f"{who}: both at temperature 1, entropies {one['entropy_gap']:+.1%} apart: {one['ratio']:.2f}x "
+            "[{:.2f}, {:.2f}] (90%)".format(*one["ratio_90"])
+        )
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--bridge", required=True)
@@ -401,20 +419,7 @@ def main() -> None:
     pd.concat([u.assign(model=m, temperature=t) for (m, t), u in units.items()]).to_csv(
         out / "curve_samples.csv", index=False
     )
-    readings = {}
-    for who, _ in whom[1:]:
-        at, where, ratio = reading(curves, who)
-        readings[who] = {"entropy": at, "where": where, "ratio": ratio}
-        if a.bootstrap:
-            readings[who]["ratio_90"] = bootstrap(units, who, a.bootstrap)
-        band = " [{:.2f}, {:.2f}] (90%)".format(*readings[who]["ratio_90"]) if a.bootstrap else ""
-        print(f"{who}: matched entropy {at:.3f} ({where}): hybrid / original Gen.PPL {ratio:.2f}{band}")
-        if (who, 1.0) in units and ("original", 1.0) in units:
-            one = readings[who]["at_temperature_1"] = at_one(units, who, a.bootstrap)
-            print(
-                f"{who}: both at temperature 1, entropies {one['entropy_gap']:+.1%} apart: {one['ratio']:.2f}x "
-                "[{:.2f}, {:.2f}] (90%)".format(*one["ratio_90"])
-            )
+    readings = {who: readings_of(units, curves, who, a.bootstrap) for who, _ in whom[1:]}
     curves = pd.DataFrame(curves)
     curves.to_csv(out / "curves.csv", index=False)
     result = {
