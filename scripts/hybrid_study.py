@@ -36,6 +36,7 @@ import pandas as pd
 import torch
 import torch.nn.functional as F
 
+from dihal.artifacts import files
 from dihal.artifacts import hidden_states as hs
 from dihal.artifacts.store import ArtifactStore
 from dihal.stages.configs import GenerateConfig
@@ -329,6 +330,7 @@ def main() -> None:
         "--bootstrap", type=int, default=1000, help="resamples for the matched ratio's 90%% interval (0: none)"
     )
     p.add_argument("--by-source", action="store_true", help="also teacher forced on train and held-out rows, by source")
+    p.add_argument("--weights", default=None, help="the bridge's network weights from this file (distill_probe.py's)")
     p.add_argument("--out", required=True)
     a = p.parse_args()
     torch.manual_seed(0)
@@ -337,6 +339,8 @@ def main() -> None:
     extract = store.load("extract", art.manifest["parents"]["extract"])
     loaded = backbone_for(art, "cpu", "float32")
     bridge = Bridge.load(art)
+    if a.weights:
+        bridge.net.load_state_dict(files.load_tensors(Path(a.weights)))
     suffix = suffix_model(loaded.model, bridge.layer)
     stops = loaded.stop_ids
     group = hs.open_group(extract)
