@@ -23,7 +23,6 @@ import torch.nn.functional as F
 from dihal.artifacts import files
 from dihal.artifacts import hidden_states as hs
 from dihal.artifacts.store import ArtifactStore
-from dihal.stages.diffusion import flow
 from dihal.stages.lineage import backbone_for
 from dihal.stages.lm.capture import hidden_states
 from dihal.stages.lm.hybrid import lm_logits, suffix_hidden, suffix_model
@@ -35,9 +34,9 @@ def kl_loss(model, suffix, bridge: Bridge, ids: torch.Tensor, steps: int) -> tor
     gradient reaches the bridge's network alone."""
     with torch.no_grad():
         p = lm_logits(model, model.model(input_ids=ids, use_cache=False).last_hidden_state)
-        c = bridge.norm.c(hidden_states(model, ids, [0])[0].float()[:, bridge.start :])
-    y = flow.sample(lambda x, t, i: bridge.net(x, t, c), torch.zeros(c.shape), steps, bridge.prediction)
-    q = lm_logits(suffix, suffix_hidden(suffix, bridge._assemble(y, ids.shape[0])))
+        h0 = hidden_states(model, ids, [0])[0]
+    h = bridge.sample(h0, steps, torch.zeros(h0.shape[0], h0.shape[1] - bridge.start, h0.shape[2]))
+    q = lm_logits(suffix, suffix_hidden(suffix, h))
     lp, lq = F.log_softmax(p[:, 1:-1].float(), -1), F.log_softmax(q[:, 1:-1].float(), -1)
     return (lp.exp() * (lp - lq)).sum(-1).mean()
 

@@ -64,9 +64,9 @@ class Bridge:
         y = flow.sample(lambda x, t, i: self.net(x, t, c), noise[:, : c.shape[1]], steps, self.prediction)
         return self._assemble(y, c.shape[0])
 
-    @torch.no_grad()
     def sample(self, h0: torch.Tensor, steps: int, noise: torch.Tensor) -> torch.Tensor:
-        """h0: (B, T, D) raw layer-0 states -> (B, T, D) raw layer-l states."""
+        """h0: (B, T, D) raw layer-0 states -> (B, T, D) raw layer-l states. Gradient mode is the caller's:
+        every stage samples under no_grad; scripts/distill_probe.py takes the gradient through it."""
         c = self.norm.c(h0[:, self.start :].float())
         y = flow.sample(lambda x, t, i: self.net(x, t, c), noise[:, : c.shape[1]], steps, self.prediction)
         return self._assemble(y, h0.shape[0])
