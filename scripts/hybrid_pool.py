@@ -1,10 +1,13 @@
 """Pool independent draws of scripts/hybrid_study.py's curves (issue 66): the matched-entropy reading, and both
 models at temperature 1, each with its 90% paired bootstrap interval over all their samples, each draw's samples
 numbered after the previous draw's. The draws must share a bridge, sample length and temperature grid (different
-seeds: independent samples). One directory reads one draw.
+seeds: independent samples). One directory reads one draw. With --against, the same for a second bridge's draws
+(the same seeds, in the same order), and each hybrid's Gen.PPL against the other's at temperature 1.
 
     python scripts/hybrid_pool.py docs/results/hybrid_study/gemma3_full_own_long_256 \\
         docs/results/hybrid_study/gemma3_full_own_long_256_seed2
+    python scripts/hybrid_pool.py docs/results/hybrid_study/smollm2_more_text_256{,_seed2} \\
+        --against docs/results/hybrid_study/smollm2_full_own_long_256{,_seed2}
 """
 
 from __future__ import annotations
@@ -13,8 +16,11 @@ import argparse
 import json
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
-from hybrid_study import curves_of, readings_of
+from hybrid_study import curves_of, point, readings_of
+
+from dihal.stages.runtime import bootstrap as bootstrap_ci
 
 
 def pooled(dirs: list[Path]) -> dict[tuple[str, float], pd.DataFrame]:
@@ -37,10 +43,26 @@ def pooled(dirs: list[Path]) -> dict[tuple[str, float], pd.DataFrame]:
     return {k: u.sort_values("sample", ignore_index=True) for k, u in units.items()}
 
 
+def between(units: dict, other: dict, who: str, draws_: int, seed: int = 0) -> dict:
+    """The hybrid's Gen.PPL at temperature 1 over another bridge's at the same seeds: sample i of both drawn from
+    the same stream, so both are resampled by one index (a paired bootstrap), with its 90% interval."""
+    a, b = units[(who, 1.0)], other[(who, 1.0)]
+    if len(a) != len(b):
+        raise SystemExit(f"error: {len(a)} samples against {len(b)}; compare draws of the same seeds")
+    rng, ratios = np.random.default_rng(seed), []
+    for _ in range(draws_):
+        idx = rng.integers(0, len(a), len(a))
+        ratios.append(point(a.iloc[idx])["gen_ppl"] / point(b.iloc[idx])["gen_ppl"])
+    ratio = point(a)["gen_ppl"] / point(b)["gen_ppl"]
+    ci = bootstrap_ci.interval(ratio, ratios, 0.90)
+    return {"ratio": ratio, "ratio_90": [ci["lo"], ci["hi"]]}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("dirs", nargs="+", type=Path)
     p.add_argument("--bootstrap", type=int, default=1000)
+    p.add_argument("--against", nargs="+", type=Path, default=[], help="another bridge's draws, the same seeds")
     a = p.parse_args()
     units = pooled(a.dirs)
     curves = curves_of(units)
@@ -49,6 +71,10 @@ def main() -> None:
     n = len(next(iter(units.values())))
     for who in sorted({m for m, _ in units if m != "original"}):
         readings_of(units, curves, who, a.bootstrap, label=f"{n} samples, ")
+        if a.against and (who, 1.0) in units:
+            r = between(units, pooled(a.against), who, a.bootstrap)
+            band = "[{:.2f}, {:.2f}] (90%)".format(*r["ratio_90"])
+            print(f"{who}: Gen.PPL at temperature 1 against --against's: {r['ratio']:.2f}x {band}")
 
 
 if __name__ == "__main__":

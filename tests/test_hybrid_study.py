@@ -113,3 +113,26 @@ def test_pooled_draws_are_read_as_one_draw_of_all_their_samples(study, tmp_path,
     draw_dir(tmp_path / "c", rng, 20, bridge="another")
     with pytest.raises(SystemExit, match="the draws differ in bridge"):
         pool.pooled([tmp_path / "a", tmp_path / "c"])
+
+
+def test_two_bridges_are_compared_sample_by_sample(study, tmp_path, monkeypatch):
+    """scripts/hybrid_pool.py --against: the hybrid's Gen.PPL at temperature 1 over another bridge's at the same
+    seeds. Each resample pairs sample i with sample i, so every resampled ratio lies between the smallest and the
+    largest per-sample ratio (a mediant), which resampling each bridge on its own would break; draws of unequal
+    size are refused."""
+    monkeypatch.syspath_prepend(str(Path(__file__).parents[1] / "scripts"))
+    pool = load_script("hybrid_pool")
+    rng = np.random.default_rng(5)
+    units = units_for(rng, 40, 0.2)
+    h = units[("hybrid", 1.0)]
+    h = h[h.tokens > 0].reset_index(drop=True)
+    extra = rng.uniform(0.05, 0.3, len(h)) * h.tokens  # the other bridge: more NLL on every sample
+    other = {("hybrid", 1.0): h.assign(nll=h.nll + extra)}
+    r = pool.between({("hybrid", 1.0): h}, other, "hybrid", 400)
+    expected = math.exp(-extra.sum() / h.tokens.sum())
+    assert r["ratio"] == pytest.approx(expected, rel=1e-12)
+    per_sample = np.exp(-extra / h.tokens)
+    lo, hi = r["ratio_90"]
+    assert per_sample.min() <= lo < expected < hi <= per_sample.max()
+    with pytest.raises(SystemExit, match="compare draws of the same seeds"):
+        pool.between({("hybrid", 1.0): h}, {("hybrid", 1.0): h.iloc[:-1]}, "hybrid", 10)
