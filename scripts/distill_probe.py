@@ -35,7 +35,7 @@ def kl_loss(model, suffix, bridge: Bridge, ids: torch.Tensor, steps: int) -> tor
     with torch.no_grad():
         p = lm_logits(model, model.model(input_ids=ids, use_cache=False).last_hidden_state)
         h0 = hidden_states(model, ids, [0])[0]
-    h = bridge.sample(h0, steps, torch.zeros(h0.shape[0], h0.shape[1] - bridge.start, h0.shape[2]))
+    h = bridge.sample(h0, steps, torch.zeros(h0.shape[0], h0.shape[1] - bridge.start, h0.shape[2], device=h0.device))
     q = lm_logits(suffix, suffix_hidden(suffix, h))
     lp, lq = F.log_softmax(p[:, 1:-1].float(), -1), F.log_softmax(q[:, 1:-1].float(), -1)
     return (lp.exp() * (lp - lq)).sum(-1).mean()
