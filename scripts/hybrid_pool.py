@@ -16,11 +16,8 @@ import argparse
 import json
 from pathlib import Path
 
-import numpy as np
 import pandas as pd
-from hybrid_study import curves_of, point, readings_of
-
-from dihal.stages.runtime import bootstrap as bootstrap_ci
+from hybrid_study import curves_of, paired_ratio, readings_of
 
 
 def pooled(dirs: list[Path]) -> dict[tuple[str, float], pd.DataFrame]:
@@ -44,18 +41,12 @@ def pooled(dirs: list[Path]) -> dict[tuple[str, float], pd.DataFrame]:
 
 
 def between(units: dict, other: dict, who: str, draws_: int, seed: int = 0) -> dict:
-    """The hybrid's Gen.PPL at temperature 1 over another bridge's at the same seeds: sample i of both drawn from
-    the same stream, so both are resampled by one index (a paired bootstrap), with its 90% interval."""
+    """The hybrid's Gen.PPL at temperature 1 over another bridge's at the same seeds (sample i of both drawn from
+    the same stream), with its paired 90% interval."""
     a, b = units[(who, 1.0)], other[(who, 1.0)]
     if len(a) != len(b):
         raise SystemExit(f"error: {len(a)} samples against {len(b)}; compare draws of the same seeds")
-    rng, ratios = np.random.default_rng(seed), []
-    for _ in range(draws_):
-        idx = rng.integers(0, len(a), len(a))
-        ratios.append(point(a.iloc[idx])["gen_ppl"] / point(b.iloc[idx])["gen_ppl"])
-    ratio = point(a)["gen_ppl"] / point(b)["gen_ppl"]
-    ci = bootstrap_ci.interval(ratio, ratios, 0.90)
-    return {"ratio": ratio, "ratio_90": [ci["lo"], ci["hi"]]}
+    return paired_ratio(a, b, draws_, seed)
 
 
 def main() -> None:
@@ -69,10 +60,11 @@ def main() -> None:
     for c in curves:
         print(f"{c['model']} t={c['temperature']}: entropy {c['entropy']:.3f} Gen.PPL {c['gen_ppl']:.1f}")
     n = len(next(iter(units.values())))
+    other = pooled(a.against) if a.against else None
     for who in sorted({m for m, _ in units if m != "original"}):
         readings_of(units, curves, who, a.bootstrap, label=f"{n} samples, ")
-        if a.against and (who, 1.0) in units:
-            r = between(units, pooled(a.against), who, a.bootstrap)
+        if other is not None and (who, 1.0) in units:
+            r = between(units, other, who, a.bootstrap)
             band = "[{:.2f}, {:.2f}] (90%)".format(*r["ratio_90"])
             print(f"{who}: Gen.PPL at temperature 1 against --against's: {r['ratio']:.2f}x {band}")
 

@@ -274,13 +274,21 @@ def at_one(units: dict, who: str, draws_: int, seed: int = 0) -> dict:
     no interpolation): the ratio, the entropies' gap as a share of the original's, and a 90% paired interval."""
     o, h = units[("original", 1.0)], units[(who, 1.0)]
     po, ph = point(o), point(h)
+    gap = (po["entropy"] - ph["entropy"]) / po["entropy"]
+    r = paired_ratio(h, o, draws_, seed)
+    return {"ratio": r["ratio"], "entropy_gap": gap, "ratio_90": r["ratio_90"]}
+
+
+def paired_ratio(a: pd.DataFrame, b: pd.DataFrame, draws_: int, seed: int = 0) -> dict:
+    """Gen.PPL of samples a over that of samples b, sample i of both from one stream, so both are resampled by one
+    index (a paired bootstrap): the ratio and its 90% interval (nan without resamples)."""
     rng, ratios = np.random.default_rng(seed), []
     for _ in range(draws_):
-        idx = rng.integers(0, len(o), len(o))
-        ratios.append(point(h.iloc[idx])["gen_ppl"] / point(o.iloc[idx])["gen_ppl"])
-    ci = bootstrap_ci.interval(ph["gen_ppl"] / po["gen_ppl"], ratios, 0.90)  # nan without resamples
-    gap = (po["entropy"] - ph["entropy"]) / po["entropy"]
-    return {"ratio": ph["gen_ppl"] / po["gen_ppl"], "entropy_gap": gap, "ratio_90": [ci["lo"], ci["hi"]]}
+        idx = rng.integers(0, len(b), len(b))
+        ratios.append(point(a.iloc[idx])["gen_ppl"] / point(b.iloc[idx])["gen_ppl"])
+    ratio = point(a)["gen_ppl"] / point(b)["gen_ppl"]
+    ci = bootstrap_ci.interval(ratio, ratios, 0.90)
+    return {"ratio": ratio, "ratio_90": [ci["lo"], ci["hi"]]}
 
 
 def readings_of(units: dict, curves: list[dict], who: str, draws_: int, label: str = "") -> dict:
