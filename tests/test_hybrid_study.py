@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import pytest
+from scipy import stats
 
 from dihal.stages.evaluate import gen_ppl
 from dihal.stages.text.text_metrics import token_entropy
@@ -83,10 +84,10 @@ def test_the_bootstrap_interval_holds_the_reading_and_narrows_with_more_samples(
     assert 0.1 < width[512] / width[32] < 0.5
 
 
-def draw_dir(path, rng, n: int, bridge: str = "b") -> dict:
+def draw_dir(path, rng, n: int, bridge: str = "b", shift: float = 0.2) -> dict:
     """A study's output directory with its curve samples, as scripts/hybrid_study.py writes them."""
     path.mkdir()
-    units = units_for(rng, n, 0.2)
+    units = units_for(rng, n, shift)
     pd.concat([u.assign(model=m, temperature=t) for (m, t), u in units.items()]).to_csv(
         path / "curve_samples.csv", index=False
     )
@@ -136,3 +137,28 @@ def test_two_bridges_are_compared_sample_by_sample(study, tmp_path, monkeypatch)
     assert per_sample.min() <= lo < expected < hi <= per_sample.max()
     with pytest.raises(SystemExit, match="compare draws of the same seeds"):
         pool.between({("hybrid", 1.0): h}, {("hybrid", 1.0): h.iloc[:-1]}, "hybrid", 10)
+
+
+def test_two_arms_of_bridges_are_compared_over_bridges_not_samples(tmp_path, monkeypatch):
+    """scripts/hybrid_arms.py: a bridge reads its hybrid / original Gen.PPL at temperature 1 over its draws pooled;
+    the arms' ratio is that of their geometric means, its t is scipy's two-sample t on the logs (equal variances),
+    and the interval's upper end is under 1 exactly when scipy's one-sided p is under 0.05."""
+    monkeypatch.syspath_prepend(str(Path(__file__).parents[1] / "scripts"))
+    arms = load_script("hybrid_arms")
+    rng = np.random.default_rng(11)
+    draw_dir(tmp_path / "x1", rng, 20, shift=0.3)
+    draw_dir(tmp_path / "x2", rng, 30, shift=0.3)
+    assert arms.ratio_at_one([tmp_path / "x1", tmp_path / "x2"]) == pytest.approx(math.exp(0.3), rel=1e-12)
+    shown = []
+    for a, b in (([1.62, 1.46], [1.41, 1.58]), ([1.62, 1.60, 1.58], [1.30, 1.33])):
+        r = arms.between_arms(a, b)
+        assert r["ratio"] == pytest.approx(math.exp(np.log(b).mean() - np.log(a).mean()), rel=1e-12)
+        assert r["t"] == pytest.approx(stats.ttest_ind(np.log(b), np.log(a)).statistic, rel=1e-12)
+        assert r["df"] == len(a) + len(b) - 2
+        assert r["interval"][0] < r["ratio"] < r["interval"][1]
+        p = stats.ttest_ind(np.log(b), np.log(a), alternative="less").pvalue
+        shown.append(r["interval"][1] < 1)
+        assert shown[-1] == (p < 0.05)
+    assert shown == [False, True]
+    with pytest.raises(SystemExit, match="each arm needs two training seeds"):
+        arms.between_arms([1.5], [1.4, 1.3])

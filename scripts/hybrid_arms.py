@@ -1,0 +1,77 @@
+"""Two arms of bridges, several training seeds each (issue 66): does a lever move the hybrid's free-running Gen.PPL
+beyond the spread between training seeds? The unit is the bridge, not the sample: each bridge's reading is its
+hybrid / original Gen.PPL at temperature 1 over its pooled draws (scripts/hybrid_pool.py's headline), and the
+arms are compared by Student's two-sample t on the log of that ratio (pooled variance over both arms, n_a + n_b - 2
+degrees of freedom), with the 90% interval of the ratio of the arms' geometric means.
+
+A bridge is its draws joined by commas (the same seeds for every bridge):
+
+    H=docs/results/hybrid_study
+    python scripts/hybrid_arms.py --a $H/smollm2_full_own_long_256,$H/smollm2_full_own_long_256_seed2 \\
+        --b $H/smollm2_more_text3x_256,$H/smollm2_more_text3x_256_seed2 \\
+            $H/smollm2_more_text3x_bseed1_256,$H/smollm2_more_text3x_bseed1_256_seed2
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from pathlib import Path
+
+import numpy as np
+from hybrid_pool import pooled
+from hybrid_study import point
+from scipy import stats
+
+
+def ratio_at_one(draws: list[Path]) -> float:
+    """One bridge's hybrid / original Gen.PPL, both at temperature 1, over its draws pooled."""
+    units = pooled(draws)
+    hybrids = sorted({m for m, _ in units if m != "original"})
+    if len(hybrids) != 1 or (hybrids[0], 1.0) not in units or ("original", 1.0) not in units:
+        raise SystemExit(f"error: {draws[0]} holds no one hybrid and original at temperature 1; read a bridge each")
+    return point(units[(hybrids[0], 1.0)])["gen_ppl"] / point(units[("original", 1.0)])["gen_ppl"]
+
+
+def between_arms(a: list[float], b: list[float], level: float = 0.90) -> dict:
+    """Arm b's geometric-mean ratio over arm a's, with its interval over bridges (Student's t, pooled variance),
+    the t statistic and its degrees of freedom."""
+    if len(a) < 2 or len(b) < 2:
+        raise SystemExit(f"error: {len(a)} and {len(b)} bridges; each arm needs two training seeds or more")
+    la, lb = np.log(a), np.log(b)
+    df = len(a) + len(b) - 2
+    pooled_var = (((la - la.mean()) ** 2).sum() + ((lb - lb.mean()) ** 2).sum()) / df
+    se = math.sqrt(pooled_var * (1 / len(a) + 1 / len(b)))
+    d = float(lb.mean() - la.mean())
+    q = float(stats.t.ppf(0.5 + level / 2, df))
+    return {
+        "ratio": math.exp(d),
+        "interval": [math.exp(d - q * se), math.exp(d + q * se)],
+        "t": d / se,
+        "df": df,
+        "spread": math.exp(math.sqrt(pooled_var)),
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--a", nargs="+", required=True, help="arm a's bridges, each its draws joined by commas")
+    p.add_argument("--b", nargs="+", required=True, help="arm b's bridges, the same draws")
+    a = p.parse_args()
+    arms = {}
+    for name, bridges in (("a", a.a), ("b", a.b)):
+        arms[name] = [ratio_at_one([Path(d) for d in bridge.split(",")]) for bridge in bridges]
+        each = ", ".join(f"{r:.3f}x" for r in arms[name])
+        geo = math.exp(np.log(arms[name]).mean())
+        print(f"arm {name}: {len(arms[name])} bridges, hybrid / original at temperature 1: {each}; mean {geo:.3f}x")
+    r = between_arms(arms["a"], arms["b"])
+    print(
+        "arm b over arm a: {:.3f}x [{:.3f}, {:.3f}] (90%, over bridges), t = {:.2f} on {} df; "
+        "one bridge's spread (sd of log, as a factor): {:.3f}x".format(
+            r["ratio"], *r["interval"], r["t"], r["df"], r["spread"]
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()
