@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 from hybrid_pool import pooled
-from hybrid_study import point
+from hybrid_study import at_one
 from scipy import stats
 
 
@@ -30,7 +30,7 @@ def ratio_at_one(draws: list[Path]) -> float:
     hybrids = sorted({m for m, _ in units if m != "original"})
     if len(hybrids) != 1 or (hybrids[0], 1.0) not in units or ("original", 1.0) not in units:
         raise SystemExit(f"error: {draws[0]} holds no one hybrid and original at temperature 1; read a bridge each")
-    return point(units[(hybrids[0], 1.0)])["gen_ppl"] / point(units[("original", 1.0)])["gen_ppl"]
+    return at_one(units, hybrids[0], 0)["ratio"]
 
 
 def between_arms(a: list[float], b: list[float], level: float = 0.90) -> dict:
@@ -39,16 +39,14 @@ def between_arms(a: list[float], b: list[float], level: float = 0.90) -> dict:
     if len(a) < 2 or len(b) < 2:
         raise SystemExit(f"error: {len(a)} and {len(b)} bridges; each arm needs two training seeds or more")
     la, lb = np.log(a), np.log(b)
-    df = len(a) + len(b) - 2
-    pooled_var = (((la - la.mean()) ** 2).sum() + ((lb - lb.mean()) ** 2).sum()) / df
-    se = math.sqrt(pooled_var * (1 / len(a) + 1 / len(b)))
-    d = float(lb.mean() - la.mean())
-    q = float(stats.t.ppf(0.5 + level / 2, df))
+    test = stats.ttest_ind(lb, la)  # equal variances: the pooled two-sample t
+    ci = test.confidence_interval(level)
+    pooled_var = ((len(a) - 1) * la.var(ddof=1) + (len(b) - 1) * lb.var(ddof=1)) / test.df
     return {
-        "ratio": math.exp(d),
-        "interval": [math.exp(d - q * se), math.exp(d + q * se)],
-        "t": d / se,
-        "df": df,
+        "ratio": math.exp(lb.mean() - la.mean()),
+        "interval": [math.exp(ci.low), math.exp(ci.high)],
+        "t": float(test.statistic),
+        "df": int(test.df),
         "spread": math.exp(math.sqrt(pooled_var)),
     }
 
