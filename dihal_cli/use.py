@@ -253,13 +253,19 @@ def evaluate_lm_eval(v: dict) -> None:
     from dihal.stages import evaluate_harness as harness
 
     harness.harness()
-    harness.task_manager(cfg)
+    manager = harness.task_manager(cfg)  # an unknown task is one line before anything loads
     if v["dry_run"]:
         return dry("evaluate", cfg)
     store = ArtifactStore(v["root"])
     bridge = store.resolve(v["bridge"], "bridge")
     art = harness.run(
-        cfg, bridge, store, force=v["force"], progress=make_progress(), trust_remote_code=v["trust_remote_code"]
+        cfg,
+        bridge,
+        store,
+        force=v["force"],
+        progress=make_progress(),
+        trust_remote_code=v["trust_remote_code"],
+        manager=manager,
     )
     rows = art.manifest["metrics"]["lm_eval"]
     if v["as_json"]:

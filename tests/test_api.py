@@ -235,6 +235,20 @@ def test_lm_eval_scores_the_hybrid_and_its_backbone_on_local_tasks(store_of, roo
 
 
 @pytest.mark.slow
+def test_own_tasks_are_indexed_from_their_folder_alone_and_a_harness_task_from_the_whole_index():
+    """The harness's whole index reads every YAML it ships (about 7 s a build, twice a command before): tasks
+    all of --lm-eval-include's are found in that folder alone; one of the harness's among them, in the whole."""
+    from dihal.stages.configs import HarnessConfig
+    from dihal.stages.evaluate_harness import task_manager
+
+    own = task_manager(HarnessConfig(tasks=("dihal_pydoc_mc",), include=str(TASKS)))
+    assert sorted(own.all_tasks) == ["dihal_pydoc_mc", "dihal_pydoc_ppl"]
+    both = task_manager(HarnessConfig(tasks=("dihal_pydoc_mc", "lambada_openai"), include=str(TASKS)))
+    assert {"dihal_pydoc_mc", "dihal_pydoc_ppl", "lambada_openai"} <= set(both.all_tasks)
+    assert len(both.all_tasks) > 1000
+
+
+@pytest.mark.slow
 def test_lm_eval_bad_requests_are_one_line(store_of, monkeypatch):
     store_of()
     unknown = invoke("evaluate", "--bridge", "latest", "--lm-eval", "dihal_pydoc_nope", "--lm-eval-include", str(TASKS))

@@ -318,7 +318,9 @@ def test_the_lm_eval_command_scores_an_export_as_simple_evaluate_does(exported, 
     hybrid = dihal.from_pretrained(out, base_model=moved)
     lm = HFLM(pretrained=hybrid, tokenizer=hybrid.tokenizer, backend="causal", max_length=hybrid.positions)
     here = lm_eval.simple_evaluate(
-        model=lm, tasks=["dihal_pydoc_mc", "dihal_pydoc_ppl"], task_manager=TaskManager(include_path=str(TASKS))
+        model=lm,
+        tasks=["dihal_pydoc_mc", "dihal_pydoc_ppl"],
+        task_manager=TaskManager(include_path=str(TASKS), include_defaults=False),
     )
     for task, metric in (("dihal_pydoc_mc", "acc,none"), ("dihal_pydoc_ppl", "word_perplexity,none")):
         assert written[task][metric] == pytest.approx(here["results"][task][metric], rel=1e-9)
@@ -364,7 +366,7 @@ def test_the_harness_models_take_a_store_id_and_an_exported_folder_through_hf(ex
 
     store, out = exported
     art = store.load("latest", "bridge")
-    manager = TaskManager(include_path=str(TASKS))
+    manager = TaskManager(include_path=str(TASKS), include_defaults=False)
     accuracy = {}
     for name, args in (
         ("dihal", f"bridge={art.id},root={store.root}"),
