@@ -4,12 +4,15 @@ hybrid / original Gen.PPL at temperature 1 over its pooled draws (scripts/hybrid
 arms are compared by Student's two-sample t on the log of that ratio (pooled variance over both arms, n_a + n_b - 2
 degrees of freedom), with the 90% interval of the ratio of the arms' geometric means.
 
-A bridge is its draws joined by commas (the same seeds for every bridge):
+A bridge is its draws joined by commas (the same seeds for every bridge). With --target T and no --b, arm a alone
+is read against T: its geometric mean with the 90% interval over bridges (one-sample t on the log ratio, n_a - 1
+degrees of freedom), shown under T where the interval's upper end is, over T where its lower end is.
 
     H=docs/results/hybrid_study
     python scripts/hybrid_arms.py --a $H/smollm2_full_own_long_256,$H/smollm2_full_own_long_256_seed2 \\
         --b $H/smollm2_more_text3x_256,$H/smollm2_more_text3x_256_seed2 \\
             $H/smollm2_more_text3x_bseed1_256,$H/smollm2_more_text3x_bseed1_256_seed2
+    python scripts/hybrid_arms.py --target 2 --a $H/smollm2_main_steps600_256 $H/smollm2_main_steps600_bseed1_256 ...
 """
 
 from __future__ import annotations
@@ -51,17 +54,42 @@ def between_arms(a: list[float], b: list[float], level: float = 0.90) -> dict:
     }
 
 
+def one_arm(a: list[float], target: float, level: float = 0.90) -> dict:
+    """The arm's geometric-mean ratio with its interval over bridges (one-sample Student's t on the log ratio) and
+    where it stands against target: "under", "over", or "not shown either way"."""
+    if len(a) < 2:
+        raise SystemExit(f"error: {len(a)} bridge; an arm needs two training seeds or more for an interval")
+    la = np.log(a)
+    ci = stats.ttest_1samp(la, math.log(target)).confidence_interval(level)
+    low, high = math.exp(ci.low), math.exp(ci.high)
+    verdict = "under" if high < target else "over" if low > target else "not shown either way"
+    return {"ratio": math.exp(la.mean()), "interval": [low, high], "df": len(a) - 1, "verdict": verdict}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--a", nargs="+", required=True, help="arm a's bridges, each its draws joined by commas")
-    p.add_argument("--b", nargs="+", required=True, help="arm b's bridges, the same draws")
+    p.add_argument("--b", nargs="+", default=None, help="arm b's bridges, the same draws")
+    p.add_argument("--target", type=float, default=None, help="without --b: arm a's ratio against this one")
     a = p.parse_args()
+    if (a.b is None) == (a.target is None):
+        raise SystemExit("error: give --b (two arms) or --target (arm a alone), one of them")
     arms = {}
-    for name, bridges in (("a", a.a), ("b", a.b)):
+    for name, bridges in (("a", a.a), ("b", a.b or [])):
+        if not bridges:
+            continue
         arms[name] = [ratio_at_one([Path(d) for d in bridge.split(",")]) for bridge in bridges]
         each = ", ".join(f"{r:.3f}x" for r in arms[name])
         geo = math.exp(np.log(arms[name]).mean())
         print(f"arm {name}: {len(arms[name])} bridges, hybrid / original at temperature 1: {each}; mean {geo:.3f}x")
+    if a.target is not None:
+        r = one_arm(arms["a"], a.target)
+        print(
+            "arm a: {:.3f}x [{:.3f}, {:.3f}] (90%, over bridges, {} df): {} {:g}x".format(
+                r["ratio"], *r["interval"], r["df"], r["verdict"], a.target
+            )
+        )
+        return
     r = between_arms(arms["a"], arms["b"])
     print(
         "arm b over arm a: {:.3f}x [{:.3f}, {:.3f}] (90%, over bridges), t = {:.2f} on {} df; "

@@ -162,3 +162,22 @@ def test_two_arms_of_bridges_are_compared_over_bridges_not_samples(tmp_path, mon
     assert shown == [False, True]
     with pytest.raises(SystemExit, match="each arm needs two training seeds"):
         arms.between_arms([1.5], [1.4, 1.3])
+
+
+def test_one_arm_of_bridges_is_read_against_a_target_over_bridges(monkeypatch):
+    """scripts/hybrid_arms.py --target: the arm's geometric mean and its 90% interval over bridges, by hand (the mean
+    log ratio +- Student's t quantile x its standard error), and which side of the target the interval shows."""
+    monkeypatch.syspath_prepend(str(Path(__file__).parents[1] / "scripts"))
+    arms = load_script("hybrid_arms")
+    verdicts = []
+    for a in ([2.063, 1.929], [1.93, 1.90, 1.95, 1.92], [1.62, 1.58, 1.60], [2.5, 2.6, 2.55]):
+        la = np.log(a)
+        half = stats.t.ppf(0.95, len(a) - 1) * la.std(ddof=1) / math.sqrt(len(a))
+        r = arms.one_arm(a, 2.0)
+        assert r["ratio"] == pytest.approx(math.exp(la.mean()), rel=1e-12)
+        assert r["interval"] == pytest.approx([math.exp(la.mean() - half), math.exp(la.mean() + half)], rel=1e-9)
+        assert r["df"] == len(a) - 1
+        verdicts.append(r["verdict"])
+    assert verdicts == ["not shown either way", "under", "under", "over"]
+    with pytest.raises(SystemExit, match="an arm needs two training seeds"):
+        arms.one_arm([1.9], 2.0)
