@@ -54,9 +54,13 @@ _build_the_cli_once()
 # loses its place here.
 LONGEST_FIRST = (
     "tests/test_paper_script.py::test_the_paper_script_runs_end_to_end_and_the_same_under_torchrun",
-    "tests/test_paper_scale.py::test_every_stage_under_torchrun_writes_one_artifact_with_one_id",
+    "tests/test_compare.py::test_compare_on_two_ranks_writes_one_process_table_bit_for_bit_and_resumes_under_either",
+    "tests/test_paper_script.py::test_the_estimate_of_the_scores_host_memory_is_within_1_5x_of_its_peak",
     "tests/test_storage.py::test_the_main_job_runs_the_chain_and_ends_with_one_summary",
+    "tests/test_store_faults.py::test_kills_during_training_leave_each_step_once_and_the_last_kill_redoes_nothing",
+    "tests/test_paper_scale.py::test_a_killed_data_parallel_run_resumes_to_the_uninterrupted_weights",
     "tests/test_compare.py::test_compare_end_to_end_writes_curves_controls_budgets_and_the_verdict",
+    "tests/test_paper_scale.py::test_every_stage_under_torchrun_writes_one_artifact_with_one_id",
 )
 
 
