@@ -75,9 +75,7 @@ def main() -> None:
     if (a.b is None) == (a.target is None):
         raise SystemExit("error: give --b (two arms) or --target (arm a alone), one of them")
     arms = {}
-    for name, bridges in (("a", a.a), ("b", a.b or [])):
-        if not bridges:
-            continue
+    for name, bridges in (("a", a.a), ("b", a.b)) if a.b else (("a", a.a),):
         arms[name] = [ratio_at_one([Path(d) for d in bridge.split(",")]) for bridge in bridges]
         each = ", ".join(f"{r:.3f}x" for r in arms[name])
         geo = math.exp(np.log(arms[name]).mean())

@@ -84,7 +84,7 @@ def run(
     for cfg, where the caller has built it already."""
     progress = progress or NullProgress()
     lm_eval = harness()
-    manager = manager or task_manager(cfg)
+    manager = task_manager(cfg) if manager is None else manager
     config = harness_key(cfg)
     parents = {"bridge": bridge_art.id}
 
