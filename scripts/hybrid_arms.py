@@ -2,7 +2,9 @@
 beyond the spread between training seeds? The unit is the bridge, not the sample: each bridge's reading is its
 hybrid / original Gen.PPL at temperature 1 over its pooled draws (scripts/hybrid_pool.py's headline), and the
 arms are compared by Student's two-sample t on the log of that ratio (pooled variance over both arms, n_a + n_b - 2
-degrees of freedom), with the 90% interval of the ratio of the arms' geometric means.
+degrees of freedom), with the 90% interval of the ratio of the arms' geometric means. With --paired, the arms hold
+the same training seeds in the same order (one initialisation and batch order per pair) and are compared by the
+paired t on the per-seed log ratios (n - 1 degrees of freedom).
 
 A bridge is its draws joined by commas (the same seeds for every bridge). With --target T and no --b, arm a alone
 is read against T: its geometric mean with the 90% interval over bridges (one-sample t on the log ratio, n_a - 1
@@ -36,15 +38,20 @@ def ratio_at_one(draws: list[Path]) -> float:
     return at_one(units, hybrids[0], 0)["ratio"]
 
 
-def between_arms(a: list[float], b: list[float], level: float = 0.90) -> dict:
-    """Arm b's geometric-mean ratio over arm a's, with its interval over bridges (Student's t, pooled variance),
-    the t statistic and its degrees of freedom."""
+def between_arms(a: list[float], b: list[float], level: float = 0.90, paired: bool = False) -> dict:
+    """Arm b's geometric-mean ratio over arm a's, with its interval over bridges (Student's t, pooled variance; or,
+    paired, over the seeds' log ratios), the t statistic and its degrees of freedom."""
     if len(a) < 2 or len(b) < 2:
         raise SystemExit(f"error: {len(a)} and {len(b)} bridges; each arm needs two training seeds or more")
+    if paired and len(a) != len(b):
+        raise SystemExit(f"error: {len(a)} and {len(b)} bridges; paired arms hold the same seeds, one bridge each")
     la, lb = np.log(a), np.log(b)
-    test = stats.ttest_ind(lb, la)  # equal variances: the pooled two-sample t
+    test = stats.ttest_rel(lb, la) if paired else stats.ttest_ind(lb, la)  # unpaired: equal variances, pooled
     ci = test.confidence_interval(level)
-    pooled_var = ((len(a) - 1) * la.var(ddof=1) + (len(b) - 1) * lb.var(ddof=1)) / test.df
+    if paired:
+        pooled_var = (lb - la).var(ddof=1) / 2  # one bridge's share of a pair's difference
+    else:
+        pooled_var = ((len(a) - 1) * la.var(ddof=1) + (len(b) - 1) * lb.var(ddof=1)) / test.df
     return {
         "ratio": math.exp(lb.mean() - la.mean()),
         "interval": [math.exp(ci.low), math.exp(ci.high)],
@@ -71,6 +78,7 @@ def main() -> None:
     p.add_argument("--a", nargs="+", required=True, help="arm a's bridges, each its draws joined by commas")
     p.add_argument("--b", nargs="+", default=None, help="arm b's bridges, the same draws")
     p.add_argument("--target", type=float, default=None, help="without --b: arm a's ratio against this one")
+    p.add_argument("--paired", action="store_true", help="--a and --b hold the same training seeds, in order")
     a = p.parse_args()
     if (a.b is None) == (a.target is None):
         raise SystemExit("error: give --b (two arms) or --target (arm a alone), one of them")
@@ -88,11 +96,11 @@ def main() -> None:
             )
         )
         return
-    r = between_arms(arms["a"], arms["b"])
+    r = between_arms(arms["a"], arms["b"], paired=a.paired)
     print(
-        "arm b over arm a: {:.3f}x [{:.3f}, {:.3f}] (90%, over bridges), t = {:.2f} on {} df; "
+        "arm b over arm a: {:.3f}x [{:.3f}, {:.3f}] (90%, over {}), t = {:.2f} on {} df; "
         "one bridge's spread (sd of log, as a factor): {:.3f}x".format(
-            r["ratio"], *r["interval"], r["t"], r["df"], r["spread"]
+            r["ratio"], *r["interval"], "seeds, paired" if a.paired else "bridges", r["t"], r["df"], r["spread"]
         )
     )
 

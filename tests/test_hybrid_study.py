@@ -164,6 +164,25 @@ def test_two_arms_of_bridges_are_compared_over_bridges_not_samples(tmp_path, mon
         arms.between_arms([1.5], [1.4, 1.3])
 
 
+def test_paired_arms_are_compared_over_the_seeds_log_ratios(monkeypatch):
+    """scripts/hybrid_arms.py --paired: the same seeds in both arms; the interval is the mean per-seed log ratio +-
+    Student's t quantile x its standard error (n - 1 df), by hand, and a shared seed effect that hides a lever from
+    the unpaired t does not hide it from the paired one."""
+    monkeypatch.syspath_prepend(str(Path(__file__).parents[1] / "scripts"))
+    arms = load_script("hybrid_arms")
+    a = [2.06, 1.93, 2.35, 2.67]  # seeds that differ a lot between them
+    b = [x * f for x, f in zip(a, [0.90, 0.88, 0.93, 0.91], strict=True)]  # each about 9% lower, the same seeds
+    d = np.log(b) - np.log(a)
+    half = stats.t.ppf(0.95, len(d) - 1) * d.std(ddof=1) / math.sqrt(len(d))
+    r = arms.between_arms(a, b, paired=True)
+    assert r["ratio"] == pytest.approx(math.exp(d.mean()), rel=1e-12)
+    assert r["interval"] == pytest.approx([math.exp(d.mean() - half), math.exp(d.mean() + half)], rel=1e-9)
+    assert r["df"] == len(a) - 1
+    assert r["interval"][1] < 1 < arms.between_arms(a, b)["interval"][1]
+    with pytest.raises(SystemExit, match="paired arms hold the same seeds"):
+        arms.between_arms(a, b[:3], paired=True)
+
+
 def test_one_arm_of_bridges_is_read_against_a_target_over_bridges(monkeypatch):
     """scripts/hybrid_arms.py --target: the arm's geometric mean and its 90% interval over bridges, by hand (the mean
     log ratio +- Student's t quantile x its standard error), and which side of the target the interval shows."""
