@@ -82,6 +82,7 @@ def train_bridge(
     own_seed: int = o.opt(OwnTextConfig, "own_seed", help="--own-text: their seed."),
     prediction: str = o.opt(BridgeConfig, "prediction", help="x0 or velocity."),
     skip_init: str = o.opt(BridgeConfig, "skip_init", help="ridge or zero."),
+    out_init: str = o.opt(BridgeConfig, "out_init", help="The denoiser's output layer: plain or zero (DiT's)."),
     positions: str = o.opt(BridgeConfig, "positions", help="learned (ends at --seq-len) or rotary (runs past it)."),
     states: str = o.opt(
         BridgeConfig, "states", help="h_l read from the extract (store) or computed by the backbone's blocks (model)."
@@ -101,7 +102,8 @@ def train_bridge(
 ) -> None:
     """Train the conditional flow-matching bridge h_0 -> h_layer (METHOD §2)."""
     device, dtype = o.device_and_dtype(device, dtype, dry_run)
-    fixed = dict(layer=layer, prediction=prediction, skip_init=skip_init, positions=positions, states=states)
+    fixed = dict(layer=layer, prediction=prediction, skip_init=skip_init, out_init=out_init, positions=positions)
+    fixed |= dict(states=states)
     fixed |= condition(condition_noise)
     cfg = BridgeConfig.for_run(protocol, recipe, seed=seed, device=device, dtype=dtype, **fixed)
     ecfg = extract_config(o.given(ctx), device, dtype, "none" if states == "model" else f"0,{layer}")

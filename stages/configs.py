@@ -322,6 +322,9 @@ class BridgeConfig(PartRecipe):
     objective: str = "flow"
     prediction: str = "x0"
     skip_init: str = "ridge"  # "ridge": A starts at the least-squares map c -> y; "zero": plain init
+    # the denoiser's output layer f's last linear: "plain" (PyTorch's init, every bridge before issue 66) or "zero"
+    # (DiT's adaLN-Zero zeroes it too: f = 0 and the bridge starts at A c exactly)
+    out_init: str = added("plain")
     condition_noise: float = 0.0  # sigma: sigma_max of c + sigma z; prior: T, the prior's estimates from t <= T
     condition_from: str = added("sigma")  # "sigma" or "prior" (METHOD §5's corrupted conditions)
     # the denoiser's positions: "rotary" (runs past --seq-len; the default by METHOD §2's rule,
@@ -339,6 +342,7 @@ class BridgeConfig(PartRecipe):
         require(self.objective == "flow", "only --objective flow (rectified flow) is implemented")
         check_condition(self)
         one_of(self, "skip_init", ("ridge", "zero"))
+        one_of(self, "out_init", ("plain", "zero"))
         one_of(self, "positions", ("learned", "rotary"))
         require(
             self.positions == "learned" or (self.width // self.heads) % 2 == 0,

@@ -178,6 +178,9 @@ def train(
     )
     torch.manual_seed(cfg.seed)
     net = Denoiser(den_cfg)
+    if cfg.out_init == "zero":  # DiT's zeroed output layer: f = 0, the bridge starts at A c
+        torch.nn.init.zeros_(net.out.weight)
+        torch.nn.init.zeros_(net.out.bias)
     if cfg.skip_init == "ridge":
         ridge_skip(net, task, seed=cfg.seed)
     if rank == 0:

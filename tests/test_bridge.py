@@ -159,6 +159,37 @@ def test_train_bridge_writes_weights_metrics_plot(tiny_bridge_extract):
 
 
 @pytest.mark.slow
+def test_out_init_zero_starts_the_bridge_at_its_skip_and_names_a_new_bridge(tiny_bridge_extract):
+    """--out-init zero (issue 66, DiT's zeroed output layer): after one step at a negligible rate the output layer
+    is still zero to within the step, so the bridge's output is A c whatever x_t; plain keeps PyTorch's init and
+    its id stays the one every bridge before the option had (the option is not hashed at its default)."""
+    import torch
+
+    from dihal.artifacts import files
+
+    base = ["train-bridge", "--layer", "2", "--extract", "latest", *TINY, "--train-steps", "1", "--lr", "1e-9"]
+    store, outs = ArtifactStore(tiny_bridge_extract), {}
+    for init in ("plain", "zero"):
+        res = invoke(*base, "--out-init", init)
+        assert res.exit_code == 0, res.output
+        art = store.resolve("latest", "bridge")
+        outs[init] = (art, files.load_tensors(art.file("weights.safetensors"))["out.weight"])
+    assert outs["plain"][1].abs().max() > 1e-3 and outs["zero"][1].abs().max() < 1e-7
+    assert outs["plain"][0].id != outs["zero"][0].id
+    assert "out_init" not in outs["plain"][0].manifest["config"]
+    assert outs["zero"][0].manifest["config"]["out_init"] == "zero"
+    assert invoke(*base).output.count("cache hit") == 1  # no option: the plain bridge, reused
+    from dihal.stages.parts.bridge import Bridge
+
+    bridge = Bridge.load(outs["zero"][0], weights="final")
+    c, t = torch.randn(2, 15, bridge.net.cfg.dim), torch.tensor([0.2, 0.9])
+    out = bridge.net(torch.randn(2, 15, bridge.net.cfg.dim), t, c)
+    assert torch.allclose(out, bridge.net.skip(c), atol=1e-5)
+    bad = invoke(*base, "--out-init", "xavier")
+    assert bad.exit_code == 2 and "unknown --out-init 'xavier'" in bad.output
+
+
+@pytest.mark.slow
 def test_keep_weights_keeps_the_ema_alone_rounded_and_the_hybrid_reads_it(tiny_bridge_extract):
     """issue 64's disk: --keep-weights ema-bfloat16 trains the same network (every logged loss but the last
     validation equal), keeps the EMA weights alone, the float32 run's rounded to bfloat16 bit for bit, at a
