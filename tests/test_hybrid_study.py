@@ -200,3 +200,29 @@ def test_one_arm_of_bridges_is_read_against_a_target_over_bridges(monkeypatch):
     assert verdicts == ["not shown either way", "under", "under", "over"]
     with pytest.raises(SystemExit, match="an arm needs two training seeds"):
         arms.one_arm([1.9], 2.0)
+
+
+@pytest.mark.parametrize("positions", ["rotary", "learned"])
+def test_the_plateau_probe_holds_attention_to_each_position_and_lets_go(positions):
+    """scripts/plateau_probe.py: under own_position_only a position's output no longer moves when another
+    position's input does (it did before); on leaving, attention is causal again. SkipOnly is A c."""
+    import torch
+
+    from dihal.stages.diffusion.denoiser import Denoiser, DenoiserConfig
+
+    probe = load_script("plateau_probe")
+    torch.manual_seed(0)
+    net = Denoiser(DenoiserConfig(dim=6, width=16, depth=2, heads=2, max_len=8, positions=positions))
+    for blk in net.blocks:  # gates open, so attention matters
+        torch.nn.init.normal_(blk.modulation.weight, std=0.5)
+    x, c, t = torch.randn(1, 5, 6), torch.randn(1, 5, 6), torch.tensor([0.4])
+    moved = x.clone()
+    moved[:, 1] += 3.0
+    with torch.no_grad():
+        before = (net(x, t, c)[:, 4] - net(moved, t, c)[:, 4]).abs().max()
+        with probe.own_position_only():
+            held = (net(x, t, c)[:, 4] - net(moved, t, c)[:, 4]).abs().max()
+        after = (net(x, t, c)[:, 4] - net(moved, t, c)[:, 4]).abs().max()
+        skip = probe.SkipOnly(net)(x, t, c)
+    assert before > 1e-3 and after == before and held < 1e-6
+    assert torch.equal(skip, net.skip(c))
