@@ -102,8 +102,9 @@ def train_bridge(
 ) -> None:
     """Train the conditional flow-matching bridge h_0 -> h_layer (METHOD §2)."""
     device, dtype = o.device_and_dtype(device, dtype, dry_run)
-    fixed = dict(layer=layer, prediction=prediction, skip_init=skip_init, out_init=out_init, positions=positions)
-    fixed |= dict(states=states)
+    fixed = dict(
+        layer=layer, prediction=prediction, skip_init=skip_init, out_init=out_init, positions=positions, states=states
+    )
     fixed |= condition(condition_noise)
     cfg = BridgeConfig.for_run(protocol, recipe, seed=seed, device=device, dtype=dtype, **fixed)
     ecfg = extract_config(o.given(ctx), device, dtype, "none" if states == "model" else f"0,{layer}")
